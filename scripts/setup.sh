@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates .venv and installs memtrain with its test tools. Idempotent: a second run installs nothing new.
+#
+# torch is installed first and explicitly: an unpinned `torch` from PyPI is a multi-GB CUDA build, while
+# the development/CI machines carry a small CPU build of torch 2.13.0 on local disk. Set
+# MEMTRAIN_TORCH_SPEC (e.g. "torch==2.6.0" or "torch") to choose another build on a GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${MEMTRAIN_VENV:-.venv}"
+TORCH_SPEC="${MEMTRAIN_TORCH_SPEC:-torch==2.13.0}"
+EXTRAS="${MEMTRAIN_EXTRAS:-dev}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --quiet --disable-pip-version-check)
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "[setup] installing $TORCH_SPEC"
+  "${PIP[@]}" install "$TORCH_SPEC"
+fi
+stamp="$VENV/.memtrain-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "[setup] installing memtrain[$EXTRAS] (editable)"
+  # The local wheel mirrors print a warning per package they lack; hide only those lines.
+  set +o pipefail
+  "${PIP[@]}" install -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither"
+  status=${PIPESTATUS[0]}
+  set -o pipefail
+  [ "$status" -eq 0 ] || { echo "[setup] pip install failed ($status)" >&2; exit "$status"; }
+  "$VENV/bin/python" -c "import memtrain, torch; print('[setup] memtrain', memtrain.__version__, 'on torch', torch.__version__)"
+  touch "$stamp"
+fi

@@ -1,0 +1,38 @@
+"""Errors meant for users: each message names what to change.
+
+`memtrain.cli` turns every one of these into a message and exit code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class MemtrainError(Exception):
+    """Base for errors caused by the user's input, not by a bug in memtrain."""
+
+
+class RecipeError(MemtrainError):
+    """One or more problems in a recipe; `problems` holds one line per problem, each naming its key."""
+
+    def __init__(self, problems: list[str], source: str = "recipe") -> None:
+        self.problems = list(problems)
+        self.source = source
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        count = len(self.problems)
+        super().__init__(f"{source}: {count} problem{'s' if count != 1 else ''}\n{lines}")
+
+
+class PlanError(MemtrainError):
+    """No plan satisfies the recipe and the memory budget."""
+
+
+class Unsupported(MemtrainError):
+    """A strategy cannot run in this environment (the reason says why and what to change)."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean "x"?)' for the closest choice, or '' when nothing is close."""
+    matches = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f' (did you mean "{matches[0]}"?)' if matches else ""
