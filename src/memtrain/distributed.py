@@ -1,0 +1,78 @@
+"""The process group and the few collectives the loop needs.
+
+torchrun (or `accelerate launch`, or the `deepspeed` launcher) sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT; memtrain reads nothing else from the environment. A plain `python -m
+memtrain train` is one rank with no process group. Every collective has a timeout so a dead peer
+ends the run with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=float(os.environ.get("MEMTRAIN_COLLECTIVE_TIMEOUT_MIN", "10")))
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistEnv:
+    """Join the process group torchrun describes (nccl on CUDA, gloo on CPU), or run as one rank."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum over ranks (a no-op on one rank). Returns a new tensor; `value` is not modified."""
+    out = value.detach().clone()
+    if env.distributed:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def broadcast_object(obj: object, env: DistEnv) -> object:
+    """Rank 0's value on every rank."""
+    if not env.distributed:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def shutdown(env: DistEnv) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,183 @@
+"""The built-in causal-LM trainer over any `transformers` causal-LM config, and block discovery.
+
+Models are always built from a config (inline in the recipe, or a local config.json), never from a
+hub. Config mistakes are caught before anything is built: an unknown `model_type` or an unknown field
+gets a did-you-mean (transformers itself would silently keep a misspelt field and build the default
+size), and the sequence length is checked against the model's maximum.
+
+Block discovery finds the repeated transformer blocks that activation checkpointing and sharding wrap:
+the classes named by `_no_split_modules`, else the largest `ModuleList` of identical module types.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain import data as data_lib
+from memtrain.errors import RecipeError, did_you_mean
+from memtrain.recipe import Recipe
+from memtrain.trainer import Batch, Trainer
+
+
+def config_dict(recipe: Recipe) -> tuple[dict[str, Any], str]:
+    """The raw config mapping and the recipe key it came from."""
+    if recipe.model.config is not None:
+        return dict(recipe.model.config), "model.config"
+    assert recipe.model.config_path is not None
+    path = Path(recipe.model.config_path)
+    if not path.is_file():
+        raise RecipeError([f"model.config_path: file not found: {path}"])
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RecipeError([f"model.config_path: {path} is not valid JSON ({exc.msg}, line {exc.lineno})"]) from None
+    if not isinstance(loaded, dict):
+        raise RecipeError([f"model.config_path: {path} must hold a JSON object"])
+    return loaded, "model.config_path"
+
+
+def build_config(recipe: Recipe) -> Any:
+    """A `transformers.PretrainedConfig` for the recipe's model; `RecipeError` lists every problem."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    raw, key = config_dict(recipe)
+    model_type = raw.pop("model_type", None)
+    raw.pop("architectures", None)
+    raw.pop("transformers_version", None)
+    if not isinstance(model_type, str):
+        raise RecipeError([f"{key}.model_type: required (e.g. llama, gpt2, mistral, qwen2)"])
+    if model_type not in CONFIG_MAPPING:
+        hint = did_you_mean(model_type, CONFIG_MAPPING.keys())
+        raise RecipeError([f"{key}.model_type: unknown transformers model type {model_type!r}{hint}"])
+    default = AutoConfig.for_model(model_type)
+    unknown = [f for f in raw if not hasattr(default, f) and f not in _ALWAYS_ACCEPTED]
+    if unknown:
+        known = [a for a in dir(default) if not a.startswith("_")]
+        raise RecipeError([f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown])
+    try:
+        config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, TypeError) as exc:
+        raise RecipeError([f"{key}: the {model_type} config rejects these values ({exc})"]) from None
+    return config
+
+
+# Fields every transformers config takes even when the default instance lacks the attribute.
+_ALWAYS_ACCEPTED = {"torch_dtype", "dtype", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id"}
+
+
+def max_positions(config: Any) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_model_recipe(recipe: Recipe) -> None:
+    """Checks that need the model config: sequence length and vocabulary size."""
+    config = build_config(recipe)
+    problems = []
+    limit = max_positions(config)
+    if limit is not None and recipe.data.seq_len > limit:
+        problems.append(
+            f"data.seq_len: {recipe.data.seq_len} exceeds the model's maximum of {limit} positions "
+            "(lower data.seq_len or raise the model config's max_position_embeddings / n_positions)"
+        )
+    vocab = getattr(config, "vocab_size", None)
+    data_vocab = _data_vocab_size(recipe)
+    if isinstance(vocab, int) and data_vocab is not None and data_vocab > vocab:
+        problems.append(
+            f"model.config.vocab_size: {vocab} is smaller than the tokenizer's {data_vocab} tokens"
+        )
+    if problems:
+        raise RecipeError(problems)
+
+
+def _data_vocab_size(recipe: Recipe) -> int | None:
+    if recipe.data.source == "synthetic":
+        return recipe.data.synthetic.vocab_size
+    if recipe.data.tokenizer == "byte":
+        return data_lib.ByteTokenizer.vocab_size
+    return data_lib.load_tokenizer(recipe.data).vocab_size
+
+
+def discover_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: `_no_split_modules` classes, else the largest uniform ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if blocks:
+            return blocks
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            if len({type(child) for child in module}) == 1:
+                best = list(module)
+    return best
+
+
+class CausalLMTrainer(Trainer):
+    """Trains a transformers causal LM built from the recipe's config on the recipe's data."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        check_model_recipe(recipe)
+        super().__init__(recipe)
+        self.model_config = build_config(recipe)
+        vocab = int(self.model_config.vocab_size)
+        splits = data_lib.build_splits(recipe.data, vocab, recipe.run.seed)
+        self.train_samples = splits.train
+        self.eval_samples = splits.eval
+        if len(self.train_samples) < recipe.batch.global_size:
+            raise RecipeError(
+                [
+                    f"batch.global_size: {recipe.batch.global_size} exceeds the {len(self.train_samples)} "
+                    "training samples of data (lower it, or use more data / a shorter data.seq_len)"
+                ]
+            )
+        self.sampler = data_lib.StepSampler(len(self.train_samples), recipe.batch.global_size, recipe.run.seed)
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(
+            self.model_config, attn_implementation=self.recipe.model.attn_implementation
+        )
+
+    def step_batch(self, step: int) -> Batch:
+        indices = self.sampler.indices(step)
+        share = self.per_rank_batch_size
+        mine = indices[self.env.rank * share : (self.env.rank + 1) * share]
+        return data_lib.collate([self.train_samples[i] for i in mine], mine)
+
+    def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
+        return [data_lib.trim_padding(mb) for mb in super().split_batch(batch, micro_size)]
+
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=batch["input_ids"]).logits
+        labels = batch["labels"]
+        loss_sum = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=data_lib.IGNORE_INDEX,
+            reduction="sum",
+        )
+        return loss_sum, (labels != data_lib.IGNORE_INDEX).sum()
+
+    def eval_batches(self) -> Iterable[Batch]:
+        """This rank's share of the held-out samples, `train.eval_batches` step batches at most."""
+        share = self.per_rank_batch_size
+        world, rank = self.env.world_size, self.env.rank
+        size = self.recipe.batch.global_size
+        for start in range(0, min(len(self.eval_samples), size * self.recipe.train.eval_batches), size):
+            rows = list(range(start, min(start + size, len(self.eval_samples))))
+            mine = rows[rank::world][:share]
+            if mine:
+                yield data_lib.collate([self.eval_samples[i] for i in mine], mine)

@@ -1,0 +1,88 @@
+"""`Plan`: the frozen set of choices a run trains with, and how a recipe's choices become one.
+
+The recipe may leave choices open (`auto`, or a list of allowed names). Until the memory planner
+(issue 6) predicts and compares candidates, open choices resolve by fixed, documented rules:
+`auto` precision → bf16-mixed where the GPU supports it, else fp32; `auto` sharding → ddp on several
+ranks, else none; a list → its first entry that passes its strategy's check; `auto` micro-batch → the
+whole per-rank step batch (no accumulation). Pinned choices are always honoured or rejected with the
+reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+
+from memtrain.distributed import DistEnv
+from memtrain.errors import RecipeError, Unsupported
+from memtrain.recipe import Recipe
+from memtrain.strategies.precision import Precision
+from memtrain.strategies.sharding import Sharding
+
+
+@dataclass(frozen=True)
+class Plan:
+    precision: str
+    sharding: str
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
+    """Turn the recipe's (possibly open) choices into a concrete plan for this world size."""
+    precision = _choose(
+        "strategies.precision",
+        recipe.strategies.precision,
+        auto=["bf16-mixed", "fp32"] if env.device.type == "cuda" else ["fp32"],
+        check=lambda name: Precision(name).check(env.device),
+    )
+    sharding = _choose(
+        "strategies.sharding",
+        recipe.strategies.sharding,
+        auto=["ddp"] if env.distributed else ["none"],
+        check=lambda name: Sharding(name).check(env),
+    )
+    global_size = recipe.batch.global_size
+    if global_size % env.world_size:
+        raise RecipeError(
+            [f"batch.global_size: {global_size} is not divisible by the world size {env.world_size}"]
+        )
+    per_rank = global_size // env.world_size
+    micro = per_rank if recipe.batch.micro_size == "auto" else recipe.batch.micro_size
+    if per_rank % micro:
+        raise RecipeError(
+            [
+                f"batch.global_size: {global_size} is not divisible by world size x batch.micro_size "
+                f"({env.world_size} x {micro}); change batch.global_size or batch.micro_size"
+            ]
+        )
+    return Plan(
+        precision=precision,
+        sharding=sharding,
+        micro_batch_size=micro,
+        accumulation_steps=per_rank // micro,
+        world_size=env.world_size,
+    )
+
+
+def _choose(key: str, value: str | list[str], auto: list[str], check: object) -> str:
+    candidates = auto if value == "auto" else [value] if isinstance(value, str) else list(value)
+    reasons = []
+    for name in candidates:
+        try:
+            check(name)  # type: ignore[operator]
+            return name
+        except Unsupported as exc:
+            if isinstance(value, str) and value != "auto":
+                raise
+            reasons.append(str(exc))
+    raise Unsupported(f"{key}: none of {candidates} can run here: " + "; ".join(reasons))

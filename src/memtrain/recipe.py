@@ -1,0 +1,299 @@
+"""Typed recipes: YAML in, a validated `Recipe` out, with every mistake reported at once.
+
+Why pydantic v2: it collects *all* field errors in one pass and emits a JSON schema for editors
+(`memtrain schema`). We add what it lacks: dotted paths, did-you-mean for unknown keys and enum values,
+checks that span sections (batch divisibility, sequence length vs the model's maximum), and
+`a.b.c=value` command-line overrides applied to the raw mapping before validation.
+
+Strategy fields take `auto`, one name, or a list of allowed names (the planner chooses among them).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from memtrain.errors import RecipeError, did_you_mean
+
+PrecisionName = Literal["fp32", "bf16-mixed"]
+ShardingName = Literal["none", "ddp"]
+
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+SHARDINGS: tuple[str, ...] = get_args(ShardingName)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    output_dir: str | None = Field(default=None, description="Run directory; default runs/<name>.")
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    config: dict[str, Any] | None = Field(
+        default=None, description="Inline transformers config: model_type plus fields (built from config)."
+    )
+    config_path: str | None = Field(default=None, description="Path to a transformers config.json.")
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class SyntheticData(_Section):
+    num_samples: int = Field(default=4096, gt=0)
+    min_len: int = Field(default=0, ge=0, description="0 means every sample is seq_len+1 tokens.")
+    vocab_size: int | None = Field(default=None, gt=1, description="Default: the model's vocab_size.")
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "text", "jsonl"] = "synthetic"
+    path: str | None = None
+    jsonl_field: str = "text"
+    tokenizer: str = Field(default="byte", description='"byte" or a path to a tokenizers JSON file.')
+    seq_len: int = Field(default=128, gt=0)
+    packing: bool = Field(default=True, description="Fixed-length packing; false = one padded document per row.")
+    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    synthetic: SyntheticData = SyntheticData()
+
+
+class BatchConfig(_Section):
+    global_size: int = Field(default=16, gt=0, description="Sequences per optimizer step over all ranks.")
+    micro_size: int | Literal["auto"] = Field(default="auto", description="Sequences per micro-batch per rank.")
+
+    @field_validator("micro_size")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("must be a positive integer or 'auto'")
+        return value
+
+
+class TrainConfig(_Section):
+    steps: int = Field(default=100, gt=0)
+    lr: float = Field(default=3e-4, gt=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(default=0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    eval_every: int = Field(default=0, ge=0, description="0 disables evaluation.")
+    eval_batches: int = Field(default=4, gt=0)
+    log_every: int = Field(default=1, gt=0)
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(default=0, ge=0, description="Save every N steps (0: only at the end).")
+    keep: int = Field(default=2, gt=0)
+    at_end: bool = True
+
+
+class OutputConfig(_Section):
+    progress: Literal["auto", "on", "off"] = "auto"
+
+
+class StrategiesConfig(_Section):
+    precision: PrecisionName | Literal["auto"] | list[PrecisionName] = "fp32"
+    sharding: ShardingName | Literal["auto"] | list[ShardingName] = "none"
+
+
+class Recipe(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    batch: BatchConfig = BatchConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    output: OutputConfig = OutputConfig()
+    strategies: StrategiesConfig = StrategiesConfig()
+
+    def output_path(self) -> Path:
+        return Path(self.run.output_dir or f"runs/{self.run.name}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def fingerprint(self) -> str:
+        """Hash of the resolved recipe; stored with checkpoints to detect resuming a different run."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file; raise `RecipeError` listing every problem."""
+    source = str(path)
+    raw = read_yaml(Path(path))
+    raw = apply_overrides(raw, overrides or [], source)
+    return recipe_from_dict(raw, source=source)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise RecipeError([f"recipe file not found: {path}"], source=str(path))
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError([f"malformed YAML{where}: {problem}"], source=str(path)) from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise RecipeError([f"the top level must be a mapping of sections, got {type(loaded).__name__}"], str(path))
+    return loaded
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "recipe") -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (values parsed as YAML) to a copy of the raw mapping."""
+    result = copy.deepcopy(raw)
+    problems = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"override {item!r}: expected key.path=value, e.g. train.steps=20")
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        node = result
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                problems.append(f"override {item!r}: {part} is not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise RecipeError(problems, source=source)
+    return result
+
+
+def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
+    """Validate a raw mapping (paths inside it are relative to the working directory, as with torchrun)."""
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(_describe(exc), source=source) from None
+    problems = _cross_checks(recipe)
+    if problems:
+        raise RecipeError(problems, source=source)
+    return recipe
+
+
+def _describe(exc: ValidationError) -> list[str]:
+    """One line per recipe key: dotted path, what is wrong, and a did-you-mean where it helps.
+
+    pydantic reports a union field (e.g. `auto | name | [names]`) once per branch; those are grouped
+    under the field's own path so the user sees one message per key.
+    """
+    grouped: dict[str, list[Any]] = {}
+    for err in exc.errors():
+        path = ".".join(_field_path([str(p) for p in err["loc"]]))
+        grouped.setdefault(path, []).append(err)
+    problems = []
+    for path, errors in grouped.items():
+        loc = path.split(".")
+        first = errors[0]
+        if first["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            hint = did_you_mean(loc[-1], parent.model_fields) if parent else ""
+            problems.append(f"{path}: unknown key{hint}")
+            continue
+        allowed = _allowed_at(loc)
+        bad_words = [e.get("input") for e in errors if e["type"] == "literal_error"]
+        bad_words = [w for w in bad_words if isinstance(w, str) and w not in allowed]
+        if allowed and bad_words:
+            word = bad_words[-1]
+            listed = ", ".join(allowed)
+            if any(e["type"].startswith("int_") for e in errors):
+                listed = "a positive integer, " + listed
+            takes_list = any("list" in str(p) for e in errors for p in e["loc"])
+            suffix = " (or a list of them)" if takes_list else ""
+            problems.append(f"{path}: {word!r} is not one of {listed}{suffix}{did_you_mean(word, allowed)}")
+        else:
+            problems.append(f"{path}: {first['msg']} (got {first.get('input')!r})")
+    return problems
+
+
+def _field_path(loc: list[str]) -> list[str]:
+    """The leading part of a pydantic error location that names recipe keys (drops union branch tags)."""
+    model: type[BaseModel] | None = Recipe
+    path: list[str] = []
+    for part in loc:
+        if model is None:
+            break
+        path.append(part)
+        field = model.model_fields.get(part)
+        if field is None:
+            break
+        annotation = field.annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return path
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _allowed_at(loc: list[str]) -> list[str]:
+    parent = _model_at(loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if parent else None
+    if field is None:
+        return []
+    return _literal_values(field.annotation)
+
+
+def _literal_values(annotation: Any) -> list[str]:
+    values: list[str] = []
+    for arg in get_args(annotation) or ():
+        if isinstance(arg, str):
+            values.append(arg)
+        else:
+            values.extend(v for v in _literal_values(arg) if v not in values)
+    return values
+
+
+def _cross_checks(recipe: Recipe) -> list[str]:
+    """Checks that span sections; the model config is checked in `memtrain.models`."""
+    problems = []
+    if recipe.model.config is None and recipe.model.config_path is None:
+        problems.append("model: give model.config (inline, with model_type) or model.config_path")
+    if recipe.model.config is not None and recipe.model.config_path is not None:
+        problems.append("model: give only one of model.config and model.config_path")
+    if recipe.data.source in ("text", "jsonl") and not recipe.data.path:
+        problems.append(f"data.path: required when data.source is {recipe.data.source!r}")
+    micro = recipe.batch.micro_size
+    if isinstance(micro, int) and micro > recipe.batch.global_size:
+        problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({recipe.batch.global_size})")
+    if recipe.train.warmup_steps > recipe.train.steps:
+        problems.append(f"train.warmup_steps: {recipe.train.warmup_steps} exceeds train.steps")
+    return problems
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON schema for editors (`memtrain schema`)."""
+    schema = Recipe.model_json_schema()
+    schema["title"] = "memtrain recipe"
+    return schema

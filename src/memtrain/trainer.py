@@ -1,0 +1,349 @@
+"""`Trainer`: the one training loop, with small hooks for users to subclass.
+
+The Trainer owns micro-batching. Each step it takes this rank's step batch, splits it into
+micro-batches, counts the loss tokens of the *whole global* step first (one all-reduce), and
+back-propagates `loss_sum * sync_scale / global_tokens` per micro-batch. The gradient therefore equals
+that of the mean loss over every token of the global batch, whatever the micro-batch size, the number
+of ranks or the padding — which is what lets the planner change micro-batching under a run without
+changing its meaning. (Dividing by the number of micro-steps instead would weight a short micro-batch's
+tokens more than a long one's; tests/test_accumulation.py shows that this is detectable.)
+
+Hooks (override in a subclass):
+    build_model()                     -> nn.Module
+    build_optimizer(params)           -> torch.optim.Optimizer   (default: AdamW from `train:`)
+    step_batch(step)                  -> dict of tensors: this rank's share of the step's global batch
+    loss(model, micro_batch)          -> (loss_sum, num_tokens)
+    count_tokens(micro_batch)         -> int                     (default: labels != -100)
+    split_batch(batch, micro_size)    -> list of micro-batches   (default: slices along dim 0)
+    eval_batches()                    -> iterable of batches     (default: none)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from memtrain import checkpoint as ckpt
+from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
+from memtrain.errors import MemtrainError
+from memtrain.metrics import MetricsLog, format_bytes, make_progress
+from memtrain.plan import Plan, resolve_plan
+from memtrain.recipe import Recipe
+from memtrain.schedule import lr_at
+from memtrain.strategies.precision import Precision
+from memtrain.strategies.sharding import Sharding, unwrap
+
+Batch = dict[str, torch.Tensor]
+IGNORE_INDEX = -100
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    plan: Plan
+    losses: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    steps_done: int = 0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """Subclass and override the hooks; call `fit()`."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.env: DistEnv = init_distributed()
+        self.plan: Plan = resolve_plan(recipe, self.env)
+        self.precision = Precision(self.plan.precision)
+        self.sharding = Sharding(self.plan.sharding)
+        self.run_dir = recipe.output_path()
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------------------------ hooks
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError("subclass Trainer and implement build_model()")
+
+    def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        t = self.recipe.train
+        return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+
+    def step_batch(self, step: int) -> Batch:
+        raise NotImplementedError("subclass Trainer and implement step_batch(step)")
+
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int | torch.Tensor]:
+        raise NotImplementedError("subclass Trainer and implement loss(model, batch) -> (loss_sum, num_tokens)")
+
+    def count_tokens(self, batch: Batch) -> int:
+        if "labels" not in batch:
+            raise MemtrainError("count_tokens: the batch has no 'labels'; override Trainer.count_tokens")
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
+        rows = next(iter(batch.values())).shape[0]
+        return [{k: v[i : i + micro_size] for k, v in batch.items()} for i in range(0, rows, micro_size)]
+
+    def eval_batches(self) -> Iterable[Batch]:
+        return []
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        return self.recipe.batch.global_size // self.env.world_size
+
+    def setup(self) -> None:
+        """Build the model and optimizer with every strategy applied, in the one fixed order."""
+        seed_everything(self.recipe.run.seed)
+        self.precision.check(self.env.device)
+        self.sharding.check(self.env)
+        model = self.build_model().to(self.env.device)
+        self.model = self.sharding.apply(model, self.env)
+        self.optimizer = self.build_optimizer(unwrap(self.model).parameters())
+
+    def fit(self, resume: str | Path | bool | None = None) -> FitResult:
+        """Train `train.steps` steps. `resume=True` continues from the run's newest checkpoint, a path
+        from that checkpoint (or the newest under that directory)."""
+        if self.model is None:
+            self.setup()
+        assert self.model is not None and self.optimizer is not None
+        start_step = self._restore(resume) if resume else self._fresh_run_dir()
+        result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start_step)
+        log = MetricsLog(self.run_dir / "metrics.jsonl", start_step if resume else None) if self.env.is_main else None
+        total = self.recipe.train.steps
+        progress = make_progress(self.recipe.output.progress, total, start_step, self.env.is_main)
+        started = time.perf_counter()
+        tokens_seen = 0
+        try:
+            for step in range(start_step, total):
+                row = self.train_step(step)
+                result.losses.append(row["loss"])
+                result.steps_done = step + 1
+                tokens_seen += row["tokens"]
+                if self._due(step, self.recipe.train.eval_every):
+                    row["eval_loss"] = self.evaluate()
+                    result.eval_losses[step + 1] = row["eval_loss"]
+                if log is not None and (self._due(step, self.recipe.train.log_every) or "eval_loss" in row):
+                    log.write(row)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
+                    self.save_checkpoint(step + 1)
+            if self.recipe.checkpoint.at_end and result.steps_done > start_step:
+                self.save_checkpoint(result.steps_done)
+        finally:
+            if progress is not None:
+                progress.close()
+            if log is not None:
+                log.close()
+        result.summary = self._summary(result, start_step, tokens_seen, time.perf_counter() - started)
+        return result
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step over this rank's step batch; returns the metrics row."""
+        assert self.model is not None and self.optimizer is not None
+        t0 = time.perf_counter()
+        if self.env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.env.device)
+        lr = lr_at(step, self.recipe.train.lr, self.recipe.train.steps, self.recipe.train.warmup_steps,
+                   self.recipe.train.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        micro_batches = [self._to_device(mb) for mb in self.split_batch(self.step_batch(step), self.plan.micro_batch_size)]
+        counts = [self.count_tokens(mb) for mb in micro_batches]
+        global_tokens = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
+        scale = self.sharding.grad_sync_scale(self.env) / max(global_tokens, 1)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        self.model.train()
+        for index, micro_batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with self.sharding.no_sync(self.model, last):
+                with self.precision.autocast(self.env.device):
+                    loss_sum, num_tokens = self.loss(self.model, micro_batch)
+                if step == 0:
+                    self._check_token_count(num_tokens, counts[index])
+                (loss_sum * scale).backward()
+            loss_total += loss_sum.detach().double()
+
+        params = [p for p in unwrap(self.model).parameters() if p.grad is not None]
+        clip = self.recipe.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        loss = float(all_reduce_sum(loss_total, self.env)) / max(global_tokens, 1)
+        elapsed = time.perf_counter() - t0
+        return {
+            "step": step + 1,
+            "loss": loss,
+            "lr": lr,
+            "tokens": global_tokens,
+            "tokens_per_s": global_tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed,
+            "grad_norm": float(grad_norm),
+            "micro_batches": len(micro_batches),
+            "peak_memory_bytes": peak_memory_bytes(self.env.device),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-weighted mean loss over `eval_batches()` on every rank, combined over ranks."""
+        assert self.model is not None
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        for batch in self.eval_batches():
+            for micro_batch in self.split_batch(self._to_device(batch), self.plan.micro_batch_size):
+                with self.precision.autocast(self.env.device):
+                    loss_sum, num_tokens = self.loss(unwrap(self.model), micro_batch)
+                totals[0] += loss_sum.double()
+                totals[1] += float(num_tokens)
+        self.model.train()
+        totals = all_reduce_sum(totals, self.env)
+        return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+    # ------------------------------------------------------------------------------------ checkpoints
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Atomically save everything needed to continue exactly after `step` steps."""
+        assert self.model is not None and self.optimizer is not None
+        root = self.checkpoint_root
+        if self.env.is_main:
+            staging = ckpt.begin_save(root, step)
+            ckpt.save_tensor_file(staging / "model.pt", unwrap(self.model).state_dict())
+            ckpt.save_tensor_file(staging / "optimizer.pt", self.optimizer.state_dict())
+        barrier(self.env)
+        ckpt.save_tensor_file(ckpt.staging_dir(root, step) / f"rng_rank{self.env.rank}.pt", ckpt.rng_state())
+        barrier(self.env)
+        final = root / ckpt.step_dir_name(step)
+        if self.env.is_main:
+            meta = {
+                "step": step,
+                "world_size": self.env.world_size,
+                "plan": self.plan.to_dict(),
+                "recipe_fingerprint": self.recipe.fingerprint(),
+                "model_section": self.recipe.to_dict()["model"],
+                "saved_at": time.time(),
+            }
+            final = ckpt.commit_save(root, step, meta, self.recipe.checkpoint.keep)
+        barrier(self.env)
+        return final
+
+    def _restore(self, resume: str | Path | bool) -> int:
+        assert self.model is not None and self.optimizer is not None
+        location = self.checkpoint_root if resume is True else Path(str(resume))
+        found = ckpt.find_checkpoint(location)
+        if found.meta.get("model_section") != self.recipe.to_dict()["model"]:
+            raise ckpt.CheckpointError(
+                f"{found.path / 'meta.json'}: saved for a different model section; resume with the same "
+                "model: settings or start a new run.output_dir"
+            )
+        if found.step > self.recipe.train.steps:
+            raise ckpt.CheckpointError(
+                f"{found.path}: is at step {found.step}, past train.steps={self.recipe.train.steps}"
+            )
+        state = ckpt.load_tensor_file(found.path / "model.pt")
+        try:
+            unwrap(self.model).load_state_dict(state)
+        except RuntimeError as exc:
+            raise ckpt.CheckpointError(f"{found.path / 'model.pt'}: does not fit this model ({exc})") from None
+        self.optimizer.load_state_dict(ckpt.load_tensor_file(found.path / "optimizer.pt"))
+        rng_file = found.path / f"rng_rank{self.env.rank}.pt"
+        ckpt.set_rng_state(ckpt.load_tensor_file(rng_file if rng_file.is_file() else found.path / "rng_rank0.pt"))
+        if self.env.is_main:
+            print(f"[memtrain] resumed from {found.path} at step {found.step}", flush=True)
+        return found.step
+
+    def _fresh_run_dir(self) -> int:
+        existing = ckpt.list_checkpoints(self.checkpoint_root)
+        if existing:
+            raise ckpt.CheckpointError(
+                f"{self.run_dir} already holds checkpoints (newest: step {existing[-1].step}); "
+                "pass --resume to continue it, or set run.output_dir to a new directory"
+            )
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._write_json(self.run_dir / "recipe.json", self.recipe.to_dict())
+            self._write_json(self.run_dir / "plan.json", self.plan.to_dict())
+        barrier(self.env)
+        return 0
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
+
+    @staticmethod
+    def _due(step: int, every: int) -> bool:
+        return every > 0 and (step + 1) % every == 0
+
+    @staticmethod
+    def _check_token_count(reported: int | torch.Tensor, counted: int) -> None:
+        if int(reported) != counted:
+            raise MemtrainError(
+                f"loss() reported {int(reported)} tokens but count_tokens() counted {counted}; "
+                "override Trainer.count_tokens so the two agree (the loss must be a sum over these tokens)"
+            )
+
+    @staticmethod
+    def _write_json(path: Path, data: dict[str, Any]) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        tmp.replace(path)
+
+    def _summary(self, result: FitResult, start: int, tokens: int, seconds: float) -> dict[str, Any]:
+        summary = {
+            "steps": result.steps_done,
+            "steps_this_run": result.steps_done - start,
+            "first_loss": result.losses[0] if result.losses else None,
+            "final_loss": result.losses[-1] if result.losses else None,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "seconds": seconds,
+            "peak_memory_bytes": peak_memory_bytes(self.env.device),
+            "plan": self.plan.to_dict(),
+            "run_dir": str(self.run_dir),
+        }
+        if self.env.is_main:
+            self._write_json(self.run_dir / "summary.json", summary)
+        return summary
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak since the step began. CPU: the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def describe_summary(summary: dict[str, Any]) -> str:
+    first, final = summary["first_loss"], summary["final_loss"]
+    losses = f"loss {first:.4f} -> {final:.4f}" if first is not None else "no step run"
+    return (
+        f"[memtrain] {summary['steps']} steps ({summary['steps_this_run']} this run), {losses}, "
+        f"{summary['tokens_per_s']:.0f} tokens/s, peak {format_bytes(summary['peak_memory_bytes'])}, "
+        f"{summary['seconds']:.1f} s; outputs in {summary['run_dir']}"
+    )
