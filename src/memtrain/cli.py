@@ -25,8 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a recipe (launch with torchrun for several ranks)")
     train.add_argument("recipe", help="path to a recipe YAML file")
     train.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.steps=20")
-    train.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR",
-                       help="continue from the newest checkpoint of the run, or from DIR")
+    train.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR|auto",
+                       help="continue from the run's newest checkpoint, or from DIR; 'auto': resume if the "
+                       "run has a checkpoint, else start fresh (for restarts under torchrun --max-restarts)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (same as output.progress=off)")
 
     validate = commands.add_parser("validate", help="check a recipe and its model config; print the result")
@@ -55,8 +56,12 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(json_schema(), indent=2))
         return 0
     overrides = list(args.overrides)
-    if args.command == "train" and args.no_progress:
-        overrides.append("output.progress=off")
+    if args.command == "train":
+        if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):
+            overrides.insert(0, args.resume)  # `--resume train.steps=20`: the flag took an override
+            args.resume = True
+        if args.no_progress:
+            overrides.append("output.progress=off")
     recipe = load_recipe(args.recipe, overrides)
 
     from memtrain.models import CausalLMTrainer, build_config, check_model_recipe

@@ -57,15 +57,26 @@ def build_config(recipe: Recipe) -> Any:
     if model_type not in CONFIG_MAPPING:
         hint = did_you_mean(model_type, CONFIG_MAPPING.keys())
         raise RecipeError([f"{key}.model_type: unknown transformers model type {model_type!r}{hint}"])
-    default = AutoConfig.for_model(model_type)
-    unknown = [f for f in raw if not hasattr(default, f) and f not in _ALWAYS_ACCEPTED]
-    if unknown:
-        known = [a for a in dir(default) if not a.startswith("_")]
-        raise RecipeError([f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown])
+    vocab = raw.get("vocab_size")
+    if isinstance(vocab, int):
+        # Small-vocabulary configs inherit e.g. GPT-2's token id 50256; memtrain does not use these ids
+        # (labels carry the targets), so out-of-range defaults are dropped rather than warned about.
+        default_ids = AutoConfig.for_model(model_type)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(default_ids, name, None)
+            if name not in raw and isinstance(value, int) and value >= vocab:
+                raw[name] = None
     try:
         config = AutoConfig.for_model(model_type, **raw)
     except (ValueError, TypeError) as exc:
         raise RecipeError([f"{key}: the {model_type} config rejects these values ({exc})"]) from None
+    # transformers keeps a field it does not know as a plain attribute (a misspelt num_hidden_layers
+    # would silently build the default depth); legacy fields it understands (rope_theta) it consumes.
+    default = AutoConfig.for_model(model_type)
+    unknown = [f for f in raw if not hasattr(default, f) and hasattr(config, f) and f not in _ALWAYS_ACCEPTED]
+    if unknown:
+        known = [a for a in dir(default) if not a.startswith("_")]
+        raise RecipeError([f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown])
     return config
 
 

@@ -14,7 +14,6 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
 from memtrain.recipe import Recipe

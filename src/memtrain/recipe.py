@@ -98,6 +98,12 @@ class CheckpointConfig(_Section):
 class OutputConfig(_Section):
     progress: Literal["auto", "on", "off"] = "auto"
 
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: object) -> object:
+        # YAML 1.1 reads a bare on/off as true/false.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class StrategiesConfig(_Section):
     precision: PrecisionName | Literal["auto"] | list[PrecisionName] = "fp32"

@@ -57,6 +57,13 @@ class FitResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepTotals:
+    loss_sum: torch.Tensor  # this rank's summed loss (float64 scalar)
+    global_tokens: int  # loss tokens of the step over all ranks
+    micro_batches: int
+
+
 class Trainer:
     """Subclass and override the hooks; call `fit()`."""
 
@@ -114,10 +121,13 @@ class Trainer:
 
     def fit(self, resume: str | Path | bool | None = None) -> FitResult:
         """Train `train.steps` steps. `resume=True` continues from the run's newest checkpoint, a path
-        from that checkpoint (or the newest under that directory)."""
+        from that checkpoint (or the newest under that directory), "auto" from the newest checkpoint
+        if the run has one (else it starts fresh)."""
         if self.model is None:
             self.setup()
         assert self.model is not None and self.optimizer is not None
+        if resume == "auto":
+            resume = bool(ckpt.list_checkpoints(self.checkpoint_root))
         start_step = self._restore(resume) if resume else self._fresh_run_dir()
         result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start_step)
         log = MetricsLog(self.run_dir / "metrics.jsonl", start_step if resume else None) if self.env.is_main else None
@@ -162,6 +172,31 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
+        totals = self.accumulate_gradients(step)
+        params = [p for p in unwrap(self.model).parameters() if p.grad is not None]
+        clip = self.recipe.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        loss = float(all_reduce_sum(totals.loss_sum, self.env)) / max(totals.global_tokens, 1)
+        elapsed = time.perf_counter() - t0
+        return {
+            "step": step + 1,
+            "loss": loss,
+            "lr": lr,
+            "tokens": totals.global_tokens,
+            "tokens_per_s": totals.global_tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed,
+            "grad_norm": float(grad_norm),
+            "micro_batches": totals.micro_batches,
+            "peak_memory_bytes": peak_memory_bytes(self.env.device),
+        }
+
+    def accumulate_gradients(self, step: int) -> StepTotals:
+        """Forward and backward over every micro-batch of `step`, leaving in `.grad` the gradient of the
+        mean loss over all loss tokens of the global step batch."""
+        assert self.model is not None
         micro_batches = [self._to_device(mb) for mb in self.split_batch(self.step_batch(step), self.plan.micro_batch_size)]
         counts = [self.count_tokens(mb) for mb in micro_batches]
         global_tokens = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
@@ -177,26 +212,7 @@ class Trainer:
                     self._check_token_count(num_tokens, counts[index])
                 (loss_sum * scale).backward()
             loss_total += loss_sum.detach().double()
-
-        params = [p for p in unwrap(self.model).parameters() if p.grad is not None]
-        clip = self.recipe.train.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-        loss = float(all_reduce_sum(loss_total, self.env)) / max(global_tokens, 1)
-        elapsed = time.perf_counter() - t0
-        return {
-            "step": step + 1,
-            "loss": loss,
-            "lr": lr,
-            "tokens": global_tokens,
-            "tokens_per_s": global_tokens / elapsed if elapsed > 0 else 0.0,
-            "step_time_s": elapsed,
-            "grad_norm": float(grad_norm),
-            "micro_batches": len(micro_batches),
-            "peak_memory_bytes": peak_memory_bytes(self.env.device),
-        }
+        return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
 
     @torch.no_grad()
     def evaluate(self) -> float:

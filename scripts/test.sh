@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install what memtrain needs (scripts/setup.sh) and run the whole test suite. Extra arguments go to
+# pytest (e.g. `-m "not slow"` for a quick pass). Pytest's exit code 5 (no test collected) is a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit $?
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+.venv/bin/python -m pytest -q "$@"
+status=$?
+if [ "$status" -eq 5 ]; then
+  echo "[test] pytest collected no test: failing the run" >&2
+  exit 1
+fi
+exit "$status"
