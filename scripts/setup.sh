@@ -18,17 +18,22 @@ fi
 PIP=("$VENV/bin/python" -m pip --quiet --disable-pip-version-check)
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC"
-  "${PIP[@]}" install "$TORCH_SPEC"
+  "${PIP[@]}" install "$TORCH_SPEC" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VENV/bin/python" -c "import torch" || { echo "[setup] installing $TORCH_SPEC failed" >&2; exit 1; }
 fi
 stamp="$VENV/.memtrain-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[setup] installing memtrain[$EXTRAS] (editable)"
-  # The local wheel mirrors print a warning per package they lack; hide only those lines.
-  set +o pipefail
-  "${PIP[@]}" install -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither"
-  status=${PIPESTATUS[0]}
-  set -o pipefail
-  [ "$status" -eq 0 ] || { echo "[setup] pip install failed ($status)" >&2; exit "$status"; }
+  # The local wheel mirrors print a warning per package they lack; show pip's output without those.
+  log="$(mktemp)"
+  if ! "${PIP[@]}" install -e ".[$EXTRAS]" >"$log" 2>&1; then
+    grep -v "is ignored: it is neither" "$log" >&2 || true
+    echo "[setup] pip install failed; see the messages above" >&2
+    rm -f "$log"
+    exit 1
+  fi
+  grep -v "is ignored: it is neither" "$log" || true
+  rm -f "$log"
   "$VENV/bin/python" -c "import memtrain, torch; print('[setup] memtrain', memtrain.__version__, 'on torch', torch.__version__)"
   touch "$stamp"
 fi
