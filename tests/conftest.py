@@ -1,49 +1,8 @@
-"""Shared fixtures: tiny recipes that train in seconds on the CPU, and a clean single-rank environment."""
+"""Every test in this process is one rank, whatever the shell that started pytest says."""
 
 from __future__ import annotations
 
-import copy
-import os
-from pathlib import Path
-from typing import Any
-
 import pytest
-
-from memtrain.recipe import Recipe, recipe_from_dict
-
-REPO = Path(__file__).resolve().parent.parent
-
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-}
-
-
-def tiny_recipe_dict(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
-    """A tiny llama on variable-length synthetic data; `sections` are merged over the defaults."""
-    raw: dict[str, Any] = {
-        "run": {"name": "tiny", "output_dir": str(tmp_path / "run"), "seed": 3},
-        "model": {"config": copy.deepcopy(TINY_LLAMA)},
-        "data": {"source": "synthetic", "seq_len": 16, "synthetic": {"num_samples": 256, "min_len": 4}},
-        "batch": {"global_size": 8, "micro_size": 8},
-        "train": {"steps": 4, "lr": 1e-2, "warmup_steps": 0, "eval_every": 0},
-        "checkpoint": {"every": 0, "keep": 3, "at_end": False},
-        "output": {"progress": "off"},
-        "strategies": {"precision": "fp32", "sharding": "none"},
-    }
-    for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
-    return raw
-
-
-def tiny_recipe(tmp_path: Path, **sections: dict[str, Any]) -> Recipe:
-    return recipe_from_dict(tiny_recipe_dict(tmp_path, **sections))
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +10,3 @@ def single_rank_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests in this process are one rank, whatever the shell that started pytest says."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-
-
-def subprocess_env() -> dict[str, str]:
-    """Environment for child processes: the repo's sources first, one thread per process."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env

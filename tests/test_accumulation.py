@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from memtrain.models import CausalLMTrainer
 
-from conftest import tiny_recipe
+from helpers import tiny_recipe
 
 TOL = 1e-6
 

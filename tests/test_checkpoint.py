@@ -11,7 +11,7 @@ import torch
 from memtrain import checkpoint as ckpt
 from memtrain.models import CausalLMTrainer
 
-from conftest import tiny_recipe
+from helpers import tiny_recipe
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ import pytest
 from memtrain.cli import main
 from memtrain.metrics import read_metrics
 
-from conftest import REPO, subprocess_env
+from helpers import REPO, subprocess_env
 
 
 def _memtrain(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:

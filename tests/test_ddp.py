@@ -15,7 +15,7 @@ import torch
 
 from memtrain.metrics import read_metrics
 
-from conftest import REPO, subprocess_env
+from helpers import REPO, subprocess_env
 
 RECIPE = "recipes/tests/tiny-ddp.yaml"
 

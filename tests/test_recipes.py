@@ -10,7 +10,7 @@ from memtrain.errors import RecipeError
 from memtrain.models import check_model_recipe
 from memtrain.recipe import apply_overrides, json_schema, load_recipe, recipe_from_dict
 
-from conftest import REPO, TINY_LLAMA, tiny_recipe_dict
+from helpers import REPO, TINY_LLAMA, tiny_recipe_dict
 
 ALL_RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 

@@ -15,7 +15,7 @@ from memtrain.checkpoint import CheckpointError
 from memtrain.metrics import read_metrics
 from memtrain.models import CausalLMTrainer
 
-from conftest import TINY_LLAMA, tiny_recipe
+from helpers import TINY_LLAMA, tiny_recipe
 
 SECTIONS = {
     "model": {"config": {**TINY_LLAMA, "attention_dropout": 0.1}},

@@ -1,12 +1,9 @@
-"""The built-in causal-LM trainer over any `transformers` causal-LM config, and block discovery.
+"""The built-in causal-LM trainer over any `transformers` causal-LM config.
 
 Models are always built from a config (inline in the recipe, or a local config.json), never from a
 hub. Config mistakes are caught before anything is built: an unknown `model_type` or an unknown field
 gets a did-you-mean (transformers itself would silently keep a misspelt field and build the default
 size), and the sequence length is checked against the model's maximum.
-
-Block discovery finds the repeated transformer blocks that activation checkpointing and sharding wrap:
-the classes named by `_no_split_modules`, else the largest `ModuleList` of identical module types.
 """
 
 from __future__ import annotations
@@ -120,21 +117,6 @@ def _data_vocab_size(recipe: Recipe) -> int | None:
     return data_lib.load_tokenizer(recipe.data).vocab_size
 
 
-def discover_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: `_no_split_modules` classes, else the largest uniform ModuleList."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    if names:
-        blocks = [m for m in model.modules() if type(m).__name__ in names]
-        if blocks:
-            return blocks
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            if len({type(child) for child in module}) == 1:
-                best = list(module)
-    return best
-
-
 class CausalLMTrainer(Trainer):
     """Trains a transformers causal LM built from the recipe's config on the recipe's data."""
 
@@ -192,3 +174,4 @@ class CausalLMTrainer(Trainer):
             mine = rows[rank::world][:share]
             if mine:
                 yield data_lib.collate([self.eval_samples[i] for i in mine], mine)
+from memtrain.blocks import discover_blocks  # noqa: F401  (re-exported; moved to memtrain.blocks)

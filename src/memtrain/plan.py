@@ -42,7 +42,7 @@ def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
         "strategies.precision",
         recipe.strategies.precision,
         auto=["bf16-mixed", "fp32"] if env.device.type == "cuda" else ["fp32"],
-        check=lambda name: Precision(name).check(env.device),
+        check=lambda name: Precision(name, fp8_emulate=recipe.strategies.fp8_emulate).check(env.device),
     )
     sharding = _choose(
         "strategies.sharding",

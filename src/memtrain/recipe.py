@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from memtrain.errors import RecipeError, did_you_mean
 
-PrecisionName = Literal["fp32", "bf16-mixed"]
+PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-mixed", "fp8"]
 ShardingName = Literal["none", "ddp"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
@@ -108,6 +108,7 @@ class OutputConfig(_Section):
 class StrategiesConfig(_Section):
     precision: PrecisionName | Literal["auto"] | list[PrecisionName] = "fp32"
     sharding: ShardingName | Literal["auto"] | list[ShardingName] = "none"
+    fp8_emulate: bool = Field(default=False, description="fp8 through torchao's emulation (CPU, debugging).")
 
 
 class Recipe(_Section):

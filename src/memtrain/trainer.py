@@ -34,12 +34,14 @@ import torch
 from torch import nn
 
 from memtrain import checkpoint as ckpt
+from memtrain.blocks import discover_blocks
 from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
 from memtrain.errors import MemtrainError
 from memtrain.metrics import MetricsLog, format_bytes, make_progress
 from memtrain.plan import Plan, resolve_plan
 from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
+from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.sharding import Sharding, unwrap
 
@@ -71,11 +73,13 @@ class Trainer:
         self.recipe = recipe
         self.env: DistEnv = init_distributed()
         self.plan: Plan = resolve_plan(recipe, self.env)
-        self.precision = Precision(self.plan.precision)
+        self.precision = Precision(self.plan.precision, fp8_emulate=recipe.strategies.fp8_emulate)
         self.sharding = Sharding(self.plan.sharding)
         self.run_dir = recipe.output_path()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self.skipped_steps = 0
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -110,14 +114,22 @@ class Trainer:
     def per_rank_batch_size(self) -> int:
         return self.recipe.batch.global_size // self.env.world_size
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The repeated transformer blocks that strategies wrap (override for unusual layouts)."""
+        return discover_blocks(model)
+
     def setup(self) -> None:
-        """Build the model and optimizer with every strategy applied, in the one fixed order."""
+        """Build the model and optimizer with every strategy applied, in the one fixed order:
+        precision module swaps (fp8) -> low-precision cast -> device -> sharding -> optimizer."""
         seed_everything(self.recipe.run.seed)
         self.precision.check(self.env.device)
         self.sharding.check(self.env)
-        model = self.build_model().to(self.env.device)
+        model = self.build_model()
+        self.precision.swap_modules(model, self.blocks(model))
+        model = self.precision.cast_model(model).to(self.env.device)
         self.model = self.sharding.apply(model, self.env)
-        self.optimizer = self.build_optimizer(unwrap(self.model).parameters())
+        self.optimizer = self.precision.build_optimizer(unwrap(self.model), self.build_optimizer)
+        self.scaler = self.precision.grad_scaler(self.env.device)
 
     def fit(self, resume: str | Path | bool | None = None) -> FitResult:
         """Train `train.steps` steps. `resume=True` continues from the run's newest checkpoint, a path
@@ -173,12 +185,7 @@ class Trainer:
             group["lr"] = lr
 
         totals = self.accumulate_gradients(step)
-        params = [p for p in unwrap(self.model).parameters() if p.grad is not None]
-        clip = self.recipe.train.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
+        grad_norm, skipped = self.optimizer_step()
         loss = float(all_reduce_sum(totals.loss_sum, self.env)) / max(totals.global_tokens, 1)
         elapsed = time.perf_counter() - t0
         return {
@@ -188,10 +195,33 @@ class Trainer:
             "tokens": totals.global_tokens,
             "tokens_per_s": totals.global_tokens / elapsed if elapsed > 0 else 0.0,
             "step_time_s": elapsed,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
+            "skipped": skipped,
             "micro_batches": totals.micro_batches,
             "peak_memory_bytes": peak_memory_bytes(self.env.device),
         }
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip and step; a step whose gradients are not finite is skipped (fp16's GradScaler also
+        lowers its scale) and counted. Returns (gradient norm before clipping, skipped)."""
+        assert self.model is not None and self.optimizer is not None
+        if isinstance(self.optimizer, MasterWeightOptimizer):
+            params = self.optimizer.gradients_to_master()
+        else:
+            params = [p for p in unwrap(self.model).parameters() if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        clip = self.recipe.train.grad_clip
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf))
+        skipped = not math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips by itself when it found inf/nan while unscaling
+            self.scaler.update()
+        elif not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += int(skipped)
+        return norm, skipped
 
     def accumulate_gradients(self, step: int) -> StepTotals:
         """Forward and backward over every micro-batch of `step`, leaving in `.grad` the gradient of the
@@ -210,7 +240,8 @@ class Trainer:
                     loss_sum, num_tokens = self.loss(self.model, micro_batch)
                 if step == 0:
                     self._check_token_count(num_tokens, counts[index])
-                (loss_sum * scale).backward()
+                scaled = loss_sum * scale
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_total += loss_sum.detach().double()
         return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
 
@@ -244,6 +275,8 @@ class Trainer:
             staging = ckpt.begin_save(root, step)
             ckpt.save_tensor_file(staging / "model.pt", unwrap(self.model).state_dict())
             ckpt.save_tensor_file(staging / "optimizer.pt", self.optimizer.state_dict())
+            if self.scaler is not None:
+                ckpt.save_tensor_file(staging / "grad_scaler.pt", self.scaler.state_dict())
         barrier(self.env)
         ckpt.save_tensor_file(ckpt.staging_dir(root, step) / f"rng_rank{self.env.rank}.pt", ckpt.rng_state())
         barrier(self.env)
@@ -254,6 +287,7 @@ class Trainer:
                 "world_size": self.env.world_size,
                 "plan": self.plan.to_dict(),
                 "recipe_fingerprint": self.recipe.fingerprint(),
+                "skipped_steps": self.skipped_steps,
                 "model_section": self.recipe.to_dict()["model"],
                 "saved_at": time.time(),
             }
@@ -280,8 +314,11 @@ class Trainer:
         except RuntimeError as exc:
             raise ckpt.CheckpointError(f"{found.path / 'model.pt'}: does not fit this model ({exc})") from None
         self.optimizer.load_state_dict(ckpt.load_tensor_file(found.path / "optimizer.pt"))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(ckpt.load_tensor_file(found.path / "grad_scaler.pt"))
         rng_file = found.path / f"rng_rank{self.env.rank}.pt"
         ckpt.set_rng_state(ckpt.load_tensor_file(rng_file if rng_file.is_file() else found.path / "rng_rank0.pt"))
+        self.skipped_steps = int(found.meta.get("skipped_steps", 0))
         if self.env.is_main:
             print(f"[memtrain] resumed from {found.path} at step {found.step}", flush=True)
         return found.step
@@ -332,6 +369,7 @@ class Trainer:
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "seconds": seconds,
             "peak_memory_bytes": peak_memory_bytes(self.env.device),
+            "skipped_steps": self.skipped_steps,
             "plan": self.plan.to_dict(),
             "run_dir": str(self.run_dir),
         }

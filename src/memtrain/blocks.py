@@ -1,0 +1,25 @@
+"""Block discovery: the repeated transformer blocks that activation checkpointing, fp8 and sharding wrap.
+
+The classes named by a transformers model's `_no_split_modules`, else the largest `ModuleList` whose
+children all share one type (what a hand-written transformer usually has). Users with other layouts
+override `Trainer.blocks(model)`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def discover_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: `_no_split_modules` classes, else the largest uniform ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if blocks:
+            return blocks
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            if len({type(child) for child in module}) == 1:
+                best = list(module)
+    return best
