@@ -18,7 +18,7 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
 from memtrain.recipe import Recipe
 from memtrain.strategies.precision import Precision
-from memtrain.strategies.sharding import Sharding
+from memtrain.strategies.sharding import make_sharding
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
         "strategies.sharding",
         recipe.strategies.sharding,
         auto=["ddp"] if env.distributed else ["none"],
-        check=lambda name: Sharding(name).check(env),
+        check=lambda name: make_sharding(name).check(env),
     )
     global_size = recipe.batch.global_size
     if global_size % env.world_size:

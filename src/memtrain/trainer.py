@@ -43,7 +43,7 @@ from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.precision import Precision
-from memtrain.strategies.sharding import Sharding, unwrap
+from memtrain.strategies.sharding import make_sharding
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
@@ -74,7 +74,7 @@ class Trainer:
         self.env: DistEnv = init_distributed()
         self.plan: Plan = resolve_plan(recipe, self.env)
         self.precision = Precision(self.plan.precision, fp8_emulate=recipe.strategies.fp8_emulate)
-        self.sharding = Sharding(self.plan.sharding)
+        self.sharding = make_sharding(self.plan.sharding)
         self.run_dir = recipe.output_path()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -125,10 +125,12 @@ class Trainer:
         self.precision.check(self.env.device)
         self.sharding.check(self.env)
         model = self.build_model()
-        self.precision.swap_modules(model, self.blocks(model))
+        blocks = self.blocks(model)
+        self.precision.swap_modules(model, blocks)
         model = self.precision.cast_model(model).to(self.env.device)
-        self.model = self.sharding.apply(model, self.env)
-        self.optimizer = self.precision.build_optimizer(unwrap(self.model), self.build_optimizer)
+        self.model, self.optimizer = self.sharding.prepare(
+            model, blocks, self.env, lambda m: self.precision.build_optimizer(m, self.build_optimizer)
+        )
         self.scaler = self.precision.grad_scaler(self.env.device)
 
     def fit(self, resume: str | Path | bool | None = None) -> FitResult:
@@ -208,7 +210,7 @@ class Trainer:
         if isinstance(self.optimizer, MasterWeightOptimizer):
             params = self.optimizer.gradients_to_master()
         else:
-            params = [p for p in unwrap(self.model).parameters() if p.grad is not None]
+            params = [p for p in self.sharding.unwrap(self.model).parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.recipe.train.grad_clip
@@ -235,7 +237,7 @@ class Trainer:
         self.model.train()
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            with self.sharding.no_sync(self.model, last):
+            with self.sharding.micro_step(self.model, last):
                 with self.precision.autocast(self.env.device):
                     loss_sum, num_tokens = self.loss(self.model, micro_batch)
                 if step == 0:
@@ -254,7 +256,7 @@ class Trainer:
         for batch in self.eval_batches():
             for micro_batch in self.split_batch(self._to_device(batch), self.plan.micro_batch_size):
                 with self.precision.autocast(self.env.device):
-                    loss_sum, num_tokens = self.loss(unwrap(self.model), micro_batch)
+                    loss_sum, num_tokens = self.loss(self.sharding.unwrap(self.model), micro_batch)
                 totals[0] += loss_sum.double()
                 totals[1] += float(num_tokens)
         self.model.train()
@@ -271,14 +273,14 @@ class Trainer:
         """Atomically save everything needed to continue exactly after `step` steps."""
         assert self.model is not None and self.optimizer is not None
         root = self.checkpoint_root
+        staging = ckpt.staging_dir(root, step)
         if self.env.is_main:
-            staging = ckpt.begin_save(root, step)
-            ckpt.save_tensor_file(staging / "model.pt", unwrap(self.model).state_dict())
-            ckpt.save_tensor_file(staging / "optimizer.pt", self.optimizer.state_dict())
-            if self.scaler is not None:
-                ckpt.save_tensor_file(staging / "grad_scaler.pt", self.scaler.state_dict())
+            ckpt.begin_save(root, step)
         barrier(self.env)
-        ckpt.save_tensor_file(ckpt.staging_dir(root, step) / f"rng_rank{self.env.rank}.pt", ckpt.rng_state())
+        self.sharding.save(staging, self.model, self.optimizer, self.env)
+        if self.env.is_main and self.scaler is not None:
+            ckpt.save_tensor_file(staging / "grad_scaler.pt", self.scaler.state_dict())
+        ckpt.save_tensor_file(staging / f"rng_rank{self.env.rank}.pt", ckpt.rng_state())
         barrier(self.env)
         final = root / ckpt.step_dir_name(step)
         if self.env.is_main:
@@ -308,12 +310,7 @@ class Trainer:
             raise ckpt.CheckpointError(
                 f"{found.path}: is at step {found.step}, past train.steps={self.recipe.train.steps}"
             )
-        state = ckpt.load_tensor_file(found.path / "model.pt")
-        try:
-            unwrap(self.model).load_state_dict(state)
-        except RuntimeError as exc:
-            raise ckpt.CheckpointError(f"{found.path / 'model.pt'}: does not fit this model ({exc})") from None
-        self.optimizer.load_state_dict(ckpt.load_tensor_file(found.path / "optimizer.pt"))
+        self.sharding.load(found.path, self.model, self.optimizer, self.env)
         if self.scaler is not None:
             self.scaler.load_state_dict(ckpt.load_tensor_file(found.path / "grad_scaler.pt"))
         rng_file = found.path / f"rng_rank{self.env.rank}.pt"
