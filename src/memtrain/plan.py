@@ -2,7 +2,8 @@
 
 The recipe may leave choices open (`auto`, or a list of allowed names). Until the memory planner
 (issue 6) predicts and compares candidates, open choices resolve by fixed, documented rules:
-`auto` precision → bf16-mixed where the GPU supports it, else fp32; `auto` sharding → ddp on several
+`auto` precision → bf16-mixed where the GPU supports it, else fp32; `auto` optimizer states → fp32;
+`auto` sharding → ddp on several
 ranks, else none; a list → its first entry that passes its strategy's check; `auto` micro-batch → the
 whole per-rank step batch (no accumulation). Pinned choices are always honoured or rejected with the
 reason.
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
 from memtrain.recipe import Recipe
+from memtrain.strategies.optimizer import OptimizerStates
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.sharding import make_sharding
 
@@ -24,6 +26,7 @@ from memtrain.strategies.sharding import make_sharding
 @dataclass(frozen=True)
 class Plan:
     precision: str
+    optimizer_states: str
     sharding: str
     micro_batch_size: int
     accumulation_steps: int
@@ -43,6 +46,12 @@ def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
         recipe.strategies.precision,
         auto=["bf16-mixed", "fp32"] if env.device.type == "cuda" else ["fp32"],
         check=lambda name: Precision(name, fp8_emulate=recipe.strategies.fp8_emulate).check(env.device),
+    )
+    optimizer_states = _choose(
+        "strategies.optimizer_states",
+        recipe.strategies.optimizer_states,
+        auto=["fp32"],
+        check=lambda name: OptimizerStates(name).check(env.device),
     )
     sharding = _choose(
         "strategies.sharding",
@@ -66,6 +75,7 @@ def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
         )
     return Plan(
         precision=precision,
+        optimizer_states=optimizer_states,
         sharding=sharding,
         micro_batch_size=micro,
         accumulation_steps=per_rank // micro,

@@ -23,6 +23,7 @@ from memtrain.errors import RecipeError, did_you_mean
 
 PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-mixed", "fp8"]
 ShardingName = Literal["none", "ddp"]
+OptimizerStatesName = Literal["fp32", "bf16", "8bit", "paged-8bit"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 SHARDINGS: tuple[str, ...] = get_args(ShardingName)
@@ -108,6 +109,7 @@ class OutputConfig(_Section):
 class StrategiesConfig(_Section):
     precision: PrecisionName | Literal["auto"] | list[PrecisionName] = "fp32"
     sharding: ShardingName | Literal["auto"] | list[ShardingName] = "none"
+    optimizer_states: OptimizerStatesName | Literal["auto"] | list[OptimizerStatesName] = "fp32"
     fp8_emulate: bool = Field(default=False, description="fp8 through torchao's emulation (CPU, debugging).")
 
 

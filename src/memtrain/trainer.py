@@ -42,6 +42,7 @@ from memtrain.plan import Plan, resolve_plan
 from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
 from memtrain.strategies.master_weights import MasterWeightOptimizer
+from memtrain.strategies.optimizer import OptimizerStates
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.sharding import make_sharding
 
@@ -87,8 +88,11 @@ class Trainer:
         raise NotImplementedError("subclass Trainer and implement build_model()")
 
     def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """AdamW with `train:` settings, its states stored as the plan's `optimizer_states` says."""
         t = self.recipe.train
-        return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+        return OptimizerStates(self.plan.optimizer_states).build(
+            params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+        )
 
     def step_batch(self, step: int) -> Batch:
         raise NotImplementedError("subclass Trainer and implement step_batch(step)")
@@ -123,6 +127,7 @@ class Trainer:
         precision module swaps (fp8) -> low-precision cast -> device -> sharding -> optimizer."""
         seed_everything(self.recipe.run.seed)
         self.precision.check(self.env.device)
+        OptimizerStates(self.plan.optimizer_states).check(self.env.device)
         self.sharding.check(self.env)
         model = self.build_model()
         blocks = self.blocks(model)

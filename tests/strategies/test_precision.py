@@ -120,3 +120,14 @@ def test_pinned_fp8_on_cpu_stops_with_reason(tmp_path: Path) -> None:
 def test_precision_list_skips_what_cannot_run(tmp_path: Path) -> None:
     trainer = CausalLMTrainer(tiny_recipe(tmp_path, strategies={"precision": ["fp8", "bf16-mixed"]}))
     assert trainer.plan.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize("states", ["bf16", "8bit"])
+def test_recipe_optimizer_states_reach_the_optimizer(tmp_path: Path, states: str) -> None:
+    trainer = CausalLMTrainer(tiny_recipe(tmp_path, train={"steps": 3}, strategies={"optimizer_states": states}))
+    trainer.setup()
+    expected = {"bf16": "BF16StateAdamW", "8bit": "AdamW8bit"}[states]
+    assert type(trainer.optimizer).__name__ == expected
+    assert trainer.plan.optimizer_states == states
+    losses = trainer.fit().losses
+    assert len(losses) == 3 and all(loss == loss for loss in losses)

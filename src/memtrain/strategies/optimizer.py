@@ -1,0 +1,131 @@
+"""Where the AdamW moments live, and how many bytes they cost: the optimizer-state strategy.
+
+The two Adam moments are the largest model state in fp32 training (8 of 16 bytes per parameter), and
+the cheapest to shrink without touching the forward pass. Names:
+
+- `fp32`: `torch.optim.AdamW` with its defaults, exactly what the trainer builds without a plan. Its
+  moments follow the parameter dtype (fp32 parameters: 4 + 4 bytes; bf16 parameters: 2 + 2), plus a
+  0-dim float32 `step` tensor per parameter tensor (on the CPU unless fused/capturable).
+- `bf16`: `BF16StateAdamW` (lowbit_adamw.py): torch's update rule in fp32, moments stored in bf16
+  with stochastic rounding, whatever the parameter dtype; `step` is a Python int.
+- `8bit`: bitsandbytes `AdamW8bit`: blockwise-quantised uint8 moments (1 + 1 bytes) plus one fp32
+  absmax per 256 elements per moment; tensors under `BNB_MIN_8BIT_SIZE` elements keep fp32 moments
+  whatever the parameter dtype; the two 256-entry fp32 quantisation maps are shared by all tensors.
+- `paged-8bit`: the same in CUDA unified memory (`PagedAdamW8bit`), so the driver can evict states to
+  host RAM under pressure instead of failing. Same bytes as `8bit` (an upper bound for what is
+  resident; the states do not show in torch's allocator statistics).
+
+`estimate` is the arithmetic the planner uses (checked to the byte by the tests against
+`measured_state_bytes` after a real step); the bitsandbytes constants below were read from
+bitsandbytes/optim/optimizer.py (`Optimizer2State.init_state`, 0.50).
+
+bitsandbytes state dicts load with `torch.load(weights_only=True)` as they are (tensors, ints, floats,
+None, tuples), so checkpoints need no conversion.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch.optim.optimizer import ParamsT
+
+from memtrain.errors import Unsupported, did_you_mean
+from memtrain.footprint import Footprint, ModelShape
+from memtrain.strategies.lowbit_adamw import BF16StateAdamW, local_tensor
+
+OPTIMIZER_STATE_NAMES = ("fp32", "bf16", "8bit", "paged-8bit")
+
+BNB_MIN_8BIT_SIZE = 4096  # tensors with fewer elements keep fp32 states (passed to bitsandbytes by `build`)
+BNB_BLOCK_SIZE = 256  # elements per fp32 absmax, hard-coded in bitsandbytes' init_state
+BNB_QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned dynamic maps, 256 fp32 entries each
+STEP_TENSOR_BYTES = 4  # torch AdamW's per-parameter 0-dim float32 `step`
+
+
+@dataclass(frozen=True)
+class OptimizerStates:
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_STATE_NAMES:
+            raise ValueError(
+                f"strategies.optimizer_states: unknown name {self.name!r}{did_you_mean(self.name, OPTIMIZER_STATE_NAMES)}; "
+                f"choose one of {', '.join(OPTIMIZER_STATE_NAMES)}"
+            )
+
+    def check(self, device: torch.device) -> None:
+        if self.name in ("8bit", "paged-8bit"):
+            _bitsandbytes(self.name)
+        if self.name == "paged-8bit" and device.type != "cuda":
+            raise Unsupported(
+                f"strategies.optimizer_states: paged-8bit needs CUDA (found device {device.type}); "
+                "use 8bit or fp32 (strategies.optimizer_states)"
+            )
+
+    def build(
+        self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> torch.optim.Optimizer:
+        if self.name == "fp32":
+            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if self.name == "bf16":
+            return BF16StateAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        optim = _bitsandbytes(self.name).optim
+        cls = optim.PagedAdamW8bit if self.name == "paged-8bit" else optim.AdamW8bit
+        return cls(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_8bit_size=BNB_MIN_8BIT_SIZE
+        )
+
+    def estimate(self, shape: ModelShape, footprint: Footprint, param_bytes: int = 4) -> Footprint:
+        """`footprint` with `optimizer_states` set to the bytes held after the first step.
+
+        `param_bytes` is the element size of the parameters the optimizer is given; only `fp32`
+        (torch AdamW, moments in the parameter dtype) depends on it. Every parameter in `shape` is
+        assumed to receive a gradient (parameters that never do get no state).
+        """
+        if self.name == "fp32":
+            states = 2 * shape.numel * param_bytes + STEP_TENSOR_BYTES * len(shape.params)
+        elif self.name == "bf16":
+            states = 2 * shape.numel * 2
+        else:
+            states = sum(_bnb_tensor_bytes(p.numel) for p in shape.params)
+            if any(p.numel >= BNB_MIN_8BIT_SIZE for p in shape.params):
+                states += BNB_QMAP_BYTES
+        return footprint.with_(optimizer_states=states)
+
+
+def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages behind the tensors in `optimizer.state` (this rank's shards).
+
+    Storages are counted once however many entries share them (bitsandbytes' quantisation maps).
+    """
+    seen: set[tuple[torch.device, int]] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor):
+                continue
+            storage = local_tensor(value).untyped_storage()
+            key = (storage.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
+
+
+def _bnb_tensor_bytes(numel: int) -> int:
+    if numel < BNB_MIN_8BIT_SIZE:
+        return 2 * numel * 4
+    return 2 * numel + 2 * math.ceil(numel / BNB_BLOCK_SIZE) * 4
+
+
+def _bitsandbytes(name: str) -> ModuleType:
+    try:
+        return importlib.import_module("bitsandbytes")
+    except ImportError as exc:
+        raise Unsupported(
+            f"strategies.optimizer_states: {name} needs bitsandbytes, which cannot be imported ({exc}); "
+            "pip install 'memtrain[bnb]', or use fp32 or bf16"
+        ) from None
