@@ -1,5 +1,8 @@
 """memtrain's step time vs a hand-written PyTorch loop: same model, data, optimizer, fp32, no strategies.
 
+Also measured: the per-step cost of the always-on metrics (step peak memory + a JSONL row) as a fraction
+of the step (goal <= 2%), and the slowdown of the full memory tracker (off unless asked for).
+
 Both train the default recipe's model on the same batches in the same process; rounds interleave
 the two (alternating which goes first) so drifts in machine load hit both alike. Reports the median
 over rounds of (memtrain seconds per step) / (hand-loop seconds per step). Goal: <= 1.02.
@@ -19,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from memtrain.memory import StepPeak
+from memtrain.metrics import MetricsLog
 from memtrain.models import CausalLMTrainer
 from memtrain.recipe import load_recipe
 
@@ -59,6 +64,38 @@ def hand_loop_seconds_per_step(steps: int, out: Path) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def always_on_metrics_seconds(repeats: int = 2000) -> float:
+    """Per-step cost of what `train` always records: the step peak (allocator peak on CUDA, per-step
+    peak RSS on CPU) and one JSONL row."""
+    peak = StepPeak(torch.device("cpu"))
+    row = {"step": 1, "loss": 1.0, "lr": 1e-3, "tokens": 2048, "tokens_per_s": 1.0, "step_time_s": 0.1,
+           "grad_norm": 1.0, "skipped": False, "micro_batches": 1, "peak_memory_bytes": 1}
+    with tempfile.TemporaryDirectory() as tmp:
+        log = MetricsLog(Path(tmp) / "m.jsonl", None)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            peak.start()
+            row["peak_memory_bytes"] = peak.stop()
+            log.write(row)
+        elapsed = time.perf_counter() - start
+        log.close()
+    return elapsed / repeats
+
+
+def tracked_seconds_per_step(steps: int, out: Path) -> float:
+    """The full tracker (`memtrain profile`, `memory.track`), for comparison: not on by default."""
+    recipe = load_recipe(
+        REPO / "recipes/default.yaml",
+        [f"train.steps={steps}", f"run.output_dir={out}", "checkpoint.at_end=false", "checkpoint.every=0",
+         "train.eval_every=0", "output.progress=off", "memory.track=true"],
+    )
+    trainer = CausalLMTrainer(recipe)
+    trainer.setup()
+    start = time.perf_counter()
+    trainer.fit()
+    return (time.perf_counter() - start) / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -79,8 +116,14 @@ def main() -> None:
             theirs.append(b)
             ratios.append(a / b)
             print(f"round {r + 1}: memtrain {a * 1000:.1f} ms/step, hand loop {b * 1000:.1f} ms/step, ratio {a / b:.3f}")
+        tracked = tracked_seconds_per_step(max(args.steps // 3, 3), Path(tmp) / "tracked")
+    metrics_cost = always_on_metrics_seconds()
     result = {
         "median_ratio": statistics.median(ratios),
+        "always_on_metrics_ms_per_step": metrics_cost * 1000,
+        "always_on_metrics_fraction_of_step": metrics_cost / statistics.median(ours),
+        "tracker_ms_per_step": tracked * 1000,
+        "tracker_slowdown": tracked / statistics.median(ours),
         "memtrain_ms_per_step": statistics.median(ours) * 1000,
         "hand_loop_ms_per_step": statistics.median(theirs) * 1000,
         "rounds": args.rounds,

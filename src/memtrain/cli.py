@@ -1,4 +1,4 @@
-"""`memtrain train | validate | schema`.
+"""`memtrain train | profile | validate | schema`.
 
 Launch several ranks with torchrun: `torchrun --nproc_per_node=2 -m memtrain train RECIPE`. Every
 user mistake (a `MemtrainError`) prints one message naming what to change and exits with code 2,
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from memtrain.errors import MemtrainError
 
@@ -34,12 +36,26 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("recipe")
     validate.add_argument("overrides", nargs="*")
 
+    profile = commands.add_parser("profile", help="train a few steps under the memory tracker; write reports")
+    profile.add_argument("recipe")
+    profile.add_argument("overrides", nargs="*")
+    profile.add_argument("--steps", type=int, default=3, help="steps to profile (default 3)")
+    profile.add_argument("--out", type=Path, default=None, help="output directory (default <run dir>/profile)")
+    profile.add_argument("--json", action="store_true", help="print memory.json to stdout instead of the table")
+
     commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
     return parser
 
 
+# Libraries that log about optional native kernels this run does not use (torchao's CUDA/Triton
+# extensions on a CPU build, torch's pytree deprecations): errors still show.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         return _run(args)
     except MemtrainError as exc:
@@ -55,6 +71,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "schema":
         print(json.dumps(json_schema(), indent=2))
         return 0
+    if args.command == "profile":
+        return _profile(args)
     overrides = list(args.overrides)
     if args.command == "train":
         if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):
@@ -85,6 +103,17 @@ def _run(args: argparse.Namespace) -> int:
             print(describe_summary(result.summary), flush=True)
     finally:
         shutdown(trainer.env)
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from memtrain.profile import describe, run_profile
+
+    if args.steps < 1:
+        raise MemtrainError("--steps: must be at least 1")
+    report, out_dir = run_profile(args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(report, indent=2) if args.json else describe(report, out_dir))
     return 0
 
 

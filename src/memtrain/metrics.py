@@ -56,11 +56,3 @@ def make_progress(setting: str, total: int, initial: int, enabled: bool) -> tqdm
     if not show:
         return None
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")

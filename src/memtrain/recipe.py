@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
 from memtrain.errors import RecipeError, did_you_mean
 
@@ -96,6 +96,15 @@ class CheckpointConfig(_Section):
     at_end: bool = True
 
 
+class MemoryConfig(_Section):
+    budget: ByteSize | None = Field(
+        default=None,
+        description="Simulated device budget (e.g. 1.5GiB): a real torch.OutOfMemoryError is raised the "
+        "moment tracked live bytes would pass it. Implies track.",
+    )
+    track: bool = Field(default=False, description="Run the full memory tracker (slower) and log its report.")
+
+
 class OutputConfig(_Section):
     progress: Literal["auto", "on", "off"] = "auto"
 
@@ -121,6 +130,7 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     output: OutputConfig = OutputConfig()
+    memory: MemoryConfig = MemoryConfig()
     strategies: StrategiesConfig = StrategiesConfig()
 
     def output_path(self) -> Path:
@@ -296,8 +306,6 @@ def _cross_checks(recipe: Recipe) -> list[str]:
     micro = recipe.batch.micro_size
     if isinstance(micro, int) and micro > recipe.batch.global_size:
         problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({recipe.batch.global_size})")
-    if recipe.train.warmup_steps > recipe.train.steps:
-        problems.append(f"train.warmup_steps: {recipe.train.warmup_steps} exceeds train.steps")
     return problems
 
 

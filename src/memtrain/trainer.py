@@ -20,6 +20,7 @@ Hooks (override in a subclass):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -37,7 +38,8 @@ from memtrain import checkpoint as ckpt
 from memtrain.blocks import discover_blocks
 from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
 from memtrain.errors import MemtrainError
-from memtrain.metrics import MetricsLog, format_bytes, make_progress
+from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
+from memtrain.metrics import MetricsLog, make_progress
 from memtrain.plan import Plan, resolve_plan
 from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
@@ -81,6 +83,11 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.skipped_steps = 0
+        self.step_peak = StepPeak(self.env.device)
+        self.max_step_peak = 0
+        self.tracker: MemoryTracker | None = None
+        self.memory_reports: list[StepMemory] = []
+        self.device_peaks: list[int] = []  # the cheap per-step peak, kept beside tracked reports
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -137,6 +144,12 @@ class Trainer:
             model, blocks, self.env, lambda m: self.precision.build_optimizer(m, self.build_optimizer)
         )
         self.scaler = self.precision.grad_scaler(self.env.device)
+        memory = self.recipe.memory
+        if memory.track or memory.budget is not None:
+            self.tracker = MemoryTracker(
+                self.sharding.unwrap(self.model), self.optimizer,
+                budget_bytes=int(memory.budget) if memory.budget is not None else None, device=self.env.device,
+            )
 
     def fit(self, resume: str | Path | bool | None = None) -> FitResult:
         """Train `train.steps` steps. `resume=True` continues from the run's newest checkpoint, a path
@@ -154,7 +167,13 @@ class Trainer:
         progress = make_progress(self.recipe.output.progress, total, start_step, self.env.is_main)
         started = time.perf_counter()
         tokens_seen = 0
-        try:
+        with contextlib.ExitStack() as cleanup:
+            if self.tracker is not None:
+                cleanup.enter_context(self.tracker)
+            if log is not None:
+                cleanup.callback(log.close)
+            if progress is not None:
+                cleanup.callback(progress.close)
             for step in range(start_step, total):
                 row = self.train_step(step)
                 result.losses.append(row["loss"])
@@ -172,11 +191,6 @@ class Trainer:
                     self.save_checkpoint(step + 1)
             if self.recipe.checkpoint.at_end and result.steps_done > start_step:
                 self.save_checkpoint(result.steps_done)
-        finally:
-            if progress is not None:
-                progress.close()
-            if log is not None:
-                log.close()
         result.summary = self._summary(result, start_step, tokens_seen, time.perf_counter() - started)
         return result
 
@@ -184,8 +198,9 @@ class Trainer:
         """One optimizer step over this rank's step batch; returns the metrics row."""
         assert self.model is not None and self.optimizer is not None
         t0 = time.perf_counter()
-        if self.env.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.env.device)
+        self.step_peak.start()
+        if self.tracker is not None:
+            self.tracker.begin_step(step + 1)
         lr = lr_at(step, self.recipe.train.lr, self.recipe.train.steps, self.recipe.train.warmup_steps,
                    self.recipe.train.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -195,7 +210,7 @@ class Trainer:
         grad_norm, skipped = self.optimizer_step()
         loss = float(all_reduce_sum(totals.loss_sum, self.env)) / max(totals.global_tokens, 1)
         elapsed = time.perf_counter() - t0
-        return {
+        row: dict[str, Any] = {
             "step": step + 1,
             "loss": loss,
             "lr": lr,
@@ -205,12 +220,24 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": skipped,
             "micro_batches": totals.micro_batches,
-            "peak_memory_bytes": peak_memory_bytes(self.env.device),
+            "peak_memory_bytes": self.step_peak.stop(),
         }
+        self.max_step_peak = max(self.max_step_peak, row["peak_memory_bytes"])
+        if self.tracker is not None:
+            report = self.tracker.end_step()
+            self.memory_reports.append(report)
+            self.device_peaks.append(row["peak_memory_bytes"])
+            row["tracked"] = {"peak_bytes": report.peak_bytes, "at_peak": dict(report.at_peak),
+                              "peak_phase": report.peak_phase, "peak_module": report.peak_module}
+        return row
 
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip and step; a step whose gradients are not finite is skipped (fp16's GradScaler also
         lowers its scale) and counted. Returns (gradient norm before clipping, skipped)."""
+        with self._phase("optimizer"):
+            return self._clip_and_step()
+
+    def _clip_and_step(self) -> tuple[float, bool]:
         assert self.model is not None and self.optimizer is not None
         if isinstance(self.optimizer, MasterWeightOptimizer):
             params = self.optimizer.gradients_to_master()
@@ -243,12 +270,13 @@ class Trainer:
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             with self.sharding.micro_step(self.model, last):
-                with self.precision.autocast(self.env.device):
+                with self._phase("forward"), self.precision.autocast(self.env.device):
                     loss_sum, num_tokens = self.loss(self.model, micro_batch)
                 if step == 0:
                     self._check_token_count(num_tokens, counts[index])
-                scaled = loss_sum * scale
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                with self._phase("backward"):
+                    scaled = loss_sum * scale
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_total += loss_sum.detach().double()
         return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
 
@@ -344,6 +372,9 @@ class Trainer:
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
 
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.tracker.phase(name) if self.tracker is not None else contextlib.nullcontext()
+
     @staticmethod
     def _due(step: int, every: int) -> bool:
         return every > 0 and (step + 1) % every == 0
@@ -370,7 +401,7 @@ class Trainer:
             "final_loss": result.losses[-1] if result.losses else None,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "seconds": seconds,
-            "peak_memory_bytes": peak_memory_bytes(self.env.device),
+            "peak_memory_bytes": self.max_step_peak,
             "skipped_steps": self.skipped_steps,
             "plan": self.plan.to_dict(),
             "run_dir": str(self.run_dir),
@@ -384,15 +415,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the allocator's peak since the step began. CPU: the process's peak RSS."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def describe_summary(summary: dict[str, Any]) -> str:

@@ -1,0 +1,168 @@
+"""Live tensor storages, each counted once, with the component it currently belongs to.
+
+Why storages and not tensors: views, tied weights and tensors autograd saves for backward share one
+allocation; counting tensors would count it several times. Why weak references: torch keeps a storage's
+Python object alive exactly as long as the C++ storage (like it does for tensors), so a weakref callback on
+it says when the memory is released. That may happen on another thread (CUDA's autograd worker) or in the
+middle of our own bookkeeping, so the callback only queues the record; `drain()` does the arithmetic.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .budget import Budget
+from .values import COMPONENTS
+
+
+def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind a tensor; wrapper subclasses (DTensor, float8) are looked through."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # the hot path: skip the attribute probe
+        return [t.untyped_storage()]
+    if hasattr(t, "__tensor_flatten__"):
+        inner_names, _ = t.__tensor_flatten__()
+        return [st for name in inner_names for st in storages_of(getattr(t, name))]
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):  # sparse, nested and functional tensors have no storage
+        return []
+
+
+def tensors_in(values: Iterable[object]) -> Iterator[torch.Tensor]:
+    """Tensors among op arguments or results: top level, or one level deep in lists and tuples."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+Move = tuple[int, str, str, int]
+"""(op clock when the storage was created, old component, new component, bytes)."""
+
+
+class _Record:
+    __slots__ = ("key", "ref", "nbytes", "origin", "component", "born", "moved", "retired")
+
+    def __init__(self, key: int, nbytes: int, origin: str, born: int) -> None:
+        self.key = key
+        self.ref: weakref.ref[torch.UntypedStorage] | None = None
+        self.nbytes = nbytes
+        self.origin = origin
+        self.component = origin
+        self.born = born
+        self.moved = False
+        self.retired = False
+
+
+class StorageLedger:
+    """Bytes of live storages on one device, per component; optionally under a simulated budget."""
+
+    def __init__(self, device: torch.device, budget: Budget | None = None) -> None:
+        self.device = device
+        self.budget = budget
+        self.bytes: dict[str, int] = dict.fromkeys(COMPONENTS, 0)
+        self.live = 0
+        self.clock = 0
+        """Op counter, advanced by the tracker; records remember when they were created."""
+        self.first_moves: list[Move] = []
+        """Storages that left their origin for the first time (to be shown as such since creation)."""
+        self._records: dict[int, _Record] = {}
+        self._freed: deque[_Record] = deque()
+        self._by_identity: set[int] = set()
+
+    def observe(self, st: torch.UntypedStorage, origin: str, allocation: bool) -> _Record | None:
+        """Count `st` if it is new, or (an `allocation`) if it grew by `resize_`; None when not counted here.
+
+        `origin` is the component it falls back to when it is not a parameter, gradient or optimizer
+        state. Only an `allocation` (an op's output) is checked against the budget: a storage that existed
+        before tracking began (an op's input seen for the first time) is counted without failing.
+        """
+        nbytes = st.nbytes()
+        rec = self._lookup(st)
+        if rec is not None:
+            if allocation and nbytes != rec.nbytes:
+                if self.budget is not None and nbytes > rec.nbytes:
+                    self.budget.check(self.live, nbytes - rec.nbytes, self.bytes)
+                self._add(rec.component, nbytes - rec.nbytes)
+                rec.nbytes = nbytes
+            return rec
+        if nbytes == 0 or not self._on_device(st.device):
+            return None
+        if allocation and self.budget is not None:
+            self.budget.check(self.live, nbytes, self.bytes)
+        rec = _Record(id(st), nbytes, origin, self.clock)
+        freed = self._freed
+        rec.ref = weakref.ref(st, lambda _ref: freed.append(rec))
+        self._records[rec.key] = rec
+        self._add(origin, nbytes)
+        return rec
+
+    def assign(self, tensors: Iterable[torch.Tensor], component: str) -> None:
+        """The storages of `tensors` now belong to `component` (e.g. a parameter's fresh `.grad`)."""
+        for t in tensors:
+            for st in storages_of(t):
+                rec = self.observe(st, "other", allocation=False)
+                if rec is not None:
+                    self._move(rec, component)
+                    self._by_identity.add(rec.key)
+
+    def classify(self, groups: Iterable[tuple[str, Iterable[torch.Tensor]]]) -> None:
+        """Re-derive identity components from scratch; earlier groups win when a storage is in several.
+
+        Storages that are no longer a parameter, gradient or optimizer state fall back to their origin.
+        """
+        previous, self._by_identity = self._by_identity, set()
+        claimed: set[int] = set()
+        for component, tensors in groups:
+            fresh = [t for t in tensors if not any(id(st) in claimed for st in storages_of(t))]
+            self.assign(fresh, component)
+            claimed |= self._by_identity
+        for key in previous - self._by_identity:
+            rec = self._records.get(key)
+            if rec is not None:
+                self._move(rec, rec.origin)
+
+    def drain(self) -> None:
+        """Apply the frees the weakref callbacks queued."""
+        while self._freed:
+            self._retire(self._freed.popleft())
+
+    def _lookup(self, st: torch.UntypedStorage) -> _Record | None:
+        rec = self._records.get(id(st))
+        if rec is None or rec.ref is None:
+            return None
+        if rec.ref() is st:
+            return rec
+        self._retire(rec)  # its storage died and a new one reused the id before the free was drained
+        return None
+
+    def _on_device(self, device: torch.device) -> bool:
+        # device equality first: `.type` builds a string, which costs more than the rest of observe()
+        return device == self.device or (self.device.index is None and device.type == self.device.type)
+
+    def _move(self, rec: _Record, component: str) -> None:
+        if rec.component != component:
+            if not rec.moved:
+                self.first_moves.append((rec.born, rec.component, component, rec.nbytes))
+                rec.moved = True
+            self.bytes[rec.component] -= rec.nbytes
+            self.bytes[component] += rec.nbytes
+            rec.component = component
+
+    def _add(self, component: str, nbytes: int) -> None:
+        self.bytes[component] += nbytes
+        self.live += nbytes
+
+    def _retire(self, rec: _Record) -> None:
+        if rec.retired:
+            return
+        rec.retired = True
+        self._add(rec.component, -rec.nbytes)
+        if self._records.get(rec.key) is rec:
+            del self._records[rec.key]
+        self._by_identity.discard(rec.key)

@@ -1,0 +1,62 @@
+"""`memtrain profile`: train a few steps with the full memory tracker and write what it saw.
+
+Outputs in `--out`: `memory.json` (the schema of `memtrain.memory.report.memory_json`, plus the first-step
+explanation and, on CUDA, the allocator's view), `timeline.png` and `timeline.html` (stacked components
+over the steps, phases marked, peak annotated), `memory_snapshot.pickle` on CUDA (open it in
+https://pytorch.org/memory_viz), and a table of the components at the peak on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from memtrain.memory import cuda_stats
+from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
+from memtrain.recipe import load_recipe
+
+PROFILE_OVERRIDES = ["checkpoint.every=0", "checkpoint.at_end=false", "train.eval_every=0", "memory.track=true"]
+
+
+def run_profile(recipe_path: str, overrides: list[str], steps: int, out: Path | None) -> tuple[dict[str, Any], Path]:
+    """Train `steps` steps of the recipe under the tracker; returns (memory.json content, output dir)."""
+    from memtrain.models import CausalLMTrainer
+
+    probe = load_recipe(recipe_path, overrides)
+    out_dir = out or probe.output_path() / "profile"
+    recipe = load_recipe(recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}",
+                                       *PROFILE_OVERRIDES])
+    trainer = CausalLMTrainer(recipe)
+    on_cuda = trainer.env.device.type == "cuda"
+    if on_cuda:
+        cuda_stats.start_memory_history()
+    trainer.fit()
+    assert trainer.tracker is not None
+    report = memory_json(trainer.memory_reports, trainer.env.device)
+    if len(trainer.memory_reports) >= 2:
+        device_peaks = trainer.device_peaks if on_cuda else None  # RSS is no per-tensor peak on CPU
+        report["first_step"] = trainer.tracker.first_step_report(device_peaks)
+    if on_cuda:
+        snapshot = cuda_stats.dump_memory_history(out_dir / "memory_snapshot.pickle")
+        stats = cuda_stats.allocator_stats(trainer.env.device)
+        report["cuda"] = {
+            "allocator": stats.__dict__ if stats is not None else None,
+            "context_bytes": cuda_stats.context_bytes(trainer.env.device),
+            "snapshot": snapshot.detail,
+            "fragmentation_warning": cuda_stats.fragmentation_warning(stats),
+        }
+    if trainer.env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "memory.json").write_text(json.dumps(report, indent=2))
+        write_timeline_png(trainer.tracker, out_dir / "timeline.png", trainer.memory_reports)
+        write_timeline_html(trainer.tracker, out_dir / "timeline.html", trainer.memory_reports)
+    return report, out_dir
+
+
+def describe(report: dict[str, Any], out_dir: Path) -> str:
+    lines = [format_table(report), ""]
+    for line in report.get("first_step", {}).get("explanation", []):
+        lines.append(f"first step: {line}")
+    lines.append(f"wrote {out_dir}/memory.json, timeline.png, timeline.html")
+    return "\n".join(lines)
