@@ -59,17 +59,24 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class ActivationProfile:
-    """Saved-for-backward bytes of one micro-batch, measured by a trace without checkpointing.
+    """Activation bytes of one micro-batch, measured by a trace without checkpointing
+    (`memtrain.activation_profile.profile_activations`).
 
     per_block: bytes autograd keeps for each block. block_inputs: bytes of each block's input (what full
-    checkpointing keeps instead). matmul_outputs: the part of `per_block` produced by matmul-like ops
-    (what selective checkpointing keeps). outside_blocks: embeddings, final norm, head and loss.
+    checkpointing keeps instead). matmul_outputs: every matmul output of each block, saved or not (what
+    selective checkpointing keeps). outside_blocks: what the head side holds at its peak (embeddings,
+    final norm, head, loss, including the logits the loss reads). block_peaks: the most bytes each
+    block's forward had alive at once (saved tensors and intermediates its code still held).
+    recompute_peaks: the same up to the block's last saved tensor (what a recompute re-creates). When
+    the last two are empty, `per_block - block_inputs` stands in for both.
     """
 
     per_block: tuple[int, ...]
     block_inputs: tuple[int, ...]
     matmul_outputs: tuple[int, ...] = field(default=())
     outside_blocks: int = 0
+    block_peaks: tuple[int, ...] = field(default=())
+    recompute_peaks: tuple[int, ...] = field(default=())
 
     @property
     def total(self) -> int:

@@ -154,7 +154,7 @@ class CausalLMTrainer(Trainer):
         return [data_lib.trim_padding(mb) for mb in super().split_batch(batch, micro_size)]
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"]).logits
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
         labels = batch["labels"]
         loss_sum = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]),
@@ -174,4 +174,3 @@ class CausalLMTrainer(Trainer):
             mine = rows[rank::world][:share]
             if mine:
                 yield data_lib.collate([self.eval_samples[i] for i in mine], mine)
-from memtrain.blocks import discover_blocks  # noqa: F401  (re-exported; moved to memtrain.blocks)

@@ -22,8 +22,9 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, fi
 from memtrain.errors import RecipeError, did_you_mean
 
 PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-mixed", "fp8"]
-ShardingName = Literal["none", "ddp"]
+ShardingName = Literal["none", "ddp", "zero1", "zero2", "zero3"]
 OptimizerStatesName = Literal["fp32", "bf16", "8bit", "paged-8bit"]
+CheckpointingName = Literal["none", "full", "fraction", "selective", "offload"]
 
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 SHARDINGS: tuple[str, ...] = get_args(ShardingName)
@@ -118,8 +119,25 @@ class OutputConfig(_Section):
 class StrategiesConfig(_Section):
     precision: PrecisionName | Literal["auto"] | list[PrecisionName] = "fp32"
     sharding: ShardingName | Literal["auto"] | list[ShardingName] = "none"
+    checkpointing: CheckpointingName | Literal["auto"] | list[CheckpointingName] = "none"
+    checkpointing_fraction: float = Field(
+        default=0.5, gt=0.0, le=1.0, description="Share of blocks recomputed when checkpointing is 'fraction'."
+    )
     optimizer_states: OptimizerStatesName | Literal["auto"] | list[OptimizerStatesName] = "fp32"
     fp8_emulate: bool = Field(default=False, description="fp8 through torchao's emulation (CPU, debugging).")
+    # sharding options (used by strategies.sharding)
+    sharding_backend: Literal["fsdp2", "deepspeed"] = Field(
+        default="fsdp2", description="Backend of zero1/zero2/zero3: fsdp2 (zero1: ZeroRedundancyOptimizer) or deepspeed."
+    )
+    sharding_offload: Literal["none", "optimizer", "params"] = Field(
+        default="none", description="ZeRO offload to host memory: optimizer states (deepspeed) or params (zero3)."
+    )
+    comm_hook: Literal["none", "bf16", "powersgd"] = Field(
+        default="none", description="DDP gradient-communication hook (ddp, zero1 on fsdp2)."
+    )
+    deepspeed_config: str | None = Field(
+        default=None, description="DeepSpeed JSON merged into the generated config; keys contradicting the recipe are errors."
+    )
 
 
 class Recipe(_Section):

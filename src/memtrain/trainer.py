@@ -40,13 +40,13 @@ from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distribu
 from memtrain.errors import MemtrainError
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.metrics import MetricsLog, make_progress
-from memtrain.plan import Plan, resolve_plan
+from memtrain.plan import Plan, build_sharding, resolve_plan
 from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
+from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer import OptimizerStates
 from memtrain.strategies.precision import Precision
-from memtrain.strategies.sharding import make_sharding
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
@@ -77,7 +77,8 @@ class Trainer:
         self.env: DistEnv = init_distributed()
         self.plan: Plan = resolve_plan(recipe, self.env)
         self.precision = Precision(self.plan.precision, fp8_emulate=recipe.strategies.fp8_emulate)
-        self.sharding = make_sharding(self.plan.sharding)
+        self.sharding = build_sharding(recipe, self.plan)
+        self.checkpointing = Checkpointing(self.plan.checkpointing, self.plan.checkpointing_fraction)
         self.run_dir = recipe.output_path()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -131,14 +132,17 @@ class Trainer:
 
     def setup(self) -> None:
         """Build the model and optimizer with every strategy applied, in the one fixed order:
-        precision module swaps (fp8) -> low-precision cast -> device -> sharding -> optimizer."""
+        precision module swaps (fp8) -> activation checkpointing -> low-precision cast -> device ->
+        sharding -> optimizer (built on what this rank steps)."""
         seed_everything(self.recipe.run.seed)
         self.precision.check(self.env.device)
+        self.checkpointing.check(self.env.device)
         OptimizerStates(self.plan.optimizer_states).check(self.env.device)
         self.sharding.check(self.env)
         model = self.build_model()
         blocks = self.blocks(model)
         self.precision.swap_modules(model, blocks)
+        self.checkpointing.apply(model, blocks)
         model = self.precision.cast_model(model).to(self.env.device)
         self.model, self.optimizer = self.sharding.prepare(
             model, blocks, self.env, lambda m: self.precision.build_optimizer(m, self.build_optimizer)
@@ -239,6 +243,10 @@ class Trainer:
 
     def _clip_and_step(self) -> tuple[float, bool]:
         assert self.model is not None and self.optimizer is not None
+        stepped = self.sharding.engine_step(self.model)  # DeepSpeed: its engine clips and steps
+        if stepped is not None:
+            self.skipped_steps += int(stepped[1])
+            return stepped
         if isinstance(self.optimizer, MasterWeightOptimizer):
             params = self.optimizer.gradients_to_master()
         else:
@@ -276,7 +284,7 @@ class Trainer:
                     self._check_token_count(num_tokens, counts[index])
                 with self._phase("backward"):
                     scaled = loss_sum * scale
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                    self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
             loss_total += loss_sum.detach().double()
         return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
 

@@ -86,3 +86,13 @@ def test_fake_tensor_mode_gives_meta_storages() -> None:
         _fail("torch._subclasses.fake_tensor.FakeTensorMode", repr(e))
     if device.type != "meta":
         _fail("torch._subclasses.fake_tensor.FakeTensorMode", f"storages are on {device}, not meta")
+
+
+def test_tree_leaves_flattens_nested_containers() -> None:
+    a, b = torch.zeros(1), torch.ones(1)
+    try:
+        leaves = _torch_private.tree_leaves({"x": [a, (b, 3)]})
+    except Exception as e:  # noqa: BLE001 - any failure means the API moved
+        _fail("torch.utils._pytree.tree_leaves", repr(e))
+    if [id(x) for x in leaves if isinstance(x, torch.Tensor)] != [id(a), id(b)]:
+        _fail("torch.utils._pytree.tree_leaves", f"returned {leaves!r}")

@@ -1,4 +1,4 @@
-"""Every private torch API memtrain.memory touches, behind one module.
+"""Every private torch API memtrain touches, behind one module.
 
 Private APIs change without deprecation. Keeping them here means one file to fix when the pinned torch moves,
 and tests/memory/test_torch_private.py names the torch version and the API that broke.
@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "TorchDispatchMode",
+    "tree_leaves",
     "allocator_settings",
     "dump_memory_snapshot",
     "fake_tensors",

@@ -9,25 +9,50 @@ and are registered in `make_sharding`.
 of each step. Earlier micro-steps run under `no_sync`, so accumulation costs one all-reduce per step.
 The trainer divides the loss by the global token count and multiplies by `grad_sync_scale`, which undoes
 the backend's averaging. The result is the exact gradient of the global token mean.
+
+A backend is built from the recipe's flat sharding options and the plan facts it needs
+(`ShardingOptions`): its precision (FSDP2's dtypes, DeepSpeed's config), micro-batch and accumulation
+(DeepSpeed's batch bookkeeping) and clipping (DeepSpeed clips inside its own step). `estimate` is the
+per-rank byte arithmetic of `sharding_bytes`; it follows what each backend really allocates.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from memtrain import checkpoint as ckpt
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
+from memtrain.footprint import Footprint, ModelShape
+from memtrain.strategies import ddp_hooks
+from memtrain.strategies.sharding_bytes import OptimizerCost, StateBytes, replicated_bytes
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """The recipe's sharding options (`strategies.sharding_*`, `comm_hook`, `deepspeed_config`) and the
+    plan facts a backend needs."""
+
+    backend: str = "fsdp2"
+    offload: str = "none"
+    comm_hook: str = "none"
+    deepspeed_config: str | None = None
+    precision: str = "fp32"
+    micro_batch_size: int = 1
+    accumulation_steps: int = 1
+    grad_clip: float | None = None
 
 
 @dataclass(frozen=True)
@@ -35,12 +60,22 @@ class ShardingBackend:
     """One rank holds everything (`none`). Subclasses override what their layout changes."""
 
     name: str
+    options: ShardingOptions = field(default_factory=ShardingOptions)
 
     def check(self, env: DistEnv) -> None:
         if env.distributed:
             raise Unsupported(
                 f"strategies.sharding: '{self.name}' cannot train on {env.world_size} ranks; "
                 "set strategies.sharding=ddp"
+            )
+        self.check_replicated_options()
+
+    def check_replicated_options(self) -> None:
+        """none and ddp keep every state on the device: offload needs a ZeRO stage."""
+        if self.options.offload != "none":
+            raise Unsupported(
+                f"strategies.sharding_offload: '{self.options.offload}' needs strategies.sharding=zero1/zero2/"
+                f"zero3 ('{self.name}' keeps every state on the device); set strategies.sharding_offload=none"
             )
 
     def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
@@ -56,8 +91,29 @@ class ShardingBackend:
         """Context of one micro-step's forward and backward (no gradient sync but on the last)."""
         return contextlib.nullcontext()
 
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        """Back-propagate one micro-step's (already normalised) loss."""
+        loss.backward()
+
+    def engine_step(self, model: nn.Module) -> tuple[float, bool] | None:
+        """For a backend whose engine clips and steps itself (DeepSpeed): do both and return (gradient
+        norm before clipping, skipped). None: the trainer clips and steps the optimizer."""
+        return None
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    # ------------------------------------------------------------------ bytes
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+        """Per-rank bytes of weights, gradients, optimizer states and backend buffers (`rank=None`:
+        the most loaded rank); `dim0` maps parameter names to their leading dimension (FSDP2 padding)."""
+        return replicated_bytes(shape, self.options.precision, optimizer, ddp=False)
+
+    def estimate(self, shape: ModelShape, footprint: Footprint, world_size: int,
+                 optimizer: OptimizerCost = OptimizerCost(), *, dim0: Mapping[str, int] | None = None) -> Footprint:
+        """`footprint` with the model-state components of the most loaded rank (pure arithmetic)."""
+        return self.state_bytes(shape, world_size, optimizer, dim0=dim0).footprint(footprint)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
@@ -67,6 +123,11 @@ class ShardingBackend:
             ckpt.save_tensor_file(staging / "optimizer.pt", optimizer.state_dict())
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
+        from memtrain import sharded_checkpoint
+
+        if sharded_checkpoint.detect_format(path) != "replicated":
+            sharded_checkpoint.load_sharded(path, self.unwrap(model), optimizer)
+            return
         state = ckpt.load_tensor_file(path / "model.pt")
         try:
             self.unwrap(model).load_state_dict(state)
@@ -78,15 +139,18 @@ class ShardingBackend:
 @dataclass(frozen=True)
 class DDPBackend(ShardingBackend):
     def check(self, env: DistEnv) -> None:
-        return None
+        self.check_replicated_options()
 
     def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
                 make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
         optimizer = make_optimizer(model)
         if not env.distributed:
             return model, optimizer
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids), optimizer
+        return ddp_hooks.wrap_ddp(model, env, self.options.comm_hook), optimizer
+
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+        return replicated_bytes(shape, self.options.precision, optimizer, ddp=world_size > 1)
 
     def grad_sync_scale(self, env: DistEnv) -> float:
         return float(env.world_size)
@@ -100,10 +164,40 @@ class DDPBackend(ShardingBackend):
         return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def warn_one_rank(name: str) -> None:
+    """A ZeRO stage on one rank shards nothing; it still runs (same numerics as on several ranks)."""
+    warnings.warn(
+        f"strategies.sharding: {name} on one rank shards nothing (every state stays whole on this rank); "
+        "running it anyway", stacklevel=3,
+    )
+
+
+def ensure_process_group(env: DistEnv) -> None:
+    """FSDP2 and DeepSpeed need a process group even on one rank: a one-rank group on an in-memory
+    store (no address, no port) when the run was not launched by torchrun."""
+    if not dist.is_initialized():
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def make_sharding(name: str, **options: Any) -> ShardingBackend:
-    """The backend for a sharding name (the recipe's `strategies.sharding`)."""
+    """The backend for a sharding name (the recipe's `strategies.sharding`); `options` are the fields
+    of `ShardingOptions`."""
+    opts = ShardingOptions(**options)
     if name == "none":
-        return ShardingBackend(name)
+        return ShardingBackend(name, opts)
     if name == "ddp":
-        return DDPBackend(name)
-    raise Unsupported(f"strategies.sharding: {name!r} is not available yet")
+        return DDPBackend(name, opts)
+    if name in ("zero1", "zero2", "zero3"):
+        if opts.backend == "deepspeed":
+            from memtrain.strategies.deepspeed_backend import DeepSpeedBackend
+
+            return DeepSpeedBackend(name, opts)
+        if name == "zero1":
+            from memtrain.strategies.zero1 import Zero1Backend
+
+            return Zero1Backend(name, opts)
+        from memtrain.strategies.fsdp2 import FSDP2Backend
+
+        return FSDP2Backend(name, opts)
+    raise Unsupported(f"strategies.sharding: {name!r} is not a sharding name (none, ddp, zero1, zero2, zero3)")

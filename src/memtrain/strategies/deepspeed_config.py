@@ -1,0 +1,155 @@
+"""The DeepSpeed config: generated from the plan, merged with the user's JSON, contradictions reported.
+
+Why generate it: a DeepSpeed JSON copied from a blog silently disagrees with the run (another
+micro-batch, another clipping, another precision), and DeepSpeed resolves some of these
+disagreements by itself. Here the plan owns every key that changes the meaning or the memory class of
+the run ("owned" keys: batch sizes, accumulation, clipping, ZeRO stage, offload devices, bf16/fp16),
+and the user's JSON (`strategies.deepspeed_config`) may add or tune anything else (bucket sizes,
+overlap, persistence threshold...). A user key that contradicts an owned key is an error that lists
+every such key; it is never resolved silently. `"auto"` (the Hugging Face convention) is accepted for
+owned keys. `optimizer` and `scheduler` sections contradict the recipe (memtrain builds the optimizer
+from `train:` and sets the learning rate every step).
+
+Accumulation is owned by the trainer: it runs the micro-steps, normalises by the global token count
+and tells DeepSpeed which micro-step is the boundary. DeepSpeed is given the same numbers
+(`gradient_accumulation_steps`, `train_batch_size`) only so that its bookkeeping agrees.
+
+Generated defaults that are not owned: bucket sizes are DeepSpeed's defaults capped at the model's
+size (the ZeRO-2 reduce bucket is allocated whole in every backward: 5e8 elements are 2 GB in fp32
+whatever the model), progress printing off, and `zero_force_ds_cpu_optimizer=false` so that offload
+keeps the recipe's torch optimizer (DeepSpeedCPUAdam would change the numerics).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memtrain.errors import RecipeError
+
+DEEPSPEED_BUCKET_DEFAULT = 500_000_000  # reduce/allgather bucket elements (DeepSpeed's default)
+DEEPSPEED_PREFETCH_DEFAULT = 50_000_000  # stage3_prefetch_bucket_size
+USER_KEY = "strategies.deepspeed_config"
+FORBIDDEN_SECTIONS = {
+    "optimizer": "memtrain builds the optimizer from train: (and strategies.optimizer_states)",
+    "scheduler": "memtrain sets the learning rate every step from train: (lr, warmup_steps, min_lr_ratio)",
+}
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    stage: int
+    precision: str  # fp32 or bf16-mixed
+    offload: str  # none, optimizer, params
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int
+    grad_clip: float | None
+    model_numel: int
+
+
+def owned_keys(plan: DeepSpeedPlan) -> dict[str, Any]:
+    """Dotted keys the plan decides, with their values."""
+    offload_optimizer = "cpu" if plan.offload in ("optimizer", "params") else "none"
+    keys: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.accumulation_steps,
+        "train_batch_size": plan.micro_batch_size * plan.accumulation_steps * plan.world_size,
+        "gradient_clipping": float(plan.grad_clip) if plan.grad_clip is not None else 0.0,
+        "zero_optimization.stage": plan.stage,
+        "zero_optimization.offload_optimizer.device": offload_optimizer,
+        "bf16.enabled": plan.precision == "bf16-mixed",
+        "fp16.enabled": False,
+    }
+    if plan.stage == 3:
+        keys["zero_optimization.offload_param.device"] = "cpu" if plan.offload == "params" else "none"
+    return keys
+
+
+def default_keys(plan: DeepSpeedPlan) -> dict[str, Any]:
+    """Generated values the user's JSON may override."""
+    cap = plan.model_numel + plan.model_numel % 2  # DeepSpeed wants even bucket sizes
+    keys: dict[str, Any] = {
+        "steps_per_print": 2**31 - 1,
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_optimization.reduce_bucket_size": min(DEEPSPEED_BUCKET_DEFAULT, cap),
+    }
+    if plan.stage == 3:
+        keys["zero_optimization.stage3_prefetch_bucket_size"] = min(DEEPSPEED_PREFETCH_DEFAULT, cap)
+    else:
+        keys["zero_optimization.allgather_bucket_size"] = min(DEEPSPEED_BUCKET_DEFAULT, cap)
+    return keys
+
+
+def read_user_config(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError([f"{USER_KEY}: file not found: {file}"])
+    try:
+        loaded = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise RecipeError([f"{USER_KEY}: {file} is not valid JSON ({exc.msg}, line {exc.lineno})"]) from None
+    if not isinstance(loaded, dict):
+        raise RecipeError([f"{USER_KEY}: {file} must hold a JSON object"])
+    return loaded
+
+
+def build_config(plan: DeepSpeedPlan, user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config DeepSpeed runs with; `RecipeError` lists every user key that contradicts the plan."""
+    user = user or {}
+    problems = [f"{USER_KEY}: remove the {section!r} section ({why})" for section, why in FORBIDDEN_SECTIONS.items()
+                if section in user]
+    for key, value in owned_keys(plan).items():
+        found, given = _get(user, key)
+        if found and given != "auto" and not _same(given, value):
+            problems.append(
+                f"{USER_KEY}: {key}={given!r} contradicts the recipe's plan ({key}={value!r}); remove it from the "
+                "JSON or change the recipe"
+            )
+    if problems:
+        raise RecipeError(problems)
+    config: dict[str, Any] = {}
+    for key, value in default_keys(plan).items():
+        _set(config, key, value)
+    config = _merge(config, user)
+    for key, value in owned_keys(plan).items():
+        _set(config, key, value)
+    return config
+
+
+def _same(given: Any, wanted: Any) -> bool:
+    if isinstance(wanted, bool) or isinstance(given, bool):
+        return given is wanted
+    if isinstance(wanted, (int, float)) and isinstance(given, (int, float)):
+        return float(given) == float(wanted)
+    return bool(given == wanted)
+
+
+def _get(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged

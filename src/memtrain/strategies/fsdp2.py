@@ -1,0 +1,127 @@
+"""zero2 and zero3 on FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Why FSDP2: it shards each parameter as a DTensor on dim 0, so the optimizer, gradient clipping and
+DCP checkpoints work on ordinary (sharded) tensors, and its per-module groups let us choose how long
+gathered weights live. Each transformer block is one group, then the root (embeddings, final norm,
+head); a block's weights are all-gathered just before it runs.
+
+- zero3: `reshard_after_forward=True` for the blocks: a block's gathered weights are freed after its
+  forward and gathered again in backward. The root keeps FSDP2's default (gathered from forward to
+  backward: the head is the first thing backward needs).
+- zero2: `reshard_after_forward=False`: every gathered weight lives from forward to backward (no
+  second all-gather; the memory of a full replica of the weights between the two passes).
+
+Precision: bf16-mixed becomes `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`. The
+sharded parameters stay fp32 (they are the master weights the optimizer updates); blocks compute with
+bf16 copies gathered in bf16 (half the all-gather bytes); gradients are reduce-scattered and kept in
+fp32. Unlike the autocast reference (fp32 parameters cast per matmul), the embeddings, norm weights
+and residual stream are bf16 here, so bf16-mixed numerics differ from `none` at bf16 resolution.
+bf16-master (fp32 masters are what FSDP2's bf16-mixed already keeps) and fp16-mixed (GradScaler
+over sharded gradients) are refused with the alternative named.
+
+Accumulation: gradient reduction is switched off on non-final micro-steps
+(`set_requires_gradient_sync(False)`), so each rank accumulates an unsharded fp32 gradient until the
+last micro-step, then reduce-scatters once (less communication, more memory; `sharding_bytes` counts
+it). The averaging reduce-scatter is undone by `grad_sync_scale`, and torch's `clip_grad_norm_`
+computes the norm over DTensor gradients globally (a Replicate DTensor), so clipping is exact.
+
+Offload: `sharding_offload=params` is `CPUOffloadPolicy`: sharded weights, gradients and the optimizer
+step on the CPU (FSDP2 offloads them together, so `optimizer` alone is refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from memtrain import sharded_checkpoint
+from memtrain.distributed import DistEnv
+from memtrain.errors import Unsupported
+from memtrain.footprint import ModelShape
+from memtrain.strategies.sharding import OptimizerFactory, ShardingBackend, ensure_process_group, warn_one_rank
+from memtrain.strategies.sharding_bytes import OptimizerCost, StateBytes, fsdp2_bytes
+
+REFUSED_PRECISIONS = {
+    "bf16-master": "FSDP2's bf16-mixed already keeps sharded fp32 master weights and computes in bf16; "
+                   "use strategies.precision=bf16-mixed",
+    "fp16-mixed": "fp16 loss scaling over sharded gradients is not supported here; use bf16-mixed",
+    "fp8": "float8 all-gathers under FSDP2 are not wired up yet; use bf16-mixed or strategies.sharding=ddp",
+}
+
+
+@dataclass(frozen=True)
+class FSDP2Backend(ShardingBackend):
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.name == "zero3"
+
+    def check(self, env: DistEnv) -> None:
+        if self.options.offload == "optimizer":
+            raise Unsupported(
+                "strategies.sharding_offload: FSDP2 offloads weights, gradients and optimizer states together; "
+                "set strategies.sharding_offload=params, or strategies.sharding_backend=deepspeed to offload "
+                "only the optimizer"
+            )
+        if self.options.comm_hook != "none":
+            raise Unsupported(
+                f"strategies.comm_hook: '{self.options.comm_hook}' is a DDP hook (ddp, zero1); FSDP2 reduce-"
+                "scatters in the precision's reduce dtype; set strategies.comm_hook=none"
+            )
+        reason = REFUSED_PRECISIONS.get(self.options.precision)
+        if reason is not None:
+            raise Unsupported(f"strategies.precision: {self.options.precision} with {self.name} on FSDP2: {reason}")
+
+    def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
+                make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not env.distributed:
+            warn_one_rank(self.name)
+        ensure_process_group(env)
+        options: dict[str, Any] = {
+            "mesh": init_device_mesh(env.device.type, (env.world_size,)),
+            "mp_policy": self._mixed_precision(),
+            "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+            if self.options.offload == "params" else OffloadPolicy(),
+        }
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
+        # The root: FSDP2's default for zero3 (kept from forward to backward), never resharded for zero2.
+        fully_shard(model, reshard_after_forward=None if self.reshard_after_forward else False, **options)
+        return model, make_optimizer(model)
+
+    def _mixed_precision(self) -> MixedPrecisionPolicy:
+        if self.options.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def grad_sync_scale(self, env: DistEnv) -> float:
+        return float(env.world_size)
+
+    @contextlib.contextmanager
+    def _sync(self, model: nn.Module, last: bool) -> Iterator[None]:
+        assert isinstance(model, FSDPModule), type(model)
+        model.set_requires_gradient_sync(last)
+        yield
+
+    def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
+        return self._sync(model, last)
+
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+        return fsdp2_bytes(shape, world_size, self.options.precision, optimizer,
+                           reshard_after_forward=self.reshard_after_forward,
+                           accumulation_steps=self.options.accumulation_steps,
+                           offload=self.options.offload == "params", dim0=dim0, rank=rank)
+
+    def save(self, staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
+        sharded_checkpoint.save_sharded(staging, model, optimizer)
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
+        sharded_checkpoint.load_sharded(path, model, optimizer)

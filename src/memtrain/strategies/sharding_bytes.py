@@ -1,0 +1,270 @@
+"""Per-rank bytes of the model states under each sharding backend: pure arithmetic, no torch calls.
+
+Why not the ZeRO paper's `16Ψ/N`: the planner must predict what the backend really allocates, and the
+backends differ from the idealisation in ways that matter at the margin of a GPU:
+
+- DDP keeps a second copy of every gradient in its all-reduce buckets (`gradient_as_bucket_view`
+  is off by default), so replicated training holds weights + 2 x gradients + optimizer states.
+- torch's ZeroRedundancyOptimizer (our zero1) partitions whole tensors, largest first, each to the
+  rank with the fewest elements so far: ranks are uneven, and the largest tensor (often the
+  embedding) sets the per-rank maximum. It runs over DDP, so the buckets stay.
+- FSDP2 shards every tensor on dim 0 in `ceil(dim0 / N)` rows and pads the last ranks' shards to
+  that size (the padded buffer is what is allocated; the optimizer sees the unpadded view). It
+  all-gathers one FSDP group (a block, or the root's embedding/norm/head) at a time into a padded
+  flat buffer in the compute dtype (bf16 under bf16-mixed). zero3 frees a block's gathered weights
+  after its forward and re-gathers them in backward, prefetching the next block (two blocks
+  gathered at once); the root is kept gathered from forward to backward (FSDP2's default for the
+  root). zero2 (`reshard_after_forward=False`) keeps every gathered weight from forward to backward.
+  With accumulation, gradients are not reduced on non-final micro-steps, so each rank holds an
+  unsharded fp32 gradient of the whole model until the last micro-step.
+- DeepSpeed ZeRO-1/2 flattens the parameters into one buffer (padded to a multiple of 2 x the world
+  size) that stays whole on every rank, keeps a separate fp32 master partition even when training in
+  fp32, and keeps the gradients of every parameter that overlaps its partition - whole. ZeRO-3 pads
+  each parameter to a multiple of the world size, keeps a persistent flat gradient partition, and
+  never partitions parameters of at most `stage3_param_persistence_threshold` elements (100k by
+  default): those stay gathered on every rank after the first forward.
+
+Every function returns a `StateBytes` for one rank (`rank=None`: the most loaded rank). The
+components are the persistent states the tests measure to the byte (weights, gradients, optimizer
+states, buffers) and the transients that are modelled from the backends' source (gathered weights,
+backward prefetch, extra gradient copies). `StateBytes.footprint` adds the transients to
+the persistent states as if they were alive at once: an upper bound, since gathered weights (forward)
+and reduced gradients (after backward) do not peak together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from memtrain.footprint import Footprint, ModelShape, ParamInfo
+
+STEP_BYTES = 4  # torch AdamW's 0-dim float32 `step` per parameter tensor
+
+
+@dataclass(frozen=True)
+class DTypes:
+    """Bytes per element of what a precision stores and computes with."""
+
+    param: int  # stored parameters (fp32 master copy for the mixed precisions)
+    grad: int  # gradients as the optimizer sees them
+    compute: int  # parameters as the forward pass reads them (FSDP2's all-gather dtype)
+
+
+def dtypes(precision: str) -> DTypes:
+    if precision == "bf16-master":
+        return DTypes(param=2, grad=2, compute=2)
+    if precision in ("bf16-mixed", "fp16-mixed", "fp8"):
+        return DTypes(param=4, grad=4, compute=2)
+    return DTypes(param=4, grad=4, compute=4)
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """What the optimizer keeps per parameter element and per parameter tensor (AdamW: 8 and 4)."""
+
+    per_element: float = 8.0
+    per_tensor: int = STEP_BYTES
+
+    def bytes(self, numel: int, tensors: int) -> int:
+        return int(math.ceil(self.per_element * numel)) + self.per_tensor * tensors
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights: int = 0  # parameters stored on this rank between steps
+    gradients: int = 0  # gradients this rank holds when the optimizer steps
+    optimizer_states: int = 0  # optimizer moments, step counters and master copies on this rank
+    buffers: int = 0  # communication buffers the backend keeps for the whole run (DDP buckets)
+    gathered: int = 0  # transient: unsharded weights alive at the end of forward
+    prefetch: int = 0  # transient: extra unsharded weights alive during backward (zero3 prefetch)
+    gradient_copies: int = 0  # transient: FSDP2's unsharded accumulation, DeepSpeed's full/fp32 copies
+    host: int = 0  # states moved to host memory by offload (not counted in the device components)
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states + self.buffers
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + self.gathered + self.prefetch + self.gradient_copies
+
+    def footprint(self, base: Footprint) -> Footprint:
+        """`base` with the model-state components replaced by these device bytes (upper bound)."""
+        return base.with_(
+            weights=self.weights + self.gathered + self.prefetch,
+            gradients=self.gradients + self.gradient_copies,
+            optimizer_states=self.optimizer_states,
+            other=base.other + self.buffers,
+        )
+
+
+# ----------------------------------------------------------------------------------- replicated
+
+
+def replicated_bytes(shape: ModelShape, precision: str, optimizer: OptimizerCost, ddp: bool) -> StateBytes:
+    """`none` and `ddp`: every rank holds everything; DDP adds its gradient buckets."""
+    kinds = dtypes(precision)
+    numel = shape.numel
+    grads = numel * kinds.grad
+    return StateBytes(
+        weights=numel * kinds.param,
+        gradients=grads,
+        optimizer_states=optimizer.bytes(numel, len(shape.params)),
+        buffers=grads if ddp else 0,
+    )
+
+
+def zero_redundancy_partition(numels: Iterable[int], world_size: int) -> list[list[int]]:
+    """Indices of the tensors each rank steps, as torch's ZeroRedundancyOptimizer assigns them:
+    largest first (stable for ties), each to the first rank with the fewest elements so far."""
+    indexed = list(enumerate(numels))
+    order = sorted(indexed, key=lambda item: item[1], reverse=True)
+    sizes = [0] * world_size
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    for index, numel in order:
+        rank = sizes.index(min(sizes))
+        ranks[rank].append(index)
+        sizes[rank] += numel
+    return ranks
+
+
+def zero1_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost,
+                rank: int | None = None) -> StateBytes:
+    """zero1 (fsdp2 backend): DDP with ZeroRedundancyOptimizer; only the optimizer is partitioned."""
+    full = replicated_bytes(shape, precision, optimizer, ddp=True)
+    parts = zero_redundancy_partition((p.numel for p in shape.params), world_size)
+
+    def states(r: int) -> int:
+        return optimizer.bytes(sum(shape.params[i].numel for i in parts[r]), len(parts[r]))
+
+    mine = states(rank) if rank is not None else max(states(r) for r in range(world_size))
+    return StateBytes(weights=full.weights, gradients=full.gradients, optimizer_states=mine,
+                      buffers=full.buffers)
+
+
+# ----------------------------------------------------------------------------------------- FSDP2
+
+
+def fsdp2_rows(dim0: int, world_size: int, rank: int) -> int:
+    """Rows of a dim-0 shard (torch.chunk semantics, empty chunks for the last ranks)."""
+    chunk = math.ceil(dim0 / world_size)
+    return max(0, min(chunk, dim0 - rank * chunk))
+
+
+def _groups(shape: ModelShape) -> dict[int | None, list[ParamInfo]]:
+    """FSDP groups: one per block, and the root (block None) for everything outside the blocks."""
+    groups: dict[int | None, list[ParamInfo]] = {}
+    for p in shape.params:
+        groups.setdefault(p.block, []).append(p)
+    return groups
+
+
+def fsdp2_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost, *,
+                reshard_after_forward: bool, accumulation_steps: int = 1, offload: bool = False,
+                dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+    """zero2 / zero3 on FSDP2 (`fully_shard` per block, then the root).
+
+    `dim0` gives each parameter's leading dimension (by name) for the padding arithmetic; without
+    it every parameter is taken as 1-D (padding of at most `world_size - 1` elements per tensor).
+    """
+    if rank is None:
+        per_rank = [fsdp2_bytes(shape, world_size, precision, optimizer,
+                                reshard_after_forward=reshard_after_forward,
+                                accumulation_steps=accumulation_steps, offload=offload, dim0=dim0, rank=r)
+                    for r in range(world_size)]
+        return max(per_rank, key=lambda b: (b.peak, b.host))
+    kinds = dtypes(precision)
+    rows_of = dim0 or {}
+
+    def shard(p: ParamInfo, r: int) -> tuple[int, int]:
+        """(padded, local) elements of `p` on rank r."""
+        rows = rows_of.get(p.name, p.numel)
+        per_row = p.numel // rows
+        return math.ceil(rows / world_size) * per_row, fsdp2_rows(rows, world_size, r) * per_row
+
+    padded = sum(shard(p, rank)[0] for p in shape.params)
+    local = sum(shard(p, rank)[1] for p in shape.params)
+    groups = _groups(shape)
+
+    def gathered_group(params: list[ParamInfo]) -> int:
+        return world_size * sum(shard(p, rank)[0] for p in params) * kinds.compute
+
+    root = gathered_group(groups.get(None, []))
+    largest_block = max((gathered_group(v) for k, v in groups.items() if k is not None), default=0)
+    everything = sum(gathered_group(v) for v in groups.values())
+    states = StateBytes(
+        weights=padded * kinds.param,
+        gradients=padded * kinds.grad,
+        optimizer_states=optimizer.bytes(local, len(shape.params)),
+    )
+    gathered = root if reshard_after_forward else everything
+    # zero3 re-gathers the block in backward and prefetches the next one: two blocks at once.
+    prefetch = 2 * largest_block if reshard_after_forward else 0
+    copies = shape.numel * 4 if accumulation_steps > 1 else 0  # fp32 unsharded accumulated grads
+    if offload:
+        return StateBytes(gathered=gathered, prefetch=prefetch, gradient_copies=copies,
+                          host=states.weights + states.gradients + states.optimizer_states)
+    return StateBytes(weights=states.weights, gradients=states.gradients,
+                      optimizer_states=states.optimizer_states, gathered=gathered, prefetch=prefetch,
+                      gradient_copies=copies)
+
+
+# ------------------------------------------------------------------------------------- DeepSpeed
+
+DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_threshold
+
+
+def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost, *,
+                    stage: int, offload: str = "none", accumulation_steps: int = 1,
+                    persistence_threshold: int = DEEPSPEED_PERSISTENCE_THRESHOLD,
+                    rank: int | None = None) -> StateBytes:
+    """DeepSpeed ZeRO-1/2/3 with a client torch optimizer over one parameter group (`shape.params` in
+    the model's parameter order). Model parameters are bf16 under bf16-mixed, fp32 otherwise; master
+    weights and moments are fp32 partitions. `offload`: `optimizer` moves the master partition and the
+    moments to the host; `params` (zero3) also the parameter partitions."""
+    if rank is None:
+        per_rank = [deepspeed_bytes(shape, world_size, precision, optimizer, stage=stage, offload=offload,
+                                    accumulation_steps=accumulation_steps,
+                                    persistence_threshold=persistence_threshold, rank=r)
+                    for r in range(world_size)]
+        return max(per_rank, key=lambda b: (b.peak, b.host))
+    element = 2 if precision == "bf16-mixed" else 4
+    if stage == 3:
+        partition = sum(math.ceil(p.numel / world_size) for p in shape.params)
+        persistent = sum(p.numel for p in shape.params if p.numel <= persistence_threshold)
+        blocks = _groups(shape)
+        largest_block = max((sum(p.numel for p in v) for k, v in blocks.items() if k is not None), default=0)
+        states = optimizer.bytes(partition, 1) + partition * 4  # moments + fp32 master partition
+        weights = partition * element
+        host = states + (weights if offload == "params" else 0) if offload != "none" else 0
+        return StateBytes(
+            weights=0 if offload == "params" else weights,
+            gradients=partition * element,  # the flat gradient partition, allocated at initialisation
+            optimizer_states=0 if offload != "none" else states,
+            gathered=persistent * element,
+            prefetch=2 * largest_block * element,  # bounded like FSDP2: the running and the prefetched block
+            host=host,
+        )
+    flat = sum(p.numel for p in shape.params)
+    align = 2 * world_size
+    flat = math.ceil(flat / align) * align
+    partition = flat // world_size
+    start, end = rank * partition, (rank + 1) * partition
+    overlapping, offset = 0, 0
+    for p in shape.params:
+        if offset < end and offset + p.numel > start:
+            overlapping += p.numel
+        offset += p.numel
+    states = optimizer.bytes(partition, 1) + partition * 4
+    # Stage 1 holds every full gradient until the boundary's reduction; both stages convert their
+    # partition to a fresh fp32 flat gradient inside the optimizer step.
+    full_grads = shape.numel * element if stage == 1 else 0
+    return StateBytes(
+        weights=flat * element,
+        gradients=overlapping * element,
+        optimizer_states=0 if offload != "none" else states,
+        gradient_copies=full_grads + partition * 4,
+        host=states if offload != "none" else 0,
+    )
