@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from memtrain.footprint import ModelShape, ParamInfo
+
 
 def discover_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks: `_no_split_modules` classes, else the largest uniform ModuleList."""
@@ -23,3 +25,14 @@ def discover_blocks(model: nn.Module) -> list[nn.Module]:
             if len({type(child) for child in module}) == 1:
                 best = list(module)
     return best
+
+
+def model_shape(model: nn.Module, blocks: list[nn.Module]) -> ModelShape:
+    """Every parameter tensor's size and block index (shared tensors, e.g. tied embeddings, once).
+    Works on a meta-device model, so a 70B shape costs no memory."""
+    owner: dict[int, int] = {}
+    for index, block in enumerate(blocks):
+        for p in block.parameters():
+            owner.setdefault(id(p), index)
+    params = tuple(ParamInfo(name, p.numel(), owner.get(id(p))) for name, p in model.named_parameters())
+    return ModelShape(params=params, num_blocks=len(blocks))

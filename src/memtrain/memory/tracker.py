@@ -77,6 +77,7 @@ class MemoryTracker:
         self._mode: _Watch | None = None
         self._handles: list[RemovableHandle] = []
         self._params: list[torch.Tensor] = []
+        self._masters: list[torch.Tensor] = []
         self._phase = "other"
         self._optimizer_running = False
         self._step: int | None = None
@@ -137,6 +138,7 @@ class MemoryTracker:
         self._peak_phase = self._phase
         self._peak_module = ""
         self._phase_peaks = {self._phase: live}
+        self._component_peaks = dict(self._ledger.bytes)
         self._growth: dict[str, dict[str, int]] = {}
         self._growth_mark = dict(self._ledger.bytes)
         self.timeline.begin_step(self._ledger.clock, step)
@@ -169,6 +171,7 @@ class MemoryTracker:
             phase_peaks=self._phase_peaks,
             live_bytes_end=self._ledger.live,
             phase_growth=self._growth,
+            component_peaks=self._component_peaks,
         )
         self.reports.append(report)
         self._step = None
@@ -221,6 +224,9 @@ class MemoryTracker:
             self._peak_module = self._modules.current()
         if live > self._phase_peaks.get(self._phase, -1):
             self._phase_peaks[self._phase] = live
+        for component, n in self._ledger.bytes.items():
+            if n > self._component_peaks[component]:
+                self._component_peaks[component] = n
         self.timeline.add(self._ledger.clock, self._phase, self._ledger.bytes, live, keep_sample)
 
     def _switch_phase(self, name: str) -> None:
@@ -242,9 +248,10 @@ class MemoryTracker:
 
     def _resync(self) -> None:
         self._ledger.drain()
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = [p.grad for p in [*self._params, *self._masters] if p.grad is not None]
         self._ledger.classify(
-            [("weights", self._params), ("gradients", grads), ("optimizer_states", self._optimizer_tensors())]
+            [("weights", self._params), ("gradients", grads),
+             ("optimizer_states", [*self._masters, *self._optimizer_tensors()])]
         )
         self._redraw_moves()
 
@@ -272,12 +279,21 @@ class MemoryTracker:
         return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
     def _refresh_params(self) -> None:
+        """Model parameters are weights. Parameters the optimizer steps that the model does not hold are
+        master copies (fp32 masters of bf16 weights): optimizer states, as the ZeRO accounting has it."""
         seen: dict[int, torch.Tensor] = {}
         if self.model is not None:
             seen.update((id(p), p) for p in self.model.parameters())
+        masters: dict[int, torch.Tensor] = {}
         if self.optimizer is not None:
-            seen.update((id(p), p) for group in self.optimizer.param_groups for p in group["params"])
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if self.model is None:
+                        seen.setdefault(id(p), p)
+                    elif id(p) not in seen:
+                        masters[id(p)] = p
         self._params = list(seen.values())
+        self._masters = list(masters.values())
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         if self.optimizer is None:

@@ -33,6 +33,8 @@ class StepMemory:
     live_bytes_end: int
     phase_growth: dict[str, dict[str, int]]
     """Net bytes each component gained (negative: lost) while in each phase; explains lazy state creation."""
+    component_peaks: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The most bytes each component held at any moment of the step (the estimates predict these)."""
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready copy, one line of a per-step JSONL log."""

@@ -26,9 +26,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [nn.Parameter(p.detach().float().clone()) for p in self.model_params]
         self.inner = build_inner(self.master_params)
+        super().__init__(self.master_params, self.inner.defaults)  # hooks and step patching of Optimizer
         # Share the inner optimizer's groups so that `group["lr"] = ...` reaches the real optimizer.
         self.param_groups = self.inner.param_groups
-        self.defaults = self.inner.defaults
         self.state = self.inner.state
 
     def gradients_to_master(self) -> list[nn.Parameter]:

@@ -79,7 +79,8 @@ class OptimizerStates:
         )
 
     def estimate(self, shape: ModelShape, footprint: Footprint, param_bytes: int = 4) -> Footprint:
-        """`footprint` with `optimizer_states` set to the bytes held after the first step.
+        """`footprint` with the bytes this optimizer holds after its first step added to `optimizer_states`
+        (added, because a precision may already have put its fp32 master copy there).
 
         `param_bytes` is the element size of the parameters the optimizer is given; only `fp32`
         (torch AdamW, moments in the parameter dtype) depends on it. Every parameter in `shape` is
@@ -93,7 +94,7 @@ class OptimizerStates:
             states = sum(_bnb_tensor_bytes(p.numel) for p in shape.params)
             if any(p.numel >= BNB_MIN_8BIT_SIZE for p in shape.params):
                 states += BNB_QMAP_BYTES
-        return footprint.with_(optimizer_states=states)
+        return footprint.with_(optimizer_states=footprint.optimizer_states + states)
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -102,10 +102,15 @@ class Precision:
     # ------------------------------------------------------------------ bytes
 
     def estimate(self, shape: ModelShape, footprint: Footprint) -> Footprint:
-        """Weights and gradients (bytes per parameter by precision); bf16-master adds its fp32 master
-        copy to the optimizer states (the optimizer-state strategy adds the moments on top)."""
+        """The most bytes each model-state component reaches in a step, by precision.
+
+        bf16-master: bf16 weights (2 B/param); gradients peak at 4 B/param when the bf16 gradients become
+        fp32 master gradients for the optimizer step; the fp32 master copy (4 B/param) is added to the
+        optimizer states (the optimizer-state strategy adds its moments, sized for fp32, on top).
+        The others keep fp32 weights and gradients (autocast casts per op, counted as activations).
+        """
         numel = shape.numel
         if self.name == "bf16-master":
-            return footprint.with_(weights=2 * numel, gradients=2 * numel,
+            return footprint.with_(weights=2 * numel, gradients=4 * numel,
                                    optimizer_states=footprint.optimizer_states + 4 * numel)
         return footprint.with_(weights=4 * numel, gradients=4 * numel)
