@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from memtrain.cli import main
 from memtrain.memory import COMPONENTS
@@ -60,7 +59,9 @@ def test_simulated_budget_raises_real_oom(tmp_path: Path) -> None:
     measured_peak = max(r.peak_bytes for r in fits.memory_reports)
     assert len(result.losses) == 4
     tight = CausalLMTrainer(tiny_recipe(tmp_path / "tight", memory={"budget": measured_peak - 1}))
-    with pytest.raises(torch.OutOfMemoryError, match="budget"):
-        tight.fit()
+    assert len(tight.fit().losses) == 4
+    assert tight.oom_events, "one byte short: a real OutOfMemoryError, recovered by smaller micro-batches"
+    assert "Simulated device out of memory" in tight.oom_events[0]["error"]
     exact = CausalLMTrainer(tiny_recipe(tmp_path / "exact", memory={"budget": measured_peak}))
     assert len(exact.fit().losses) == 4
+    assert not exact.oom_events

@@ -21,6 +21,8 @@ Hooks (override in a subclass):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import json
 import math
 import random
@@ -37,7 +39,7 @@ from torch import nn
 from memtrain import checkpoint as ckpt
 from memtrain.blocks import discover_blocks
 from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.metrics import MetricsLog, make_progress
 from memtrain.plan import Plan, build_sharding, resolve_plan
@@ -88,6 +90,7 @@ class Trainer:
         self.max_step_peak = 0
         self.tracker: MemoryTracker | None = None
         self.memory_reports: list[StepMemory] = []
+        self.oom_events: list[dict[str, Any]] = []  # out-of-memory errors recovered from, in order
         self.device_peaks: list[int] = []  # the cheap per-step peak, kept beside tracked reports
 
     # ------------------------------------------------------------------------------------ hooks
@@ -224,6 +227,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": skipped,
             "micro_batches": totals.micro_batches,
+            "oom_recoveries": len(self.oom_events),
             "peak_memory_bytes": self.step_peak.stop(),
         }
         self.max_step_peak = max(self.max_step_peak, row["peak_memory_bytes"])
@@ -267,26 +271,92 @@ class Trainer:
 
     def accumulate_gradients(self, step: int) -> StepTotals:
         """Forward and backward over every micro-batch of `step`, leaving in `.grad` the gradient of the
-        mean loss over all loss tokens of the global step batch."""
+        mean loss over all loss tokens of the global step batch.
+
+        Out of memory in a micro-step: every rank drops the step's tensors and gradients, the ranks agree,
+        and the *same* step batch is re-split into smaller micro-batches and redone. No sample is lost or
+        seen twice, and the gradient is the same (the loss is normalised by the global token count). The
+        smaller micro-batch size is kept for the rest of the run and saved with checkpoints.
+        """
+        batch = self.step_batch(step)
+        while True:
+            totals = self._try_accumulate(step, batch)
+            if totals is not None:
+                return totals
+            self._recover_from_oom(step)
+
+    def _try_accumulate(self, step: int, batch: Batch) -> StepTotals | None:
+        """One attempt at the step's micro-steps; None when some rank ran out of memory.
+
+        Ranks agree twice per attempt, before the last micro-step (the one whose backward synchronises
+        gradients) and after it, so a rank that failed early never leaves its peers waiting in a
+        gradient collective. (An OOM inside the last micro-step's backward under DDP is not recoverable
+        that way: the peers are inside DDP's all-reduce; the collective timeout ends the run with an error.)
+        """
         assert self.model is not None
-        micro_batches = [self._to_device(mb) for mb in self.split_batch(self.step_batch(step), self.plan.micro_batch_size)]
+        micro_batches = [self._to_device(mb) for mb in self.split_batch(batch, self.plan.micro_batch_size)]
         counts = [self.count_tokens(mb) for mb in micro_batches]
         global_tokens = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
         scale = self.sharding.grad_sync_scale(self.env) / max(global_tokens, 1)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         self.model.train()
+        failed = False
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            with self.sharding.micro_step(self.model, last):
-                with self._phase("forward"), self.precision.autocast(self.env.device):
-                    loss_sum, num_tokens = self.loss(self.model, micro_batch)
-                if step == 0:
-                    self._check_token_count(num_tokens, counts[index])
-                with self._phase("backward"):
-                    scaled = loss_sum * scale
-                    self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
-            loss_total += loss_sum.detach().double()
+            if last:
+                failed = self._any_rank(failed)
+            if failed:
+                continue
+            try:
+                loss_total += self._micro_step(micro_batch, scale, last, counts[index] if step == 0 else None)
+            except torch.OutOfMemoryError as exc:
+                self.oom_events.append({"step": step + 1, "micro_step": index + 1,
+                                        "micro_batch_size": self.plan.micro_batch_size, "error": str(exc)[:200]})
+                failed = True
+        if self._any_rank(failed):
+            return None
         return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
+
+    def _micro_step(self, micro_batch: Batch, scale: float, last: bool, expected_tokens: int | None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its summed loss (detached, float64). Its
+        tensors live only in this frame, so an exception here releases them."""
+        assert self.model is not None
+        with self.sharding.micro_step(self.model, last):
+            with self._phase("forward"), self.precision.autocast(self.env.device):
+                loss_sum, num_tokens = self.loss(self.model, micro_batch)
+            if expected_tokens is not None:
+                self._check_token_count(num_tokens, expected_tokens)
+            with self._phase("backward"):
+                scaled = loss_sum * scale
+                self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
+        return loss_sum.detach().double()
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not self.env.distributed:
+            return flag
+        return bool(all_reduce_sum(torch.tensor(int(flag), device=self.env.device), self.env) > 0)
+
+    def _recover_from_oom(self, step: int) -> None:
+        """Drop the failed attempt's gradients and cached blocks, then shrink the micro-batch."""
+        assert self.model is not None and self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.env.device.type == "cuda":
+            torch.cuda.empty_cache()
+        current = self.plan.micro_batch_size
+        smaller = next((d for d in range(current // 2, 0, -1) if self.per_rank_batch_size % d == 0), None)
+        if smaller is None:
+            raise PlanError(
+                f"out of memory at step {step + 1} even with one sequence per micro-batch; enable "
+                "strategies.checkpointing (full), lower data.seq_len, or add memory (strategies.sharding)"
+            )
+        self.plan = dataclasses.replace(
+            self.plan, micro_batch_size=smaller, accumulation_steps=self.per_rank_batch_size // smaller
+        )
+        if self.env.is_main:
+            print(f"[memtrain] out of memory at step {step + 1} with micro-batch {current}: redoing the same "
+                  f"batch as {self.plan.accumulation_steps} x {smaller}", flush=True)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -352,6 +422,7 @@ class Trainer:
                 f"{found.path}: is at step {found.step}, past train.steps={self.recipe.train.steps}"
             )
         self.sharding.load(found.path, self.model, self.optimizer, self.env)
+        self._adopt_saved_micro_batch(found.meta.get("plan", {}))
         if self.scaler is not None:
             self.scaler.load_state_dict(ckpt.load_tensor_file(found.path / "grad_scaler.pt"))
         rng_file = found.path / f"rng_rank{self.env.rank}.pt"
@@ -360,6 +431,15 @@ class Trainer:
         if self.env.is_main:
             print(f"[memtrain] resumed from {found.path} at step {found.step}", flush=True)
         return found.step
+
+    def _adopt_saved_micro_batch(self, saved: dict[str, Any]) -> None:
+        """Keep a micro-batch size that an out-of-memory recovery lowered before the checkpoint."""
+        micro = saved.get("micro_batch_size")
+        if (saved.get("world_size") == self.env.world_size and isinstance(micro, int)
+                and 0 < micro < self.plan.micro_batch_size and self.per_rank_batch_size % micro == 0):
+            self.plan = dataclasses.replace(
+                self.plan, micro_batch_size=micro, accumulation_steps=self.per_rank_batch_size // micro
+            )
 
     def _fresh_run_dir(self) -> int:
         existing = ckpt.list_checkpoints(self.checkpoint_root)

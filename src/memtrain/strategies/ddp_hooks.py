@@ -15,8 +15,8 @@ rules out gloo, although gloo all-reduces bf16 correctly. `bf16_hook` is the sam
 name; on CUDA we make the NCCL check ourselves.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations against dist.GradBucket
+# and torch.futures.Future at runtime, and would see strings.
 import torch
 import torch.distributed as dist
 from torch import nn

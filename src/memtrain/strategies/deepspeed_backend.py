@@ -44,8 +44,19 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.footprint import ModelShape
 from memtrain.strategies import deepspeed_config as dsc
-from memtrain.strategies.sharding import OptimizerFactory, ShardingBackend, ensure_process_group, warn_one_rank
-from memtrain.strategies.sharding_bytes import OptimizerCost, StateBytes, deepspeed_bytes
+from memtrain.strategies.sharding import (
+    OptimizerFactory,
+    ShardingBackend,
+    ensure_process_group,
+    warn_one_rank,
+)
+from memtrain.strategies.sharding_bytes import (
+    ADAMW,
+    DEEPSPEED_PERSISTENCE_THRESHOLD,
+    OptimizerCost,
+    StateBytes,
+    deepspeed_bytes,
+)
 
 TAG = "state"
 REFUSED_PRECISIONS = {
@@ -130,10 +141,10 @@ class DeepSpeedBackend(ShardingBackend):
         assert isinstance(inner, nn.Module)
         return inner
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
         threshold = self.config(shape.numel, world_size)["zero_optimization"].get(
-            "stage3_param_persistence_threshold", dsc.DEEPSPEED_PERSISTENCE_THRESHOLD)
+            "stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
         return deepspeed_bytes(shape, world_size, self.options.precision, optimizer, stage=self.stage,
                                offload=self.options.offload, accumulation_steps=self.options.accumulation_steps,
                                persistence_threshold=int(threshold), rank=rank)

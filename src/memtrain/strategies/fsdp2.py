@@ -40,14 +40,25 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from memtrain import sharded_checkpoint
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.footprint import ModelShape
-from memtrain.strategies.sharding import OptimizerFactory, ShardingBackend, ensure_process_group, warn_one_rank
-from memtrain.strategies.sharding_bytes import OptimizerCost, StateBytes, fsdp2_bytes
+from memtrain.strategies.sharding import (
+    OptimizerFactory,
+    ShardingBackend,
+    ensure_process_group,
+    warn_one_rank,
+)
+from memtrain.strategies.sharding_bytes import ADAMW, OptimizerCost, StateBytes, fsdp2_bytes
 
 REFUSED_PRECISIONS = {
     "bf16-master": "FSDP2's bf16-mixed already keeps sharded fp32 master weights and computes in bf16; "
@@ -113,7 +124,7 @@ class FSDP2Backend(ShardingBackend):
     def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         return self._sync(model, last)
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
         return fsdp2_bytes(shape, world_size, self.options.precision, optimizer,
                            reshard_after_forward=self.reshard_after_forward,

@@ -35,7 +35,7 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.footprint import Footprint, ModelShape
 from memtrain.strategies import ddp_hooks
-from memtrain.strategies.sharding_bytes import OptimizerCost, StateBytes, replicated_bytes
+from memtrain.strategies.sharding_bytes import ADAMW, OptimizerCost, StateBytes, replicated_bytes
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -104,14 +104,14 @@ class ShardingBackend:
         return model
 
     # ------------------------------------------------------------------ bytes
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
         """Per-rank bytes of weights, gradients, optimizer states and backend buffers (`rank=None`:
         the most loaded rank); `dim0` maps parameter names to their leading dimension (FSDP2 padding)."""
         return replicated_bytes(shape, self.options.precision, optimizer, ddp=False)
 
     def estimate(self, shape: ModelShape, footprint: Footprint, world_size: int,
-                 optimizer: OptimizerCost = OptimizerCost(), *, dim0: Mapping[str, int] | None = None) -> Footprint:
+                 optimizer: OptimizerCost = ADAMW, *, dim0: Mapping[str, int] | None = None) -> Footprint:
         """`footprint` with the model-state components of the most loaded rank (pure arithmetic)."""
         return self.state_bytes(shape, world_size, optimizer, dim0=dim0).footprint(footprint)
 
@@ -148,7 +148,7 @@ class DDPBackend(ShardingBackend):
             return model, optimizer
         return ddp_hooks.wrap_ddp(model, env, self.options.comm_hook), optimizer
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
         return replicated_bytes(shape, self.options.precision, optimizer, ddp=world_size > 1)
 

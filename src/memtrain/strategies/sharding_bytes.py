@@ -71,6 +71,9 @@ class OptimizerCost:
         return int(math.ceil(self.per_element * numel)) + self.per_tensor * tensors
 
 
+ADAMW = OptimizerCost()  # torch AdamW over fp32 parameters: two fp32 moments and a 0-dim fp32 step
+
+
 @dataclass(frozen=True)
 class StateBytes:
     weights: int = 0  # parameters stored on this rank between steps

@@ -33,7 +33,7 @@ from memtrain.errors import Unsupported
 from memtrain.footprint import ModelShape
 from memtrain.strategies import ddp_hooks
 from memtrain.strategies.sharding import DDPBackend, OptimizerFactory, warn_one_rank
-from memtrain.strategies.sharding_bytes import OptimizerCost, StateBytes, replicated_bytes, zero1_bytes
+from memtrain.strategies.sharding_bytes import ADAMW, OptimizerCost, StateBytes, replicated_bytes, zero1_bytes
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Zero1Backend(DDPBackend):
             ) from None
         return wrapped, optimizer
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = OptimizerCost(), *,
+    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
         if world_size == 1:
             return replicated_bytes(shape, self.options.precision, optimizer, ddp=False)
