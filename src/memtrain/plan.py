@@ -35,6 +35,7 @@ class Plan:
     micro_batch_size: int
     accumulation_steps: int
     world_size: int
+    micro_batch_tokens: int | None = None  # set: micro-batches are packed by tokens, not by sequences
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -91,6 +92,7 @@ def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
         optimizer_states=optimizer_states,
         sharding=sharding,
         micro_batch_size=micro,
+        micro_batch_tokens=recipe.batch.micro_tokens,
         accumulation_steps=per_rank // micro,
         world_size=env.world_size,
     )

@@ -68,6 +68,10 @@ class DataConfig(_Section):
 class BatchConfig(_Section):
     global_size: int = Field(default=16, gt=0, description="Sequences per optimizer step over all ranks.")
     micro_size: int | Literal["auto"] = Field(default="auto", description="Sequences per micro-batch per rank.")
+    micro_tokens: int | None = Field(
+        default=None, gt=0,
+        description="Token budget per micro-batch (rows x longest row), instead of micro_size: for variable-length data.",
+    )
 
     @field_validator("micro_size")
     @classmethod
@@ -322,6 +326,8 @@ def _cross_checks(recipe: Recipe) -> list[str]:
     if recipe.data.source in ("text", "jsonl") and not recipe.data.path:
         problems.append(f"data.path: required when data.source is {recipe.data.source!r}")
     micro = recipe.batch.micro_size
+    if recipe.batch.micro_tokens is not None and micro != "auto":
+        problems.append("batch.micro_tokens: give either batch.micro_tokens or batch.micro_size, not both")
     if isinstance(micro, int) and micro > recipe.batch.global_size:
         problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({recipe.batch.global_size})")
     return problems

@@ -42,6 +42,7 @@ from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distribu
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.metrics import MetricsLog, make_progress
+from memtrain.micro_batching import pack_by_tokens
 from memtrain.plan import Plan, build_sharding, resolve_plan
 from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
@@ -117,8 +118,18 @@ class Trainer:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
+        """Slices of `micro_size` rows, or, when the plan has a token budget, rows packed under it."""
+        if self.plan.micro_batch_tokens is not None:
+            groups = pack_by_tokens(self.row_tokens(batch), self.plan.micro_batch_tokens)
+            return [{k: v[torch.tensor(rows)] for k, v in batch.items()} for rows in groups]
         rows = next(iter(batch.values())).shape[0]
         return [{k: v[i : i + micro_size] for k, v in batch.items()} for i in range(0, rows, micro_size)]
+
+    def row_tokens(self, batch: Batch) -> list[int]:
+        """Each row's length up to its last loss token (what a micro-batch pads to)."""
+        real = batch["labels"] != IGNORE_INDEX
+        positions = torch.arange(1, real.shape[1] + 1).expand_as(real)
+        return (positions * real).amax(dim=1).tolist()
 
     def eval_batches(self) -> Iterable[Batch]:
         return []
@@ -344,6 +355,15 @@ class Trainer:
         gc.collect()
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()
+        tokens = self.plan.micro_batch_tokens
+        if tokens is not None:
+            if tokens <= 1:
+                raise PlanError(f"out of memory at step {step + 1} even at one token per micro-batch")
+            self.plan = dataclasses.replace(self.plan, micro_batch_tokens=tokens // 2)
+            if self.env.is_main:
+                print(f"[memtrain] out of memory at step {step + 1} with {tokens} tokens per micro-batch: "
+                      f"redoing the same batch at {tokens // 2}", flush=True)
+            return
         current = self.plan.micro_batch_size
         smaller = next((d for d in range(current // 2, 0, -1) if self.per_rank_batch_size % d == 0), None)
         if smaller is None:
