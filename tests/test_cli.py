@@ -36,6 +36,17 @@ BAD_INPUTS = {
         "model:\n  config: {model_type: gpt2, n_embd: 16, n_layer: 1, n_head: 2}\ndata:\n  source: text\n  path: nowhere.txt\n",
         "nowhere.txt",
     ),
+    "pinned paged-8bit on CPU": (
+        "model:\n  config: {model_type: gpt2, n_embd: 16, n_layer: 1, n_head: 2, vocab_size: 64}\n"
+        "data: {seq_len: 8, synthetic: {num_samples: 64}}\nstrategies: {optimizer_states: paged-8bit}\n",
+        "strategies.optimizer_states",
+    ),
+    "pinned fp8 on CPU": (
+        "model:\n  config: {model_type: gpt2, n_embd: 16, n_layer: 1, n_head: 2, vocab_size: 64}\n"
+        "data: {seq_len: 8, synthetic: {num_samples: 64}}\nstrategies: {precision: fp8}\n",
+        "compute capability >= 8.9",
+    ),
+    "unknown strategy name": ("strategies:\n  checkpointing: selectve\n", 'did you mean "selective"'),
     "batch not divisible": (
         "model:\n  config: {model_type: gpt2, n_embd: 16, n_layer: 1, n_head: 2, vocab_size: 64}\n"
         "data: {seq_len: 8, synthetic: {num_samples: 64}}\nbatch: {global_size: 6, micro_size: 4}\n",
