@@ -15,9 +15,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, TrainingStopped
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # a mistake in the input: the message names what to change
+EXIT_STOPPED = 3  # the run stopped itself after a checkpoint (e.g. too many non-finite steps)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank = os.environ.get("RANK")
         prefix = f"memtrain (rank {rank}): error" if rank not in (None, "0") else "memtrain: error"
         print(f"{prefix}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_STOPPED if isinstance(exc, TrainingStopped) else EXIT_USAGE
 
 
 def _run(args: argparse.Namespace) -> int:

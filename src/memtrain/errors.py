@@ -32,6 +32,10 @@ class Unsupported(MemtrainError):
     """A strategy cannot run in this environment (the reason says why and what to change)."""
 
 
+class TrainingStopped(MemtrainError):
+    """The run stopped itself (e.g. too many non-finite steps in a row) after saving a checkpoint."""
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' for the closest choice, or '' when nothing is close."""
     matches = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)

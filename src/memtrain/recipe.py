@@ -93,12 +93,18 @@ class TrainConfig(_Section):
     eval_every: int = Field(default=0, ge=0, description="0 disables evaluation.")
     eval_batches: int = Field(default=4, gt=0)
     log_every: int = Field(default=1, gt=0)
+    max_bad_steps: int = Field(
+        default=5, gt=0, description="Consecutive steps with non-finite gradients (each skipped) before the run stops."
+    )
 
 
 class CheckpointConfig(_Section):
     every: int = Field(default=0, ge=0, description="Save every N steps (0: only at the end).")
     keep: int = Field(default=2, gt=0)
     at_end: bool = True
+    fallback: bool = Field(
+        default=False, description="On resume, fall back to the previous checkpoint when the newest is unreadable."
+    )
 
 
 class MemoryConfig(_Section):

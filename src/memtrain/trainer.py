@@ -39,11 +39,12 @@ from torch import nn
 from memtrain import checkpoint as ckpt
 from memtrain.blocks import discover_blocks
 from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
-from memtrain.errors import MemtrainError, PlanError
+from memtrain.errors import MemtrainError, PlanError, TrainingStopped
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.metrics import MetricsLog, make_progress
 from memtrain.micro_batching import pack_by_tokens
 from memtrain.plan import Plan, build_sharding, resolve_plan
+from memtrain.preemption import PreemptionFlag
 from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
 from memtrain.strategies.checkpointing import Checkpointing
@@ -62,6 +63,7 @@ class FitResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: dict[int, float] = field(default_factory=dict)
     steps_done: int = 0
+    preempted: bool = False  # stopped by SIGTERM after a checkpoint
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -185,7 +187,9 @@ class Trainer:
         progress = make_progress(self.recipe.output.progress, total, start_step, self.env.is_main)
         started = time.perf_counter()
         tokens_seen = 0
+        bad_steps = 0
         with contextlib.ExitStack() as cleanup:
+            preemption = cleanup.enter_context(PreemptionFlag())
             if self.tracker is not None:
                 cleanup.enter_context(self.tracker)
             if log is not None:
@@ -205,10 +209,26 @@ class Trainer:
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                bad_steps = bad_steps + 1 if row["skipped"] else 0
+                if bad_steps >= self.recipe.train.max_bad_steps:
+                    self.save_checkpoint(step + 1)
+                    raise TrainingStopped(
+                        f"{bad_steps} steps in a row had non-finite gradients (last loss {row['loss']}); "
+                        f"stopped at step {step + 1} with a checkpoint in {self.checkpoint_root}. Lower "
+                        "train.lr, use strategies.precision=bf16-mixed, or raise train.max_bad_steps"
+                    )
+                if self._any_rank(preemption.raised):
+                    result.preempted = True
+                    self.save_checkpoint(step + 1)
+                    if self.env.is_main:
+                        print(f"[memtrain] SIGTERM: stopped after step {step + 1} with a checkpoint; "
+                              "continue with --resume", flush=True)
+                    break
                 if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
                     self.save_checkpoint(step + 1)
-            if self.recipe.checkpoint.at_end and result.steps_done > start_step:
-                self.save_checkpoint(result.steps_done)
+            else:
+                if self.recipe.checkpoint.at_end and result.steps_done > start_step:
+                    self.save_checkpoint(result.steps_done)
         result.summary = self._summary(result, start_step, tokens_seen, time.perf_counter() - started)
         return result
 
@@ -352,6 +372,7 @@ class Trainer:
         assert self.model is not None and self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
+        self.sharding.discard_step(self.model)
         gc.collect()
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -429,9 +450,25 @@ class Trainer:
         return final
 
     def _restore(self, resume: str | Path | bool) -> int:
-        assert self.model is not None and self.optimizer is not None
+        """Load the checkpoint to resume from; with `checkpoint.fallback`, an unreadable newest checkpoint
+        falls back to the previous one (the error names each file that failed)."""
         location = self.checkpoint_root if resume is True else Path(str(resume))
         found = ckpt.find_checkpoint(location)
+        candidates = [found]
+        if self.recipe.checkpoint.fallback and found.path.parent == location:
+            candidates += [c for c in reversed(ckpt.list_checkpoints(location)) if c.step < found.step]
+        for index, candidate in enumerate(candidates):
+            try:
+                return self._load_checkpoint(candidate)
+            except ckpt.CheckpointError as exc:
+                if index + 1 == len(candidates):
+                    raise
+                if self.env.is_main:
+                    print(f"[memtrain] {exc}; falling back to {candidates[index + 1].path}", flush=True)
+        raise AssertionError("unreachable")
+
+    def _load_checkpoint(self, found: ckpt.Checkpoint) -> int:
+        assert self.model is not None and self.optimizer is not None
         if found.meta.get("model_section") != self.recipe.to_dict()["model"]:
             raise ckpt.CheckpointError(
                 f"{found.path / 'meta.json'}: saved for a different model section; resume with the same "
