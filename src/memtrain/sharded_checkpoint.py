@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -73,7 +74,7 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
         dcp.load(state, checkpoint_id=str(path / DCP_DIR))
-    except Exception as exc:  # DCP raises CheckpointException (a BaseException subclass) or others
+    except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
         raise ckpt.CheckpointError(f"{path / DCP_DIR}: cannot be loaded into this model ({exc})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 

@@ -82,7 +82,7 @@ def gradients(backend: ShardingBackend, model: nn.Module, optimizer: torch.optim
         if backend.stage == 3:
             return storage_bytes([optimizer.grad_partitions_flat_buffer])  # type: ignore[attr-defined]
         held = optimizer.averaged_gradients  # type: ignore[attr-defined]
-        return storage_bytes(t for grads in held.values() for t in grads)
+        return storage_bytes(t for grads in held.values() if grads is not None for t in grads)  # None: offloaded
     return storage_bytes(p.grad for p in _params(optimizer))
 
 

@@ -30,6 +30,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from torch import nn
 from memtrain import checkpoint as ckpt
 from memtrain import sharded_checkpoint
 from memtrain.distributed import DistEnv
-from memtrain.errors import Unsupported
+from memtrain.errors import MemtrainError, Unsupported
 from memtrain.footprint import ModelShape
 from memtrain.strategies import deepspeed_config as dsc
 from memtrain.strategies.sharding import (
@@ -52,7 +53,7 @@ from memtrain.strategies.sharding import (
 )
 from memtrain.strategies.sharding_bytes import (
     ADAMW,
-    DEEPSPEED_PERSISTENCE_THRESHOLD,
+    DeepSpeedZero3Knobs,
     OptimizerCost,
     StateBytes,
     deepspeed_bytes,
@@ -110,6 +111,8 @@ class DeepSpeedBackend(ShardingBackend):
 
         if not env.distributed:
             warn_one_rank(self.name)
+            # DeepSpeed asserts that a launcher set LOCAL_RANK; a process started without one is rank 0.
+            os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
         ensure_process_group(env)
         config = self.config(sum(p.numel() for p in model.parameters()), env.world_size)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
@@ -136,6 +139,12 @@ class DeepSpeedBackend(ShardingBackend):
         value = float(norm) if norm is not None else math.nan
         return value, int(model.skipped_steps) > skipped_before or not math.isfinite(value)  # type: ignore[arg-type]
 
+    def discard_step(self, model: nn.Module) -> None:
+        raise MemtrainError(
+            "out of memory inside a DeepSpeed step: its partially reduced gradient partitions cannot be "
+            "discarded, so the step cannot be redone; lower batch.micro_size or use strategies.sharding_backend=fsdp2"
+        )
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         inner = getattr(model, "module", model)
         assert isinstance(inner, nn.Module)
@@ -143,11 +152,15 @@ class DeepSpeedBackend(ShardingBackend):
 
     def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
-        threshold = self.config(shape.numel, world_size)["zero_optimization"].get(
-            "stage3_param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD)
+        zero = self.config(shape.numel, world_size)["zero_optimization"]
+        default = DeepSpeedZero3Knobs()
+        knobs = DeepSpeedZero3Knobs(
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", default.persistence_threshold)),
+            max_reuse_distance=int(zero.get("stage3_max_reuse_distance", default.max_reuse_distance)),
+            prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", default.prefetch_bucket)),
+        )
         return deepspeed_bytes(shape, world_size, self.options.precision, optimizer, stage=self.stage,
-                               offload=self.options.offload, accumulation_steps=self.options.accumulation_steps,
-                               persistence_threshold=int(threshold), rank=rank)
+                               offload=self.options.offload, knobs=knobs, rank=rank)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:

@@ -23,7 +23,8 @@ Accumulation: gradient reduction is switched off on non-final micro-steps
 (`set_requires_gradient_sync(False)`), so each rank accumulates an unsharded fp32 gradient until the
 last micro-step, then reduce-scatters once (less communication, more memory; `sharding_bytes` counts
 it). The averaging reduce-scatter is undone by `grad_sync_scale`, and torch's `clip_grad_norm_`
-computes the norm over DTensor gradients globally (a Replicate DTensor), so clipping is exact.
+computes the norm over DTensor gradients globally (a Replicate DTensor), so clipping is exact. Out of
+memory mid-step: `discard_step` drops the unsharded accumulation before the trainer redoes the step.
 
 Offload: `sharding_offload=params` is `CPUOffloadPolicy`: sharded weights, gradients and the optimizer
 step on the CPU (FSDP2 offloads them together, so `optimizer` alone is refused).
@@ -50,7 +51,7 @@ from torch.distributed.fsdp import (
 
 from memtrain import sharded_checkpoint
 from memtrain.distributed import DistEnv
-from memtrain.errors import Unsupported
+from memtrain.errors import MemtrainError, Unsupported
 from memtrain.footprint import ModelShape
 from memtrain.strategies.sharding import (
     OptimizerFactory,
@@ -123,6 +124,25 @@ class FSDP2Backend(ShardingBackend):
 
     def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         return self._sync(model, last)
+
+    def discard_step(self, model: nn.Module) -> None:
+        """Drop what the failed step's earlier micro-steps accumulated inside FSDP2 (unsharded gradients,
+        not in `.grad`), then `reset_iter_state` (reshards, drops in-flight reductions). torch 2.13's
+        reset keeps the no-sync accumulation despite its docstring, so it is cleared here through
+        FSDP2's private per-parameter state; tests/sharding/test_recovery.py fails if that changes."""
+        if not hasattr(model, "reset_iter_state"):
+            raise MemtrainError(
+                "out-of-memory recovery under FSDP2 needs torch >= 2.13 (FSDPModule.reset_iter_state); "
+                "upgrade torch or lower batch.micro_size"
+            )
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.unsharded_accumulated_grad = None
+                        if hasattr(fsdp_param, "_unsharded_param"):
+                            fsdp_param._unsharded_param.grad = None
+        model.reset_iter_state()
 
     def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:

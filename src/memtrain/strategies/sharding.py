@@ -100,6 +100,11 @@ class ShardingBackend:
         norm before clipping, skipped). None: the trainer clips and steps the optimizer."""
         return None
 
+    def discard_step(self, model: nn.Module) -> None:
+        """Forget a step that failed mid-flight (out of memory) beyond the gradients the trainer zeroes:
+        state the backend keeps between micro-steps. The trainer then redoes the step."""
+        return None
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 

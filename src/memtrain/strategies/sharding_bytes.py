@@ -20,16 +20,17 @@ backends differ from the idealisation in ways that matter at the margin of a GPU
 - DeepSpeed ZeRO-1/2 flattens the parameters into one buffer (padded to a multiple of 2 x the world
   size) that stays whole on every rank, keeps a separate fp32 master partition even when training in
   fp32, and keeps the gradients of every parameter that overlaps its partition - whole. ZeRO-3 pads
-  each parameter to a multiple of the world size, keeps a persistent flat gradient partition, and
-  never partitions parameters of at most `stage3_param_persistence_threshold` elements (100k by
-  default): those stay gathered on every rank after the first forward.
+  each parameter to a multiple of the world size and keeps a persistent flat gradient partition. It
+  keeps gathered both the parameters of at most `stage3_param_persistence_threshold` elements and,
+  from the second step on, every weight reused within `stage3_max_reuse_distance` elements: with the
+  defaults, all weights of a model under 500M parameters stay gathered from forward to backward.
 
-Every function returns a `StateBytes` for one rank (`rank=None`: the most loaded rank). The
-components are the persistent states the tests measure to the byte (weights, gradients, optimizer
-states, buffers) and the transients that are modelled from the backends' source (gathered weights,
-backward prefetch, extra gradient copies). `StateBytes.footprint` adds the transients to
-the persistent states as if they were alive at once: an upper bound, since gathered weights (forward)
-and reduced gradients (after backward) do not peak together.
+Every function returns a `StateBytes` for one rank (`rank=None`: the most loaded rank). The tests
+measure the persistent states (weights, gradients, optimizer states, buffers) and the weights gathered
+at the end of forward to the byte; the other transients (backward prefetch, extra gradient copies)
+are modelled from the backends' source. `StateBytes.footprint` adds the transients to the persistent
+states as if they were alive at once: an upper bound, since gathered weights (forward) and reduced
+gradients (after backward) do not peak together.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DTypes:
 
 
 def dtypes(precision: str) -> DTypes:
+    """bf16-master stores bf16; the autocast precisions store fp32 and (under FSDP2) gather bf16."""
     if precision == "bf16-master":
         return DTypes(param=2, grad=2, compute=2)
     if precision in ("bf16-mixed", "fp16-mixed", "fp8"):
@@ -76,6 +78,8 @@ ADAMW = OptimizerCost()  # torch AdamW over fp32 parameters: two fp32 moments an
 
 @dataclass(frozen=True)
 class StateBytes:
+    """One rank's model-state bytes on the device, by component (and what offload put on the host)."""
+
     weights: int = 0  # parameters stored on this rank between steps
     gradients: int = 0  # gradients this rank holds when the optimizer steps
     optimizer_states: int = 0  # optimizer moments, step counters and master copies on this rank
@@ -216,29 +220,42 @@ def fsdp2_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: O
 
 # ------------------------------------------------------------------------------------- DeepSpeed
 
-DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_threshold
+@dataclass(frozen=True)
+class DeepSpeedZero3Knobs:
+    """The ZeRO-3 settings that decide how many gathered weights DeepSpeed keeps (its defaults)."""
+
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold: never partitioned
+    max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance: keep if reused within (elements)
+    prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (elements fetched ahead)
 
 
 def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost, *,
-                    stage: int, offload: str = "none", accumulation_steps: int = 1,
-                    persistence_threshold: int = DEEPSPEED_PERSISTENCE_THRESHOLD,
+                    stage: int, offload: str = "none", knobs: DeepSpeedZero3Knobs = DeepSpeedZero3Knobs(),
                     rank: int | None = None) -> StateBytes:
     """DeepSpeed ZeRO-1/2/3 with a client torch optimizer over one parameter group (`shape.params` in
-    the model's parameter order). Model parameters are bf16 under bf16-mixed, fp32 otherwise; master
-    weights and moments are fp32 partitions. `offload`: `optimizer` moves the master partition and the
-    moments to the host; `params` (zero3) also the parameter partitions."""
+    the model's parameter order, which is taken as the forward order). Model parameters are bf16
+    under bf16-mixed, fp32 otherwise; master weights and moments are fp32 partitions. `offload`:
+    `optimizer` moves the master partition and the moments to the host; `params` (zero3) also the
+    parameter partitions.
+
+    ZeRO-3 keeps a weight gathered after its use when the trace shows it used again within
+    `max_reuse_distance` elements: at the end of forward, the parameters whose backward use comes
+    within that distance (about twice the elements that run after them) stay gathered - with the
+    defaults (1e9), every weight of a model under 500M parameters, as with FSDP2's zero2.
+    """
     if rank is None:
         per_rank = [deepspeed_bytes(shape, world_size, precision, optimizer, stage=stage, offload=offload,
-                                    accumulation_steps=accumulation_steps,
-                                    persistence_threshold=persistence_threshold, rank=r)
-                    for r in range(world_size)]
+                                    knobs=knobs, rank=r) for r in range(world_size)]
         return max(per_rank, key=lambda b: (b.peak, b.host))
     element = 2 if precision == "bf16-mixed" else 4
     if stage == 3:
         partition = sum(math.ceil(p.numel / world_size) for p in shape.params)
-        persistent = sum(p.numel for p in shape.params if p.numel <= persistence_threshold)
-        blocks = _groups(shape)
-        largest_block = max((sum(p.numel for p in v) for k, v in blocks.items() if k is not None), default=0)
+        kept, after = 0, 0
+        for p in reversed(shape.params):
+            if p.numel <= knobs.persistence_threshold or 2 * after < knobs.max_reuse_distance:
+                kept += p.numel
+            after += p.numel
+        largest_block = max((sum(p.numel for p in v) for k, v in _groups(shape).items() if k is not None), default=0)
         states = optimizer.bytes(partition, 1) + partition * 4  # moments + fp32 master partition
         weights = partition * element
         host = states + (weights if offload == "params" else 0) if offload != "none" else 0
@@ -246,8 +263,9 @@ def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimize
             weights=0 if offload == "params" else weights,
             gradients=partition * element,  # the flat gradient partition, allocated at initialisation
             optimizer_states=0 if offload != "none" else states,
-            gathered=persistent * element,
-            prefetch=2 * largest_block * element,  # bounded like FSDP2: the running and the prefetched block
+            gathered=kept * element,
+            prefetch=min(shape.numel - kept, largest_block + knobs.prefetch_bucket) * element,
+            gradient_copies=partition * 4,  # the fp32 flat gradient the step builds from the partition
             host=host,
         )
     flat = sum(p.numel for p in shape.params)
