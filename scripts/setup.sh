@@ -21,6 +21,14 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "$TORCH_SPEC" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" -c "import torch" || { echo "[setup] installing $TORCH_SPEC failed" >&2; exit 1; }
 fi
+# DeepSpeed is an sdist that imports torch while it builds: install it against the torch above, without
+# build isolation (an isolated build would fetch its own multi-GB CUDA torch). Its C++ ops compile on
+# first use into TORCH_EXTENSIONS_DIR (scripts/test.sh keeps that in .cache/).
+if [ "${MEMTRAIN_DEEPSPEED:-1}" = "1" ] && ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
+  echo "[setup] installing deepspeed (no build isolation)"
+  "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16" 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VENV/bin/python" -c "import deepspeed" 2>/dev/null || echo "[setup] deepspeed did not install; its tests will skip" >&2
+fi
 stamp="$VENV/.memtrain-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[setup] installing memtrain[$EXTRAS] (editable)"

@@ -5,6 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 .venv/bin/python -m pytest -q "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
