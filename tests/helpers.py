@@ -50,3 +50,15 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def tracked_step(tracker: Any, model: Any, optimizer: Any, x: Any) -> None:
+    """One toy-regression step (mean squared output), each part in its memory-tracker phase."""
+    with tracker.phase("forward"):
+        loss = model(x).square().mean()
+    with tracker.phase("backward"):
+        loss.backward()
+    del loss
+    with tracker.phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad()

@@ -11,6 +11,8 @@ from torch import nn
 from memtrain.memory import MemoryTracker, _torch_private, cuda_stats
 from memtrain.memory.cuda_stats import AllocatorStats
 
+from helpers import tracked_step
+
 no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answers")
 
@@ -92,14 +94,7 @@ def test_tracker_on_cuda_follows_the_allocator() -> None:
             allocated_before, live_before = torch.cuda.memory_allocated(), tracker.live_bytes
             torch.cuda.reset_peak_memory_stats()
             tracker.begin_step(step)
-            with tracker.phase("forward"):
-                loss = model(x).square().mean()
-            with tracker.phase("backward"):
-                loss.backward()
-            del loss
-            with tracker.phase("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad()
+            tracked_step(tracker, model, optimizer, x)
             report = tracker.end_step()
             torch.cuda.synchronize()
         allocator_growth = torch.cuda.max_memory_allocated() - allocated_before

@@ -14,6 +14,8 @@ from memtrain.memory.plots import timeline_figure
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
 from memtrain.memory.timeline import Timeline
 
+from helpers import tracked_step
+
 
 @pytest.fixture(scope="module")
 def tracker() -> MemoryTracker:
@@ -25,14 +27,7 @@ def tracker() -> MemoryTracker:
     with tracker:
         for step in (1, 2, 3):
             tracker.begin_step(step)
-            with tracker.phase("forward"):
-                loss = model(x).square().mean()
-            with tracker.phase("backward"):
-                loss.backward()
-            del loss
-            with tracker.phase("optimizer"):
-                optimizer.step()
-                optimizer.zero_grad()
+            tracked_step(tracker, model, optimizer, x)
             tracker.end_step()
     return tracker
 

@@ -10,6 +10,8 @@ from torch import nn
 
 from memtrain.memory import MemoryTracker, SimulatedBudget, StepMemory
 
+from helpers import tracked_step
+
 
 def test_tensors_from_before_count_but_do_not_fail() -> None:
     before = torch.zeros(500)  # 2000 B, more than the budget
@@ -43,15 +45,7 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _step(tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer, batch: int) -> None:
-    x = torch.randn(batch, 64)
-    with tracker.phase("forward"):
-        loss = model(x).pow(2).mean()
-    with tracker.phase("backward"):
-        loss.backward()
-    del loss
-    with tracker.phase("optimizer"):
-        optimizer.step()
-        optimizer.zero_grad()
+    tracked_step(tracker, model, optimizer, torch.randn(batch, 64))
 
 
 def _run(budget: int | None, batch: int = 256) -> StepMemory:

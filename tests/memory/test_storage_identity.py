@@ -7,6 +7,8 @@ from torch import nn
 
 from memtrain.memory import MemoryTracker
 
+from helpers import tracked_step
+
 
 class _Shared(nn.Module):
     """Two parameters over one storage (a transposed view): 320 bytes, not 640."""
@@ -70,14 +72,7 @@ def _wide(batch: int = 256) -> tuple[nn.Module, torch.optim.Optimizer, torch.Ten
 def _train_step(
     tracker: MemoryTracker, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
 ) -> None:
-    with tracker.phase("forward"):
-        loss = model(x).pow(2).mean()
-    with tracker.phase("backward"):
-        loss.backward()
-    del loss
-    with tracker.phase("optimizer"):
-        optimizer.step()
-        optimizer.zero_grad()
+    tracked_step(tracker, model, optimizer, x)
 
 
 def test_optimizer_state_appears_in_step_one_and_stays() -> None:

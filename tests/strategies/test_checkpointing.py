@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -39,14 +39,6 @@ MODES = [
 ALL_MODES = [Checkpointing("none"), *MODES]
 ESTIMATE_TOLERANCE = 0.10  # measured worst case: 3.2% (offload on the hand-written model)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """These tensors are too small for a second intra-op thread, which stalls on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------- models

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import io
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,14 +42,6 @@ BF16_LOSS_TOLERANCE = 1e-2
 # How far (nats) the mean loss of the last 5 steps must fall below that of the first 5 (measured: 0.8).
 MIN_LOSS_DROP = 0.5
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tensors this small gain nothing from a second intra-op thread, and stall on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> nn.Module:
