@@ -8,9 +8,7 @@ size), and the sequence length is checked against the model's maximum.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +17,7 @@ from torch import nn
 
 from memtrain import data as data_lib
 from memtrain.errors import RecipeError, did_you_mean
+from memtrain.jsonfile import read_json_object
 from memtrain.recipe import Recipe
 from memtrain.trainer import Batch, Trainer
 
@@ -28,16 +27,7 @@ def config_dict(recipe: Recipe) -> tuple[dict[str, Any], str]:
     if recipe.model.config is not None:
         return dict(recipe.model.config), "model.config"
     assert recipe.model.config_path is not None
-    path = Path(recipe.model.config_path)
-    if not path.is_file():
-        raise RecipeError([f"model.config_path: file not found: {path}"])
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise RecipeError([f"model.config_path: {path} is not valid JSON ({exc.msg}, line {exc.lineno})"]) from None
-    if not isinstance(loaded, dict):
-        raise RecipeError([f"model.config_path: {path} must hold a JSON object"])
-    return loaded, "model.config_path"
+    return read_json_object(recipe.model.config_path, "model.config_path"), "model.config_path"
 
 
 def build_config(recipe: Recipe) -> Any:

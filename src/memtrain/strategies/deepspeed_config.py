@@ -23,12 +23,11 @@ keeps the recipe's torch optimizer (DeepSpeedCPUAdam would change the numerics).
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from memtrain.errors import RecipeError
+from memtrain.jsonfile import read_json_object
 
 DEEPSPEED_BUCKET_DEFAULT = 500_000_000  # reduce/allgather bucket elements (DeepSpeed's default)
 DEEPSPEED_PREFETCH_DEFAULT = 50_000_000  # stage3_prefetch_bucket_size
@@ -85,16 +84,7 @@ def default_keys(plan: DeepSpeedPlan) -> dict[str, Any]:
 
 
 def read_user_config(path: str) -> dict[str, Any]:
-    file = Path(path)
-    if not file.is_file():
-        raise RecipeError([f"{USER_KEY}: file not found: {file}"])
-    try:
-        loaded = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise RecipeError([f"{USER_KEY}: {file} is not valid JSON ({exc.msg}, line {exc.lineno})"]) from None
-    if not isinstance(loaded, dict):
-        raise RecipeError([f"{USER_KEY}: {file} must hold a JSON object"])
-    return loaded
+    return read_json_object(path, USER_KEY)
 
 
 def build_config(plan: DeepSpeedPlan, user: dict[str, Any] | None = None) -> dict[str, Any]:
