@@ -4,7 +4,10 @@ Layout: `<run>/checkpoints/step_00000010/` holding `model.pt`, `optimizer.pt`, `
 `meta.json`. Every file is written into `step_00000010.tmp/` first, flushed to disk, and the directory
 is renamed into place only when complete: a crash mid-save leaves a `.tmp` directory that is never
 picked up (and is removed by the next save), and the previous checkpoint stays intact. Only the last
-`keep` checkpoints are kept.
+`keep` checkpoints are kept; an old one is renamed to `.tmp` before it is deleted, so a crash mid-prune
+never leaves a half-deleted checkpoint that looks complete. A `step_*` directory is therefore always
+whole unless something outside memtrain damaged it, so one with a damaged or missing meta.json is still
+listed, and fails with an error naming the file (or is skipped by `checkpoint.fallback`).
 
 Loading uses `torch.load(weights_only=True)`: no arbitrary pickle from a checkpoint directory.
 """
@@ -37,7 +40,15 @@ class CheckpointError(MemtrainError):
 class Checkpoint:
     path: Path
     step: int
-    meta: dict[str, Any]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """meta.json, read and checked when asked for (a damaged one must not hide the others)."""
+        return read_meta(self.path, self.step)
+
+
+# meta.json fields memtrain reads on resume, and their JSON types.
+META_TYPES: dict[str, type] = {"step": int, "world_size": int, "plan": dict, "skipped_steps": int, "model_section": dict}
 
 
 def step_dir_name(step: int) -> str:
@@ -45,28 +56,37 @@ def step_dir_name(step: int) -> str:
 
 
 def list_checkpoints(root: Path) -> list[Checkpoint]:
-    """Complete checkpoints under `root`, oldest first (`.tmp` directories are ignored)."""
-    found = []
+    """Checkpoint directories under `root`, oldest first (`.tmp` directories are not checkpoints)."""
     if not root.is_dir():
-        return found
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and (child / "meta.json").is_file():
-            found.append(Checkpoint(child, int(match.group(1)), read_meta(child)))
+        return []
+    found = [Checkpoint(child, int(match.group(1))) for child in root.iterdir()
+             if (match := STEP_DIR.match(child.name)) and child.is_dir()]
     return sorted(found, key=lambda c: c.step)
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path, step: int | None = None) -> dict[str, Any]:
+    """The checkpoint's meta.json; CheckpointError naming the file when it is missing or damaged."""
+    file = path / "meta.json"
     try:
-        return json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path / 'meta.json'}: unreadable checkpoint metadata ({exc})") from None
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
+        raise CheckpointError(f"{file}: unreadable checkpoint metadata ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file}: checkpoint metadata must be a JSON object, not {type(meta).__name__}")
+    wrong = [f"{key} is not {kind.__name__}" for key, kind in META_TYPES.items()
+             if key in meta and not isinstance(meta[key], kind)]
+    if wrong:
+        raise CheckpointError(f"{file}: damaged checkpoint metadata ({'; '.join(wrong)})")
+    if step is not None and meta.get("step", step) != step:
+        raise CheckpointError(f"{file}: says step {meta['step']}, but its directory is step {step}")
+    return meta
 
 
 def find_checkpoint(location: Path) -> Checkpoint:
     """`location` is one checkpoint directory or a directory of them (the newest is taken)."""
-    if STEP_DIR.match(location.name) and (location / "meta.json").is_file():
-        return Checkpoint(location, int(STEP_DIR.match(location.name).group(1)), read_meta(location))
+    match = STEP_DIR.match(location.name)
+    if match and location.is_dir():
+        return Checkpoint(location, int(match.group(1)))
     found = list_checkpoints(location)
     if not found:
         raise CheckpointError(f"no checkpoint under {location}; train without --resume or point --resume at one")
@@ -127,8 +147,19 @@ def commit_save(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     os.replace(staging, final)
     _fsync_dir(root)
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old.path, ignore_errors=True)
+        doomed = old.path.with_name(old.path.name + ".tmp")  # out of the listing in one rename
+        os.replace(old.path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
+
+
+def load_rng_state(path: Path) -> None:
+    """Restore the random streams saved in `path` (see `rng_state`)."""
+    state = load_tensor_file(path)
+    try:
+        set_rng_state(state)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: not an RNG state saved by memtrain ({type(exc).__name__}: {exc})") from None
 
 
 def rng_state() -> dict[str, Any]:

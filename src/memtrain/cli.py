@@ -1,4 +1,4 @@
-"""`memtrain train | profile | validate | schema`.
+"""`memtrain train | plan | profile | validate | schema`.
 
 Launch several ranks with torchrun: `torchrun --nproc_per_node=2 -m memtrain train RECIPE`. Every
 user mistake (a `MemtrainError`) prints one message naming what to change and exits with code 2,
@@ -44,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("--out", type=Path, default=None, help="output directory (default <run dir>/profile)")
     profile.add_argument("--json", action="store_true", help="print memory.json to stdout instead of the table")
 
+    plan = commands.add_parser("plan", help="predict every allowed plan's memory; show the fastest that fits")
+    plan.add_argument("recipe")
+    plan.add_argument("overrides", nargs="*")
+    plan.add_argument("--json", action="store_true", help="print the plan, predictions and budget as JSON")
+    plan.add_argument("--gpu", default=None, metavar="NAME",
+                      help="plan for a GPU that is not here: a profile in configs/ (e.g. h100-80gb) or its path")
+    plan.add_argument("--gpu-memory", default=None, metavar="SIZE", help="plan for a GPU of this size (e.g. 24GiB)")
+    plan.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)")
+
     commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
     return parser
 
@@ -74,6 +83,11 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "profile":
         return _profile(args)
+    if args.command == "plan":
+        from memtrain.planner import command
+
+        return command.run(args.recipe, list(args.overrides), as_json=args.json, gpu=args.gpu,
+                           gpu_memory=args.gpu_memory, world_size=args.world_size)
     overrides = list(args.overrides)
     if args.command == "train":
         if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):

@@ -61,7 +61,10 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
     path = Path(cfg.tokenizer)
     if not path.is_file():
         raise RecipeError([f'data.tokenizer: file not found: {path} (use "byte" or a tokenizers JSON path)'])
-    return JsonTokenizer(path)
+    try:
+        return JsonTokenizer(path)
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        raise RecipeError([f"data.tokenizer: {path} is not a tokenizers JSON file ({exc})"]) from None
 
 
 def read_documents(cfg: DataConfig) -> list[str]:

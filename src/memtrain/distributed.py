@@ -47,8 +47,22 @@ def init_distributed() -> DistEnv:
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT, **kwargs)
+        dist.init_process_group(backend=backend, store=_attempt_store(rank, world_size), rank=rank,
+                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT, **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _attempt_store(rank: int, world_size: int) -> dist.Store:
+    """The rendezvous store of torchrun's environment, keyed by restart.
+
+    torchrun --max-restarts keeps one store for every attempt of the group, and a restarted group would
+    read the dead group's addresses from it and fail to connect ("Connection refused"; pytorch#167288).
+    A prefix per restart gives each attempt its own keys.
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=COLLECTIVE_TIMEOUT))
+    store.set_timeout(COLLECTIVE_TIMEOUT)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"memtrain/attempt_{attempt}", store)
 
 
 def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -8,6 +8,7 @@ size), and the sequence length is checked against the model's maximum.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,8 +56,11 @@ def build_config(recipe: Recipe) -> Any:
                 raw[name] = None
     try:
         config = AutoConfig.for_model(model_type, **raw)
-    except (ValueError, TypeError) as exc:
-        raise RecipeError([f"{key}: the {model_type} config rejects these values ({exc})"]) from None
+    except Exception as exc:  # ValueError, TypeError, or huggingface_hub's strict-dataclass validation errors
+        text = " ".join(str(exc).split())
+        field = re.match(r"Validation error for field '(\w+)'", text)
+        where = f"{key}.{field.group(1)}" if field else key
+        raise RecipeError([f"{where}: the {model_type} config rejects these values ({text})"]) from None
     # transformers keeps a field it does not know as a plain attribute (a misspelt num_hidden_layers
     # would silently build the default depth); legacy fields it understands (rope_theta) it consumes.
     default = AutoConfig.for_model(model_type)
@@ -64,7 +68,18 @@ def build_config(recipe: Recipe) -> Any:
     if unknown:
         known = [a for a in dir(default) if not a.startswith("_")]
         raise RecipeError([f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown])
+    sizes = [(name, getattr(config, name, None)) for name in _SIZES]
+    bad = [f"{key}.{name}: must be a positive integer (got {value!r})" for name, value in sizes
+           if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0)]
+    if bad:
+        raise RecipeError(bad)
     return config
+
+
+# Size fields (of the common configs) that must be positive: torch would fail deep inside the model
+# build (a negative dimension, a division by zero heads) with a traceback instead.
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions", "n_inner")
 
 
 # Fields every transformers config takes even when the default instance lacks the attribute.

@@ -1,12 +1,10 @@
 """`Plan`: the frozen set of choices a run trains with, and how a recipe's choices become one.
 
-The recipe may leave choices open (`auto`, or a list of allowed names). Until the memory planner
-(issue 6) predicts and compares candidates, open choices resolve by fixed, documented rules:
-`auto` precision → bf16-mixed where the GPU supports it, else fp32; `auto` checkpointing → none; `auto` optimizer states → fp32;
-`auto` sharding → ddp on several
-ranks, else none; a list → its first entry that passes its strategy's check; `auto` micro-batch → the
-whole per-rank step batch (no accumulation). Pinned choices are always honoured or rejected with the
-reason.
+A recipe may leave choices open (`auto`, a list of allowed names, `batch.micro_size: auto`). Then the
+memory planner (`memtrain.planner`) predicts the peak memory of every allowed combination, keeps those
+that fit the measured headroom and picks the fastest by its step-time model; all ranks agree on it. A
+recipe that pins every choice skips the planner: its choices are checked (`Unsupported` with the
+strategy's reason when one cannot run here) and used as they are.
 """
 
 from __future__ import annotations
@@ -14,15 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtrain.distributed import DistEnv
-from memtrain.errors import RecipeError, Unsupported
+from memtrain.errors import RecipeError
 from memtrain.recipe import Recipe
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.optimizer import OptimizerStates
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.sharding import ShardingBackend, make_sharding
+
+if TYPE_CHECKING:
+    from memtrain.planner.search import PlanResult
 
 
 @dataclass(frozen=True)
@@ -45,50 +46,59 @@ class Plan:
 
 
 def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
-    """Turn the recipe's (possibly open) choices into a concrete plan for this world size."""
-    precision = _choose(
-        "strategies.precision",
-        recipe.strategies.precision,
-        auto=["bf16-mixed", "fp32"] if env.device.type == "cuda" else ["fp32"],
-        check=lambda name: Precision(name, fp8_emulate=recipe.strategies.fp8_emulate).check(env.device),
-    )
-    fraction = recipe.strategies.checkpointing_fraction
-    checkpointing = _choose(
-        "strategies.checkpointing",
-        recipe.strategies.checkpointing,
-        auto=["none"],
-        check=lambda name: checkpointing_strategy(name, fraction).check(env.device),
-    )
-    optimizer_states = _choose(
-        "strategies.optimizer_states",
-        recipe.strategies.optimizer_states,
-        auto=["fp32"],
-        check=lambda name: OptimizerStates(name).check(env.device),
-    )
-    sharding = _choose(
-        "strategies.sharding",
-        recipe.strategies.sharding,
-        auto=["ddp"] if env.distributed else ["none"],
-        check=lambda name: make_sharding(name, **sharding_options(recipe, precision)).check(env),
-    )
+    """The plan this run trains with (collective on several ranks when the planner runs)."""
+    return make_plan(recipe, env).plan
+
+
+def make_plan(recipe: Recipe, env: DistEnv, *, free_bytes: int | None = None) -> PlanResult:
+    """The plan with what the planner predicted for it (`PlanResult.predicted`, None for a pinned plan).
+    `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom)."""
+    from memtrain.planner import plan_for_run
+    from memtrain.planner.search import PlanResult
+
+    if is_open(recipe):
+        return plan_for_run(recipe, env, free_bytes=free_bytes)
+    return PlanResult(plan=pinned_plan(recipe, env), backend=recipe.strategies.sharding_backend,
+                      offload=recipe.strategies.sharding_offload)
+
+
+def is_open(recipe: Recipe) -> bool:
+    """Whether the recipe leaves anything for the planner to choose."""
+    s = recipe.strategies
+    choices = (s.precision, s.checkpointing, s.optimizer_states, s.sharding)
+    return recipe.batch.micro_size == "auto" and recipe.batch.micro_tokens is None or any(
+        not isinstance(c, str) or c == "auto" for c in choices)
+
+
+def per_rank_batch(recipe: Recipe, world_size: int) -> int:
+    """Sequences per rank per step; `RecipeError` when the global batch does not divide."""
     global_size = recipe.batch.global_size
-    if global_size % env.world_size:
-        raise RecipeError(
-            [f"batch.global_size: {global_size} is not divisible by the world size {env.world_size}"]
-        )
-    per_rank = global_size // env.world_size
+    if global_size % world_size:
+        raise RecipeError([f"batch.global_size: {global_size} is not divisible by the world size {world_size}"])
+    micro = recipe.batch.micro_size
+    if isinstance(micro, int) and (global_size // world_size) % micro:
+        raise RecipeError([f"batch.global_size: {global_size} is not divisible by world size x batch.micro_size "
+                           f"({world_size} x {micro}); change batch.global_size or batch.micro_size"])
+    return global_size // world_size
+
+
+def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
+    """The plan of a recipe that pins every choice, each checked on this device."""
+    s = recipe.strategies
+    assert not is_open(recipe)
+    names = {"precision": s.precision, "checkpointing": s.checkpointing,
+             "optimizer_states": s.optimizer_states, "sharding": s.sharding}
+    precision, checkpointing, optimizer_states, sharding = (str(v) for v in names.values())
+    Precision(precision, fp8_emulate=s.fp8_emulate).check(env.device)
+    checkpointing_strategy(checkpointing, s.checkpointing_fraction).check(env.device)
+    OptimizerStates(optimizer_states).check(env.device)
+    make_sharding(sharding, **sharding_options(recipe, precision)).check(env)
+    per_rank = per_rank_batch(recipe, env.world_size)
     micro = per_rank if recipe.batch.micro_size == "auto" else recipe.batch.micro_size
-    if per_rank % micro:
-        raise RecipeError(
-            [
-                f"batch.global_size: {global_size} is not divisible by world size x batch.micro_size "
-                f"({env.world_size} x {micro}); change batch.global_size or batch.micro_size"
-            ]
-        )
     return Plan(
         precision=precision,
         checkpointing=checkpointing,
-        checkpointing_fraction=fraction if checkpointing == "fraction" else 1.0,
+        checkpointing_fraction=s.checkpointing_fraction if checkpointing == "fraction" else 1.0,
         optimizer_states=optimizer_states,
         sharding=sharding,
         micro_batch_size=micro,
@@ -118,17 +128,3 @@ def build_sharding(recipe: Recipe, plan: Plan) -> ShardingBackend:
 def checkpointing_strategy(name: str, fraction: float) -> Checkpointing:
     """The recipe's fraction applies only to the `fraction` mode."""
     return Checkpointing(name, fraction if name == "fraction" else 1.0)
-
-
-def _choose(key: str, value: str | list[str], auto: list[str], check: object) -> str:
-    candidates = auto if value == "auto" else [value] if isinstance(value, str) else list(value)
-    reasons = []
-    for name in candidates:
-        try:
-            check(name)  # type: ignore[operator]
-            return name
-        except Unsupported as exc:
-            if isinstance(value, str) and value != "auto":
-                raise
-            reasons.append(str(exc))
-    raise Unsupported(f"{key}: none of {candidates} can run here: " + "; ".join(reasons))

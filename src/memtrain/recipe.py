@@ -31,13 +31,14 @@ SHARDINGS: tuple[str, ...] = get_args(ShardingName)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf/nan are never meaningful in a recipe (YAML reads .inf and .nan as floats): reject them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
     name: str = "run"
     output_dir: str | None = Field(default=None, description="Run directory; default runs/<name>.")
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**32, description="0 <= seed < 2**32 (numpy's range).")
 
 
 class ModelConfig(_Section):
@@ -97,6 +98,13 @@ class TrainConfig(_Section):
         default=5, gt=0, description="Consecutive steps with non-finite gradients (each skipped) before the run stops."
     )
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
+
 
 class CheckpointConfig(_Section):
     every: int = Field(default=0, ge=0, description="Save every N steps (0: only at the end).")
@@ -150,6 +158,26 @@ class StrategiesConfig(_Section):
     )
 
 
+class PlannerConfig(_Section):
+    safety_fraction: float | None = Field(
+        default=None, ge=0.0, lt=1.0,
+        description="Share of the free memory kept back for allocator slack and prediction error "
+        "(default: 0.10 on CUDA, 0.02 on CPU, where the tracker counts exactly).",
+    )
+    checkpointing_fractions: list[float] = Field(
+        default=[0.25, 0.5, 0.75], min_length=1,
+        description="Fractions of blocks the planner tries when strategies.checkpointing is auto or a list "
+        "(a pinned checkpointing=fraction uses strategies.checkpointing_fraction).",
+    )
+
+    @field_validator("checkpointing_fractions")
+    @classmethod
+    def _in_range(cls, value: list[float]) -> list[float]:
+        if any(not 0.0 < f <= 1.0 for f in value):
+            raise ValueError("every fraction must be in (0, 1]")
+        return value
+
+
 class Recipe(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -160,6 +188,7 @@ class Recipe(_Section):
     output: OutputConfig = OutputConfig()
     memory: MemoryConfig = MemoryConfig()
     strategies: StrategiesConfig = StrategiesConfig()
+    planner: PlannerConfig = PlannerConfig()
 
     def output_path(self) -> Path:
         return Path(self.run.output_dir or f"runs/{self.run.name}")
@@ -178,9 +207,12 @@ class Recipe(_Section):
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read, override and validate a recipe file; raise `RecipeError` listing every problem."""
     source = str(path)
-    raw = read_yaml(Path(path))
-    raw = apply_overrides(raw, overrides or [], source)
-    return recipe_from_dict(raw, source=source)
+    try:
+        raw = read_yaml(Path(path))
+        raw = apply_overrides(raw, overrides or [], source)
+        return recipe_from_dict(raw, source=source)
+    except RecursionError:  # the YAML parser, copying and validation all recurse per level
+        raise RecipeError(["the recipe is nested too deeply (hundreds of levels) to be a recipe"], source) from None
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -273,8 +305,14 @@ def _describe(exc: ValidationError) -> list[str]:
             suffix = " (or a list of them)" if takes_list else ""
             problems.append(f"{path}: {word!r} is not one of {listed}{suffix}{did_you_mean(word, allowed)}")
         else:
-            problems.append(f"{path}: {first['msg']} (got {first.get('input')!r})")
+            problems.append(f"{path}: {first['msg']} (got {_short(first.get('input'))})")
     return problems
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """The repr of a rejected input, cut to `limit` characters (a deeply nested or huge value)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _field_path(loc: list[str]) -> list[str]:

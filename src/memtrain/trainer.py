@@ -307,7 +307,8 @@ class Trainer:
         Out of memory in a micro-step: every rank drops the step's tensors and gradients, the ranks agree,
         and the *same* step batch is re-split into smaller micro-batches and redone. No sample is lost or
         seen twice, and the gradient is the same (the loss is normalised by the global token count). The
-        smaller micro-batch size is kept for the rest of the run and saved with checkpoints.
+        smaller micro-batch size is kept for the rest of the run and saved with checkpoints. (On several
+        ranks, an OOM inside the last micro-step's backward is the exception: see `_try_accumulate`.)
         """
         batch = self.step_batch(step)
         while True:
@@ -319,10 +320,14 @@ class Trainer:
     def _try_accumulate(self, step: int, batch: Batch) -> StepTotals | None:
         """One attempt at the step's micro-steps; None when some rank ran out of memory.
 
-        Ranks agree twice per attempt, before the last micro-step (the one whose backward synchronises
-        gradients) and after it, so a rank that failed early never leaves its peers waiting in a
-        gradient collective. (An OOM inside the last micro-step's backward under DDP is not recoverable
-        that way: the peers are inside DDP's all-reduce; the collective timeout ends the run with an error.)
+        The ranks agree once per attempt, after the last micro-step's forward and before its backward
+        (the backward that synchronises gradients), so an OOM in any earlier micro-step or in that forward
+        is redone by every rank together, and no rank is ever left waiting in a gradient collective.
+        An OOM inside the last backward on several ranks cannot be agreed on: the peers are already inside
+        the backend's gradient collective, which the failed rank can neither join nor cancel (answering
+        with the agreement would pair it with a gradient bucket: a collective mismatch). That rank stops
+        with a `PlanError` and issues no further collective; the peers' collective then fails on the lost
+        peer (or at the collective timeout).
         """
         assert self.model is not None
         micro_batches = [self._to_device(mb) for mb in self.split_batch(batch, self.plan.micro_batch_size)]
@@ -334,33 +339,61 @@ class Trainer:
         failed = False
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            if last:
-                failed = self._any_rank(failed)
-            if failed:
+            if failed and not last:
                 continue
-            try:
-                loss_total += self._micro_step(micro_batch, scale, last, counts[index] if step == 0 else None)
-            except torch.OutOfMemoryError as exc:
-                self.oom_events.append({"step": step + 1, "micro_step": index + 1,
-                                        "micro_batch_size": self.plan.micro_batch_size, "error": str(exc)[:200]})
-                failed = True
-        if self._any_rank(failed):
+            with self.sharding.micro_step(self.model, last):
+                loss_sum: torch.Tensor | None = None
+                if not failed:
+                    try:
+                        loss_sum = self._forward(micro_batch, counts[index] if step == 0 else None)
+                    except torch.OutOfMemoryError as exc:
+                        self._note_oom(step, index, "forward", exc)
+                failed = loss_sum is None
+                if last and self._any_rank(failed):
+                    return None
+                if loss_sum is None:
+                    continue
+                try:
+                    self._backward(loss_sum, scale)
+                except torch.OutOfMemoryError as exc:
+                    self._note_oom(step, index, "backward", exc)
+                    if last and self.env.distributed:
+                        raise self._unagreeable_oom(step) from None
+                    failed = True
+                    continue
+            loss_total += loss_sum.detach().double()
+        if failed:
             return None
         return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
 
-    def _micro_step(self, micro_batch: Batch, scale: float, last: bool, expected_tokens: int | None) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its summed loss (detached, float64). Its
-        tensors live only in this frame, so an exception here releases them."""
+    def _forward(self, micro_batch: Batch, expected_tokens: int | None) -> torch.Tensor:
+        """The micro-batch's summed loss, its graph kept for `_backward`."""
         assert self.model is not None
-        with self.sharding.micro_step(self.model, last):
-            with self._phase("forward"), self.precision.autocast(self.env.device):
-                loss_sum, num_tokens = self.loss(self.model, micro_batch)
-            if expected_tokens is not None:
-                self._check_token_count(num_tokens, expected_tokens)
-            with self._phase("backward"):
-                scaled = loss_sum * scale
-                self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
-        return loss_sum.detach().double()
+        with self._phase("forward"), self.precision.autocast(self.env.device):
+            loss_sum, num_tokens = self.loss(self.model, micro_batch)
+        if expected_tokens is not None:
+            self._check_token_count(num_tokens, expected_tokens)
+        return loss_sum
+
+    def _backward(self, loss_sum: torch.Tensor, scale: float) -> None:
+        assert self.model is not None
+        with self._phase("backward"):
+            scaled = loss_sum * scale
+            self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
+
+    def _note_oom(self, step: int, index: int, phase: str, exc: torch.OutOfMemoryError) -> None:
+        self.oom_events.append({"step": step + 1, "micro_step": index + 1, "phase": phase,
+                                "micro_batch_size": self.plan.micro_batch_size, "error": str(exc)[:200]})
+
+    def _unagreeable_oom(self, step: int) -> PlanError:
+        tokens = self.plan.micro_batch_tokens
+        smaller = (f"a smaller batch.micro_tokens (it was {tokens})" if tokens is not None
+                   else f"a smaller batch.micro_size (it was {self.plan.micro_batch_size})")
+        return PlanError(
+            f"out of memory on rank {self.env.rank} in the backward of the last micro-step of step {step + 1}, "
+            "while the other ranks were already exchanging its gradients: the ranks cannot agree to redo "
+            f"this step. Continue with --resume and {smaller}"
+        )
 
     def _any_rank(self, flag: bool) -> bool:
         if not self.env.distributed:
@@ -451,7 +484,8 @@ class Trainer:
 
     def _restore(self, resume: str | Path | bool) -> int:
         """Load the checkpoint to resume from; with `checkpoint.fallback`, an unreadable newest checkpoint
-        falls back to the previous one (the error names each file that failed)."""
+        falls back to the previous one (the error names each file that failed). The ranks agree on each
+        candidate, so a file only one rank reads (its RNG state) moves them all to the same checkpoint."""
         location = self.checkpoint_root if resume is True else Path(str(resume))
         found = ckpt.find_checkpoint(location)
         candidates = [found]
@@ -459,17 +493,23 @@ class Trainer:
             candidates += [c for c in reversed(ckpt.list_checkpoints(location)) if c.step < found.step]
         for index, candidate in enumerate(candidates):
             try:
-                return self._load_checkpoint(candidate)
+                step, problem = self._load_checkpoint(candidate), None
             except ckpt.CheckpointError as exc:
-                if index + 1 == len(candidates):
-                    raise
-                if self.env.is_main:
-                    print(f"[memtrain] {exc}; falling back to {candidates[index + 1].path}", flush=True)
+                step, problem = -1, str(exc)
+            if not self._any_rank(problem is not None):
+                return step
+            problem = problem or f"{candidate.path}: another rank could not load it (see its error)"
+            if index + 1 == len(candidates):
+                raise ckpt.CheckpointError(problem)
+            if self.env.is_main:
+                print(f"[memtrain] {problem}; falling back to {candidates[index + 1].path}", flush=True)
         raise AssertionError("unreachable")
 
     def _load_checkpoint(self, found: ckpt.Checkpoint) -> int:
+        """Load `found` into the run; the plan changes only once every file has loaded."""
         assert self.model is not None and self.optimizer is not None
-        if found.meta.get("model_section") != self.recipe.to_dict()["model"]:
+        meta = found.meta
+        if meta.get("model_section") != self.recipe.to_dict()["model"]:
             raise ckpt.CheckpointError(
                 f"{found.path / 'meta.json'}: saved for a different model section; resume with the same "
                 "model: settings or start a new run.output_dir"
@@ -478,16 +518,36 @@ class Trainer:
             raise ckpt.CheckpointError(
                 f"{found.path}: is at step {found.step}, past train.steps={self.recipe.train.steps}"
             )
-        self.sharding.load(found.path, self.model, self.optimizer, self.env)
-        self._adopt_saved_micro_batch(found.meta.get("plan", {}))
+        optimizer_file = found.path / "optimizer.pt"
+        try:
+            self.sharding.load(found.path, self.model, self.optimizer, self.env)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # e.g. another optimizer's state
+            where = optimizer_file if optimizer_file.is_file() else found.path
+            raise ckpt.CheckpointError(f"{where}: does not fit this run ({type(exc).__name__}: {exc})") from None
+        if optimizer_file.is_file() and self.plan.sharding in ("none", "ddp"):
+            self._check_optimizer_shapes(optimizer_file)
         if self.scaler is not None:
             self.scaler.load_state_dict(ckpt.load_tensor_file(found.path / "grad_scaler.pt"))
         rng_file = found.path / f"rng_rank{self.env.rank}.pt"
-        ckpt.set_rng_state(ckpt.load_tensor_file(rng_file if rng_file.is_file() else found.path / "rng_rank0.pt"))
-        self.skipped_steps = int(found.meta.get("skipped_steps", 0))
+        ckpt.load_rng_state(rng_file if rng_file.is_file() else found.path / "rng_rank0.pt")
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self._adopt_saved_micro_batch(meta.get("plan", {}))
         if self.env.is_main:
             print(f"[memtrain] resumed from {found.path} at step {found.step}", flush=True)
         return found.step
+
+    def _check_optimizer_shapes(self, file: Path) -> None:
+        """Another model's optimizer.pt loads without complaint (same number of tensors) and would fail,
+        or broadcast silently, in the first step: each state tensor must have its parameter's shape."""
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                for name, value in self.optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                        raise ckpt.CheckpointError(
+                            f"{file}: optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
+                            f"shape {tuple(param.shape)} (written for another model)"
+                        )
 
     def _adopt_saved_micro_batch(self, saved: dict[str, Any]) -> None:
         """Keep a micro-batch size that an out-of-memory recovery lowered before the checkpoint."""

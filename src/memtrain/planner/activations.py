@@ -1,0 +1,282 @@
+"""The activation side of the memory model: trace a few blocks of the real model, fit, and scale.
+
+Why a trace: activations depend on the attention kernel, the MLP shape, dropout, the loss's fp32 logits and
+on how each block's Python code holds its intermediates; formulas get all of these wrong somewhere. So the
+planner runs the training step itself — forward and backward of two micro-steps, built and run the way the
+trainer builds and runs them (precision swap, checkpointing, low-precision cast, autocast, the trainer's
+loss) — under `fake_tensors()` with the `MemoryTracker` counting every storage. No memory is used, so
+any size traces in well under a second on a CPU.
+
+Why segments: the peak of a step is not a sum of independent maxima. Activations grow block by block in
+forward while gradients are still absent (first micro-step), then shrink block by block in backward while
+gradients appear; a later micro-step runs with all gradients present. The trace is therefore cut at block
+boundaries (forward hooks on the blocks; tensor hooks on the blocks' outputs and on the first block's input
+mark where each block's backward starts and ends) into segments, and every segment keeps, per component,
+its level at the start, at its own peak, its component maxima and its end. `memory_model.walk` replays
+those relative changes over the full depth of the real model, block by block, with each block's
+checkpointing mode, from the model-state levels given by arithmetic.
+
+Why a reduced depth: a clone of three blocks — the first (it receives the embeddings), a middle one and
+the last (its output goes to the head) — has every kind of segment. The middle block is the one that
+stands for the others: only a block with a block on either side frees its predecessor's output inside its
+own segment, as every middle block of the real model does (measured: two blocks are 1% off for bf16
+weights). Embeddings, the head and the loss keep their real sizes (vocabulary and width are unchanged),
+so the head side needs no scaling; each middle block of the real model is one more copy of the clone's.
+Models with at most three blocks are traced whole.
+
+One segment is not a block's: `fwd.release`, the end of autocast. Autocast caches the low-precision copy
+of every weight it casts until its context exits; copies that autograd saved live on, the others (those
+of recomputed blocks) are freed there, all at once. The walk charges that release to each block by its
+mode, one clone's share per block.
+
+Why each checkpointing mode is traced rather than derived from a `none` profile with
+`Checkpointing.estimate`: measured on GPT-2, Llama, Qwen2 and Phi (fp32, full / selective / fraction 0.5),
+both give the activations' peak to the byte, but the walk needs more than that peak: each mode's backward
+segments (the recompute's transients, the gradients of activations in `other`), which only a trace of
+that mode has. A trace costs about a second.
+
+Why two micro-batch sizes: at a fixed sequence length every activation is proportional to the micro-batch,
+so each number is fitted as a + b·tokens from two traces and read at any micro-batch size
+(model_probe.py picks the two sizes).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.footprint import COMPONENTS
+from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
+from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.precision import Precision
+
+Vec = tuple[float, ...]
+"""Bytes per component, in `COMPONENTS` order."""
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
+MICRO_STEPS = ("first", "later")  # without gradients at the start / with every gradient present
+CLONE_DEPTH = 3  # first, middle, last
+
+
+@dataclass(frozen=True)
+class SegmentKey:
+    micro_step: str  # "first" or "later"
+    phase: str  # fwd.pre, fwd.block, fwd.head, fwd.release, bwd.head, bwd.block, bwd.pre
+    block: int = -1  # the clone's block index for *.block segments
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of a traced micro-step, relative to its start: where it peaked (per component, at the
+    moment of its total peak), how high each component got, and where it ended."""
+
+    at_peak: Vec
+    maxima: Vec
+    end: Vec
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """The segments of two traced micro-steps of one model at one micro-batch size."""
+
+    tokens: int
+    depth: int
+    segments: dict[SegmentKey, Segment]
+
+
+@dataclass(frozen=True)
+class FittedTrace:
+    """`StepTrace` numbers as a + b·tokens, read at any micro-batch."""
+
+    depth: int
+    intercept: dict[SegmentKey, Segment]
+    slope: dict[SegmentKey, Segment]
+
+    def at(self, key: SegmentKey, tokens: int) -> Segment:
+        a, b = self.intercept[key], self.slope[key]
+        return Segment(*(_affine(getattr(a, f), getattr(b, f), tokens) for f in ("at_peak", "maxima", "end")))
+
+
+def fit(small: StepTrace, large: StepTrace) -> FittedTrace:
+    """The line through two traces of the same model at different token counts."""
+    if small.tokens == large.tokens or small.segments.keys() != large.segments.keys():
+        raise ValueError("fit needs two traces of the same model at two different micro-batch sizes")
+    span = large.tokens - small.tokens
+    intercept, slope = {}, {}
+    for key, s in small.segments.items():
+        g = large.segments[key]
+        fields = ("at_peak", "maxima", "end")
+        slopes = [tuple((y - x) / span for x, y in zip(getattr(s, f), getattr(g, f), strict=True)) for f in fields]
+        slope[key] = Segment(*slopes)
+        intercept[key] = Segment(*(_affine(getattr(s, f), b, -small.tokens) for f, b in zip(fields, slopes, strict=True)))
+    return FittedTrace(depth=small.depth, intercept=intercept, slope=slope)
+
+
+def clone_depth(num_blocks: int) -> int:
+    return min(num_blocks, CLONE_DEPTH)
+
+
+def shallow_config(config: Any, depth: int) -> Any:
+    """A copy of a transformers config with `depth` blocks (per-layer lists cut to match)."""
+    clone = copy.deepcopy(config)
+    clone.num_hidden_layers = depth
+    layer_types = getattr(clone, "layer_types", None)
+    if isinstance(layer_types, list):
+        clone.layer_types = layer_types[:depth]
+    return clone
+
+
+def trace_step(
+    build_model: Callable[[], nn.Module],
+    find_blocks: Callable[[nn.Module], list[nn.Module]],
+    make_batch: Callable[[int], Batch],
+    loss_fn: LossFn,
+    precision: Precision,
+    checkpointing: Checkpointing,
+    micro_batch_size: int,
+    weights_dtype: torch.dtype | None = None,
+) -> StepTrace:
+    """Build the model under fake tensors as the trainer would (fp8 swap, checkpointing, cast) and trace two
+    micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes the batch (called under the fake mode).
+    `weights_dtype` overrides the dtype the forward reads weights in (FSDP2 and DeepSpeed hand bf16 weights
+    to a bf16-mixed forward, so autocast has nothing to cast and cache)."""
+    cast_to = weights_dtype or precision.cast_model(nn.Linear(1, 1, bias=False)).weight.dtype
+    mode = fake_tensors()
+    with mode:
+        model = build_model()
+        blocks = find_blocks(model)
+        precision.swap_modules(model, blocks)
+        checkpointing.apply(model, blocks)
+        _cast(model, cast_to)
+        model.train()
+        tracker = MemoryTracker(model)
+        recorder = _Recorder(tracker, blocks)
+        with tracker, recorder.hooks():
+            batch = make_batch(micro_batch_size)
+            tokens = int(batch["input_ids"].numel())
+            for kind in MICRO_STEPS:
+                recorder.micro_step = kind
+                recorder.mark(SegmentKey(kind, "fwd.pre"))
+                with tracker.phase("forward"):
+                    with precision.autocast(torch.device("cpu")):
+                        loss_sum, _ = loss_fn(model, batch)
+                        recorder.mark(SegmentKey(kind, "fwd.release"))
+                with tracker.phase("backward"):
+                    recorder.mark(SegmentKey(kind, "bwd.head"))
+                    (loss_sum * (1.0 / tokens)).backward()
+                    recorder.mark(None)
+                del loss_sum
+    return StepTrace(tokens=tokens, depth=len(blocks), segments=recorder.segments)
+
+
+class _Recorder:
+    """Cuts the traced micro-steps into segments with the tracker's own step reports."""
+
+    def __init__(self, tracker: MemoryTracker, blocks: Sequence[nn.Module]) -> None:
+        self.tracker = tracker
+        self.blocks = list(blocks)
+        self.micro_step = MICRO_STEPS[0]
+        self.segments: dict[SegmentKey, Segment] = {}
+        self._open: SegmentKey | None = None
+        self._start: Vec = ()
+
+    def mark(self, key: SegmentKey | None) -> None:
+        """Close the open segment and open `key` (None: just close)."""
+        tracker = self.tracker
+        if self._open is not None:
+            report = tracker.end_step()
+            self.segments[self._open] = _segment(self._start, report, _vec(tracker.snapshot()))
+        self._open = key
+        if key is not None:
+            self._start = _vec(tracker.snapshot())
+            tracker.begin_step(0)
+
+    def hooks(self) -> _Hooks:
+        return _Hooks(self)
+
+    def entering(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        kind = self.micro_step
+        self.mark(SegmentKey(kind, "fwd.block", index))
+        if index == 0:
+            _on_grad(_first_graph_tensor((args, kwargs)), lambda: self.mark(SegmentKey(kind, "bwd.pre")))
+
+    def leaving(self, index: int, output: Any) -> None:
+        kind = self.micro_step
+        _on_grad(_first_graph_tensor(output), lambda: self.mark(SegmentKey(kind, "bwd.block", index)))
+        if index == len(self.blocks) - 1:
+            self.mark(SegmentKey(kind, "fwd.head"))
+
+
+class _Hooks:
+    def __init__(self, recorder: _Recorder) -> None:
+        self._recorder = recorder
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> None:
+        r = self._recorder
+        for index, block in enumerate(r.blocks):
+            self._handles.append(block.register_forward_pre_hook(
+                lambda _m, args, kwargs, i=index: r.entering(i, args, kwargs), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(lambda _m, _a, out, i=index: r.leaving(i, out)))
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """`Precision.cast_model` for a model of fake tensors: `Module.to(dtype)` swaps parameter objects,
+    which fake tensors refuse, so the same cast (floating parameters and buffers) goes through `.data`."""
+    if dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype)
+
+
+def _on_grad(tensor: torch.Tensor | None, callback: Callable[[], None]) -> None:
+    if tensor is not None and torch.is_grad_enabled():
+        tensor.register_hook(lambda _grad: callback())
+
+
+def _first_graph_tensor(value: Any) -> torch.Tensor | None:
+    return next(_graph_tensors(value), None)
+
+
+def _graph_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.grad_fn is not None:
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _graph_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _graph_tensors(v)
+    elif hasattr(value, "to_tuple"):  # transformers ModelOutput
+        yield from _graph_tensors(value.to_tuple())
+
+
+def _segment(start: Vec, report: StepMemory, end: Vec) -> Segment:
+    at_peak = _vec(report.at_peak)
+    maxima = _vec(report.component_peaks)
+    return Segment(_minus(at_peak, start), _minus(maxima, start), _minus(end, start))
+
+
+def _vec(by_component: dict[str, int]) -> Vec:
+    return tuple(float(by_component[c]) for c in COMPONENTS)
+
+
+def _minus(a: Vec, b: Vec) -> Vec:
+    return tuple(x - y for x, y in zip(a, b, strict=True))
+
+
+def _affine(a: Vec, b: Vec, tokens: int) -> Vec:
+    return tuple(x + y * tokens for x, y in zip(a, b, strict=True))

@@ -1,0 +1,145 @@
+"""How many bytes a plan may use: measured headroom, the simulated budget, or a what-if GPU.
+
+Why measured and not the spec sheet: the CUDA context, other processes and the driver take their share
+before training starts, and ranks of one job can see different free memory. On CUDA the planner reads
+`torch.cuda.mem_get_info` after the process group exists (NCCL's context is then there too), takes the
+minimum over ranks (the plan must fit on the fullest GPU), keeps a reserve for NCCL's buffers, which
+appear at the first collective, and then a safety fraction for allocator slack and prediction error.
+On CPU the budget is the simulated device budget (`memory.budget`: the tracker raises a real
+`torch.OutOfMemoryError` past it), else the host's available memory. Without the hardware, a GPU profile
+from configs/ (`--gpu h100-80gb`) or a size (`--gpu-memory 24GiB`) stands in: total as torch reports
+it, less the CUDA context.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from memtrain.distributed import DistEnv
+from memtrain.errors import PlanError, did_you_mean
+
+CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parents[3] / "configs")
+NCCL_RESERVE_BYTES = 512 * 2**20  # NCCL's communicator buffers, allocated at the first collective
+SAFETY_FRACTION = {"cuda": 0.10, "cpu": 0.02}  # allocator slack + prediction error; the CPU tracker is exact
+DEFAULT_CUDA_CONTEXT_BYTES = 2**30  # --gpu-memory without a profile
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """Facts of one GPU model from configs/NAME.yaml."""
+
+    name: str
+    memory_bytes: int
+    compute_capability: tuple[int, int]
+    bf16: bool
+    fp8: bool
+    cuda_context_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes per rank: the device's total, what is free, what is held back, what a plan may use."""
+
+    total: int
+    free: int
+    reserve: int
+    usable: int
+    source: str
+
+    def to_dict(self) -> dict[str, int]:
+        return {"total": self.total, "free": self.free, "reserve": self.reserve, "usable": self.usable}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the plan runs: device kind, ranks, budget and what the device can compute in."""
+
+    device_type: str
+    world_size: int
+    budget: MemoryBudget
+    bf16: bool
+    fp8: bool
+
+
+def load_gpu(name: str) -> GpuProfile:
+    """A GPU profile by name (configs/NAME.yaml) or by path to such a file."""
+    path = Path(name)
+    if not path.is_file():
+        found = [d / f"{name}.yaml" for d in CONFIG_DIRS if (d / f"{name}.yaml").is_file()]
+        if not found:
+            known = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.yaml")})
+            raise PlanError(f"--gpu: no GPU profile {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}")
+        path = found[0]
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    major, _, minor = str(raw["compute_capability"]).partition(".")
+    return GpuProfile(name=str(raw["name"]), memory_bytes=int(raw["memory_bytes"]),
+                      compute_capability=(int(major), int(minor or 0)), bf16=bool(raw["bf16"]),
+                      fp8=bool(raw["fp8"]), cuda_context_bytes=int(raw["cuda_context_bytes"]))
+
+
+def budget_from(total: int, free: int, reserve: int, safety: float, source: str) -> MemoryBudget:
+    usable = int(max(0, free - reserve) * (1.0 - safety))
+    return MemoryBudget(total=total, free=free, reserve=reserve, usable=usable, source=source)
+
+
+def safety_for(device_type: str, configured: float | None) -> float:
+    return SAFETY_FRACTION.get(device_type, SAFETY_FRACTION["cuda"]) if configured is None else configured
+
+
+def what_if_target(world_size: int, gpu: GpuProfile | None, memory_bytes: int | None,
+                   safety: float | None) -> Target:
+    """A CUDA target described by a profile and/or a memory size, without the hardware."""
+    total = memory_bytes if memory_bytes is not None else gpu.memory_bytes if gpu is not None else None
+    if total is None:
+        raise PlanError("what-if planning needs --gpu NAME or --gpu-memory SIZE")
+    context = gpu.cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES
+    reserve = NCCL_RESERVE_BYTES if world_size > 1 else 0
+    label = gpu.name if gpu is not None else "GPU"
+    budget = budget_from(total, total - context, reserve, safety_for("cuda", safety),
+                         f"what-if: {world_size} x {label}, {total / 2**30:.2f} GiB each, less the CUDA context")
+    return Target("cuda", world_size, budget, bf16=gpu.bf16 if gpu is not None else True,
+                  fp8=gpu.fp8 if gpu is not None else False)
+
+
+def measured_target(env: DistEnv, simulated_budget: int | None, safety: float | None,
+                    free_override: int | None = None) -> Target:
+    """The target this process runs on; on several ranks the budget is the minimum over ranks.
+    `free_override` replaces this rank's measured free bytes (tests inject uneven headroom with it)."""
+    device = env.device.type
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info(env.device)
+        bf16 = torch.cuda.is_bf16_supported()
+        fp8 = torch.cuda.get_device_capability(env.device) >= (8, 9)
+        reserve = NCCL_RESERVE_BYTES if env.distributed else 0
+        source = "measured (torch.cuda.mem_get_info)"
+    elif simulated_budget is not None:
+        free = total = simulated_budget
+        bf16, fp8, reserve, source = True, False, 0, "simulated (memory.budget)"
+    else:
+        total, free = _host_memory()
+        bf16, fp8, reserve, source = True, False, 0, "host memory (no memory.budget set)"
+    if free_override is not None:
+        free = free_override
+    if env.distributed:
+        free, total = _min_over_ranks(free, env), _min_over_ranks(total, env)
+        source += f", minimum over {env.world_size} ranks"
+    budget = budget_from(total, free, reserve, safety_for(device, safety), source)
+    return Target(device, env.world_size, budget, bf16=bf16, fp8=fp8)
+
+
+def _host_memory() -> tuple[int, int]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+
+
+def _min_over_ranks(value: int, env: DistEnv) -> int:
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64, device=env.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

@@ -1,0 +1,251 @@
+"""The predicted peak of one plan: model states by arithmetic, activations by trace, composed over time.
+
+Why composition and not a sum: the five components never peak together. Gradients are absent while the
+first micro-step's forward builds its activations and grow while its backward frees them; every later
+micro-step runs with all gradients present; the optimizer step has no activations but its own
+temporaries (and, for bf16-master, fp32 master gradients). Adding each component's maximum would
+over-predict by up to the gradients' size, so the planner replays a step instead:
+
+1. model-state levels from the strategies' own estimates (`Precision`, `OptimizerStates`, the sharding
+   backend's `state_bytes`), buffers and the step's data;
+2. `walk`: the traced segments of a micro-step (activations.py), block by block over the real depth, each
+   block with its own checkpointing mode (`fraction` mixes recomputed and plain blocks), starting from the
+   model-state level; the first micro-step starts without gradients, later ones where the first ended;
+3. the optimizer step: weights, states and gradients at their optimizer-time size plus the optimizer's
+   temporaries (below) and, for bf16-master, the bf16→fp32 gradient hand-over.
+
+The prediction is the highest of these moments, broken down as the tracker reports a peak (`at_peak`
+sums to the peak), together with each component's own maximum (`maxima`).
+
+Sharded plans (zero1/2/3) use the backend's per-rank `StateBytes` as one block (the backend's upper bound:
+gathered weights, prefetch and gradient copies as if alive at once) and the walk's activations and
+temporaries on top; gradient traffic inside backward is the backend's, not the trace's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from memtrain.footprint import COMPONENTS, Footprint, ModelShape
+from memtrain.planner.activations import FittedTrace, Segment, SegmentKey, Vec
+
+GRADIENTS = COMPONENTS.index("gradients")
+_ZERO: Vec = (0.0,) * len(COMPONENTS)
+
+# Optimizer-step temporaries, in fp32 copies of the largest parameter tensor (per-tensor loops) or of the
+# whole local parameter set (torch's foreach AdamW on CUDA: one `_foreach_sqrt` of every second moment).
+# Measured with the tracker on CPU (tests/planner/test_memory_model.py checks them).
+PER_TENSOR_TEMPORARIES = {"fp32": 2, "bf16": 6, "8bit": 0, "paged-8bit": 0}
+FOREACH_TEMPORARIES = {"fp32": 1}
+
+
+@dataclass(frozen=True)
+class StateLevels:
+    """One rank's bytes outside the activations, from arithmetic.
+
+    `gradients` is what backward leaves (bf16 for bf16-master); `optimizer_gradients` what the optimizer
+    steps on; `optimizer_extra` the most the optimizer step holds above weights + states +
+    optimizer_gradients; `other` buffers, backend buffers and the step's input data; `replicated`: the
+    trace's own gradients are this rank's (none/ddp), else the backend's `gradients` stand for them.
+    """
+
+    weights: int
+    optimizer_states: int
+    gradients: int
+    optimizer_gradients: int
+    optimizer_extra: int
+    other: int
+    replicated: bool = True
+    stored: tuple[int, int, int] = (0, 0, 0)  # weights, gradients, optimizer states kept between steps
+
+
+@dataclass(frozen=True)
+class Prediction:
+    at_peak: Footprint
+    maxima: Footprint
+    where: str
+    lower_bound: bool = False  # activations were not traced (the model states alone do not fit)
+
+    @property
+    def peak(self) -> int:
+        return self.at_peak.peak
+
+
+def block_modes(checkpointing: str, checkpointed: Sequence[bool], device_type: str) -> list[str]:
+    """The traced mode each block runs in (`fraction`: recomputed blocks `full`, the rest `none`).
+    On a CPU `offload` keeps saved tensors where they are, so it is `none` there."""
+    if checkpointing == "fraction":
+        return ["full" if again else "none" for again in checkpointed]
+    if checkpointing == "offload" and device_type != "cuda":
+        return ["none"] * len(checkpointed)
+    return [checkpointing] * len(checkpointed)
+
+
+def traced_modes(checkpointing: str, device_type: str) -> tuple[str, ...]:
+    """The modes a plan's prediction needs traces of (offload on CUDA is derived from none and full)."""
+    if checkpointing == "fraction" or (checkpointing == "offload" and device_type == "cuda"):
+        return ("none", "full")
+    if checkpointing == "offload":
+        return ("none",)
+    return (checkpointing,)
+
+
+def offload_trace(none: FittedTrace, full: FittedTrace) -> FittedTrace:
+    """Offloaded blocks on CUDA: each block runs its forward as without checkpointing but leaves only what a
+    recomputed block leaves (its saved tensors went to the host); its backward brings them back."""
+
+    def derive(table: str) -> dict[SegmentKey, Segment]:
+        plain, recomputed = getattr(none, table), getattr(full, table)
+        out = dict(plain)
+        for key, seg in plain.items():
+            if key.phase != "fwd.block":
+                continue
+            moved = _minus(seg.end, recomputed[key].end)
+            out[key] = Segment(seg.at_peak, seg.maxima, recomputed[key].end)
+            back = SegmentKey(key.micro_step, "bwd.block", key.block)
+            b = plain[back]
+            out[back] = Segment(_plus(b.at_peak, moved), _plus(b.maxima, moved), _plus(b.end, moved))
+        return out
+
+    return FittedTrace(depth=none.depth, intercept=derive("intercept"), slope=derive("slope"))
+
+
+@dataclass(frozen=True)
+class Walk:
+    """One replayed micro-step, relative to the level it started from (walks add to any start)."""
+
+    at_peak: Vec
+    maxima: Vec
+    end: Vec
+    where: str
+
+
+@dataclass(frozen=True)
+class StepWalk:
+    """The first micro-step and, with accumulation, a later one (which starts where the first ended)."""
+
+    first: Walk
+    later: Walk | None
+    traced: bool = True  # False: no activations (a lower bound for plans whose states alone do not fit)
+
+
+def step_walk(traces: Mapping[str, FittedTrace], modes: Sequence[str], tokens: int, accumulation_steps: int,
+              replicated: bool = True) -> StepWalk:
+    first = walk(traces, modes, tokens, "first", _ZERO, replicated)
+    later = walk(traces, modes, tokens, "later", first.end, replicated) if accumulation_steps > 1 else None
+    return StepWalk(first, later)
+
+
+def walk(traces: Mapping[str, FittedTrace], modes: Sequence[str], tokens: int, micro_step: str,
+         start: Vec, replicated: bool = True) -> Walk:
+    """Replay one micro-step of `len(modes)` blocks from the level `start`.
+
+    Block 0 of the real model reads the clone's block 0, its last block the clone's last, every other
+    block the clone's block 1 (a model traced whole reads its own blocks); the head and the loss read the
+    last block's mode, the embeddings the first's. A run of identical blocks changes the level by the same amount per block, so its highest
+    moment is in its first or its last block: runs cost two evaluations, whatever the depth.
+    """
+    depth = min(trace.depth for trace in traces.values())
+    level, best, maxima, where = start, start, start, "start"
+    for phase, first_index, count, clone_index, mode in _runs(modes, depth):
+        seg = traces[mode].at(SegmentKey(micro_step, phase, clone_index), tokens)
+        if not replicated:
+            seg = Segment(*(_without_gradients(v) for v in (seg.at_peak, seg.maxima, seg.end)))
+        if phase == "fwd.release":  # only frees: the clone's `depth` blocks' share, for `count` blocks
+            level = _plus(level, _times(seg.end, count / depth))
+            continue
+        for offset in {0, count - 1}:
+            base = _plus(level, _times(seg.end, offset))
+            here = _plus(base, seg.at_peak)
+            if sum(here) > sum(best):
+                index = first_index + (offset if phase.startswith("fwd") else -offset)
+                best, where = here, _describe(micro_step, phase, index)
+            maxima = tuple(max(m, x) for m, x in zip(maxima, _plus(base, seg.maxima), strict=True))
+        level = _plus(level, _times(seg.end, count))
+    return Walk(best, maxima, level, where)
+
+
+def _runs(modes: Sequence[str], depth: int) -> list[tuple[str, int, int, int, str]]:
+    """(phase, first block index, blocks in the run, clone block index, mode) in execution order."""
+    count = len(modes)
+
+    def clone_index(i: int) -> int:
+        if count <= depth:
+            return i
+        return 0 if i == 0 else depth - 1 if i == count - 1 else 1
+
+    forward: list[tuple[str, int, int, int, str]] = []
+    for i, mode in enumerate(modes):
+        last = forward[-1] if forward else None
+        if last is not None and last[4] == mode and last[3] == clone_index(i) == 1:
+            forward[-1] = (last[0], last[1], last[2] + 1, last[3], mode)
+        else:
+            forward.append(("fwd.block", i, 1, clone_index(i), mode))
+    backward = [("bwd.block", first + n - 1, n, index, mode) for _, first, n, index, mode in reversed(forward)]
+    release = [("fwd.release", -1, modes.count(mode), -1, mode) for mode in dict.fromkeys(modes)]
+    return [("fwd.pre", -1, 1, -1, modes[0]), *forward, ("fwd.head", -1, 1, -1, modes[-1]), *release,
+            ("bwd.head", -1, 1, -1, modes[-1]), *backward, ("bwd.pre", -1, 1, -1, modes[0])]
+
+
+def predict(levels: StateLevels, walks: StepWalk) -> Prediction:
+    """The step's peak: the first micro-step, a later one (with accumulation), or the optimizer step."""
+    rest = (float(levels.weights), float(levels.gradients if not levels.replicated else 0),
+            float(levels.optimizer_states), 0.0, float(levels.other))
+    moments = [w for w in (walks.first, walks.later) if w is not None]
+    optimizer = (float(levels.weights), float(levels.optimizer_gradients), float(levels.optimizer_states), 0.0,
+                 float(levels.other + levels.optimizer_extra))
+    best = max(moments, key=lambda w: sum(w.at_peak))
+    maxima = tuple(max(values) for values in zip(*(_plus(rest, w.maxima) for w in moments), optimizer, strict=True))
+    bound = not walks.traced
+    if sum(optimizer) > sum(rest) + sum(best.at_peak):
+        return Prediction(_footprint(optimizer), _footprint(maxima), "optimizer step", bound)
+    return Prediction(_footprint(_plus(rest, best.at_peak)), _footprint(maxima), best.where, bound)
+
+
+def optimizer_extra(shape: ModelShape, optimizer_states: str, foreach: bool, master_handover: bool) -> int:
+    """Bytes the optimizer step holds above weights, states and fp32 gradients.
+
+    Per-tensor optimizers (torch AdamW off CUDA, the bf16-state AdamW) hold fp32 temporaries of one tensor at
+    a time; torch's foreach AdamW (its CUDA default) one fp32 temporary of all parameters. bf16-master first
+    hands the bf16 gradients over as fp32 master gradients, tensor by tensor: the bf16 gradients not yet
+    converted are still alive then, and with optimizers without temporaries (8-bit) that is the higher moment.
+    """
+    largest = max((p.numel for p in shape.params), default=0)
+    if foreach and optimizer_states in FOREACH_TEMPORARIES:
+        extra = FOREACH_TEMPORARIES[optimizer_states] * 4 * shape.numel
+    else:
+        extra = PER_TENSOR_TEMPORARIES[optimizer_states] * 4 * largest
+    if master_handover:
+        done, handover = 0, 0
+        for p in shape.params:  # bf16 of the rest + fp32 of those done + this one's fp32 copy, over 4·numel
+            handover = max(handover, 2 * (shape.numel - done) + 4 * done + 4 * p.numel - 4 * shape.numel)
+            done += p.numel
+        extra = max(extra, handover)
+    return extra
+
+
+def _describe(micro_step: str, phase: str, index: int) -> str:
+    direction = "forward" if phase.startswith("fwd") else "backward"
+    part = {"pre": "embeddings", "head": "head and loss"}.get(phase.split(".")[1], f"block {index}")
+    return f"{direction}, {part}, {micro_step} micro-step"
+
+
+def _times(v: Vec, n: float) -> Vec:
+    return tuple(x * n for x in v)
+
+
+def _without_gradients(v: Vec) -> Vec:
+    return tuple(0.0 if i == GRADIENTS else x for i, x in enumerate(v))
+
+
+def _footprint(v: Vec) -> Footprint:
+    return Footprint(**{name: max(0, round(x)) for name, x in zip(COMPONENTS, v, strict=True)})
+
+
+def _plus(a: Vec, b: Vec) -> Vec:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
+def _minus(a: Vec, b: Vec) -> Vec:
+    return tuple(x - y for x, y in zip(a, b, strict=True))

@@ -1,0 +1,373 @@
+"""A `CausalLMTrainer` that breaks itself on purpose, and a launcher that runs `memtrain`'s command line
+with it: `python -m memtrain.testing.faults [--fault JSON ...] train RECIPE [overrides] [--resume auto]`
+(also as `torchrun ... -m memtrain.testing.faults ...`).
+
+Why: the faults worth proving — kill -9 in the middle of a step or of a checkpoint file, an out-of-memory
+error in a chosen micro-step's forward or backward, NaN/inf in the loss or a gradient, a rank that dies
+or hangs — must happen inside the real loop, in real processes. Each `--fault` is a JSON `Fault`, so the
+fault suite draws the points from its seed and any failure is reproduced by its command line.
+
+The trainer also keeps a ledger per rank (`ledger_rank<r>.json` in the run directory, and `ledger`):
+for every step, the sample ids of every attempt (an out-of-memory error makes the trainer redo the
+step), the micro-batch size that completed it, and digests of the parameters and optimizer states
+before and after. That is what shows no sample was lost or seen twice and a skipped step touched
+nothing. Two harness options serve the out-of-memory scenarios: `--reset-micro` starts every step at
+the recipe's micro-batch size (a run then absorbs an OOM at any step, not only until the micro-batch
+reaches one sequence), and `--micro-schedule` replays the sizes a faulty run ended each step with, so
+a fault-free reference run does the same arithmetic and the two can be compared bit for bit.
+
+Kills and hangs fire only in the first launch of a torchrun job (`TORCHELASTIC_RESTART_COUNT` 0), so a
+restarted group runs clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from torch import nn
+
+from memtrain import checkpoint as ckpt
+from memtrain import cli, models
+from memtrain.models import CausalLMTrainer
+from memtrain.recipe import Recipe
+from memtrain.trainer import Batch, FitResult
+
+KINDS = ("kill", "oom", "nan", "inf", "inf_grad", "hang", "delay")
+PHASES = ("forward", "backward", "save", "prune")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault. `step` is the 1-based step number, as in metrics.jsonl and checkpoint names.
+
+    kill      SIGKILL this process: in micro-step `micro` of attempt `attempt` of `step` (`phase`
+              forward, or backward: late in the backward, after most parameter gradients exist); or
+              while checkpoint `step` is saved (`phase` save: after `fraction` of `file`'s bytes are on
+              disk; `phase` prune: after the checkpoint is renamed into place, part of the way through
+              deleting an older one).
+    oom       raise torch.OutOfMemoryError at the same points as a mid-step kill.
+    nan, inf  multiply every micro-step's loss of `step` by NaN or inf.
+    inf_grad  set one gradient element to inf after the backward of `step`.
+    hang      sleep `seconds` at the start of `step`.
+    delay     sleep `seconds` in the first micro-step of every step (so a signal lands mid-step).
+    Every fault fires once, on rank `rank` only (-1: on every rank).
+    """
+
+    kind: str
+    step: int = 0
+    micro: int = 1
+    attempt: int = 1
+    phase: str = "forward"
+    file: str = ""
+    fraction: float = 0.5
+    rank: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.phase not in PHASES:
+            raise ValueError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}")
+        if self.phase == "save" and not self.file:
+            raise ValueError("a kill in phase 'save' needs the file being written (e.g. model.pt)")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        try:
+            return cls(**json.loads(text))
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"bad --fault {text!r}: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Harness:
+    """The faults of one run, and the micro-batch options of the out-of-memory scenarios."""
+
+    faults: tuple[Fault, ...] = ()
+    reset_micro: bool = False
+    micro_schedule: dict[int, int] = field(default_factory=dict)
+
+    def to_args(self) -> list[str]:
+        """This harness as launcher arguments (they go before memtrain's own `train RECIPE ...`)."""
+        args = [arg for fault in self.faults for arg in ("--fault", fault.to_json())]
+        if self.reset_micro:
+            args.append("--reset-micro")
+        if self.micro_schedule:
+            args += ["--micro-schedule", json.dumps(self.micro_schedule)]
+        return args
+
+
+@dataclass
+class StepRecord:
+    attempts: list[list[int]] = field(default_factory=list)  # sample ids per attempt, in order
+    micro_batch_size: int = 0  # the size of the attempt that completed the step
+    skipped: bool = False
+    params_before: str = ""
+    params_after: str = ""
+    optimizer_before: str = ""
+    optimizer_after: str = ""
+
+
+def digest(tensors: Iterator[torch.Tensor]) -> str:
+    """sha256 over the bytes of `tensors`, in order (bit-exact identity of a model or optimizer state)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+class FaultTrainer(CausalLMTrainer):
+    """`CausalLMTrainer` plus the faults of `harness` and the per-step ledger."""
+
+    def __init__(self, recipe: Recipe, harness: Harness | None = None) -> None:
+        super().__init__(recipe)
+        self.harness = harness or Harness()
+        self.first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.ledger: dict[int, StepRecord] = {}
+        self.initial_micro = self.plan.micro_batch_size
+        self._fired: set[Fault] = set()
+        self._step = 0  # the step number in flight, 0 outside train_step
+        self._micro = 0
+        self._backward_fault: Fault | None = None
+
+    # ------------------------------------------------------------------------------ fault points
+
+    def _pending(self, kind: str, phase: str) -> Fault | None:
+        """The unfired fault of `kind` at this rank's current step, attempt, micro-step and `phase`."""
+        record = self.ledger.get(self._step)
+        for fault in self.harness.faults:
+            if (fault.kind == kind and fault.phase == phase and fault.step == self._step
+                    and fault.rank in (self.env.rank, -1) and fault not in self._fired and record is not None
+                    and fault.attempt == len(record.attempts) and fault.micro == self._micro
+                    and (self.first_launch or kind not in ("kill", "hang"))):
+                return fault
+        return None
+
+    def _pending_at_step(self, kind: str) -> Fault | None:
+        for fault in self.harness.faults:
+            if (fault.kind == kind and fault.step in (self._step, 0) and fault.rank in (self.env.rank, -1)
+                    and fault not in self._fired and (self.first_launch or kind not in ("kill", "hang"))):
+                return fault
+        return None
+
+    def _fire(self, fault: Fault) -> None:
+        if fault.kind != "delay":
+            self._fired.add(fault)
+        if fault.kind == "kill":
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "oom":
+            raise torch.OutOfMemoryError(
+                f"injected by memtrain.testing.faults: out of memory at step {fault.step}, micro-step "
+                f"{fault.micro} ({fault.phase}) on rank {self.env.rank}"
+            )
+        elif fault.kind in ("hang", "delay"):
+            time.sleep(fault.seconds)
+
+    # ------------------------------------------------------------------------------ hooks
+
+    def setup(self) -> None:
+        super().setup()
+        assert self.model is not None
+        first_block = self.blocks(self.sharding.unwrap(self.model))[0]
+        first_block.register_forward_hook(self._arm_backward_fault)
+
+    def _arm_backward_fault(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """During the armed micro-step's forward, make the gradient of the first block's output fire
+        the fault: the backward reaches it after every later block's parameters have their gradients."""
+        fault = self._backward_fault
+        if fault is not None and torch.is_grad_enabled():
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden.register_hook(lambda grad: self._fire(fault))
+            self._fired.add(fault)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        self._step = step + 1
+        self._start_micro()
+        record = self.ledger[self._step] = StepRecord(
+            params_before=self._params_digest(), optimizer_before=self._optimizer_digest()
+        )
+        hang = self._pending_at_step("hang")
+        if hang is not None:
+            self._fire(hang)
+        row = super().train_step(step)
+        record.micro_batch_size = self.plan.micro_batch_size
+        record.skipped = bool(row["skipped"])
+        record.params_after, record.optimizer_after = self._params_digest(), self._optimizer_digest()
+        self._step = 0
+        return row
+
+    def _start_micro(self) -> None:
+        size = self.harness.micro_schedule.get(self._step)
+        if size is None and self.harness.reset_micro:
+            size = self.initial_micro
+        if size is not None and size != self.plan.micro_batch_size:
+            self.plan = dataclasses.replace(
+                self.plan, micro_batch_size=size, accumulation_steps=self.per_rank_batch_size // size
+            )
+
+    def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
+        parts = super().split_batch(batch, micro_size)
+        if self._step:  # a new attempt at the step in flight (not evaluation)
+            self.ledger[self._step].attempts.append([])
+            self._micro = 0
+        return parts
+
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._step:
+            return super().loss(model, batch)
+        self._micro += 1
+        for kind in ("kill", "oom"):
+            fault = self._pending(kind, "forward")
+            if fault is not None:
+                self._fire(fault)
+        delay = self._pending_at_step("delay")
+        if delay is not None and self._micro == 1:
+            self._fire(delay)
+        self.ledger[self._step].attempts[-1].extend(batch["sample_ids"].tolist())
+        self._backward_fault = self._pending("kill", "backward") or self._pending("oom", "backward")
+        try:
+            loss_sum, count = super().loss(model, batch)
+        finally:
+            self._backward_fault = None
+        for kind, factor in (("nan", math.nan), ("inf", math.inf)):
+            if self._pending_at_step(kind) is not None:
+                loss_sum = loss_sum * factor
+        return loss_sum, count
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        fault = self._pending_at_step("inf_grad")
+        if fault is not None:
+            assert self.model is not None
+            self._fired.add(fault)
+            grad = next(p.grad for p in self.sharding.unwrap(self.model).parameters() if p.grad is not None)
+            with torch.no_grad():
+                grad[(0,) * grad.dim()] = math.inf
+        return super().optimizer_step()
+
+    def save_checkpoint(self, step: int) -> Path:
+        for fault in self.harness.faults:
+            if (fault.kind == "kill" and fault.phase in ("save", "prune") and fault.step == step
+                    and fault.rank in (self.env.rank, -1) and self.first_launch):
+                with self._dying_in(fault):
+                    return super().save_checkpoint(step)
+        return super().save_checkpoint(step)
+
+    @contextlib.contextmanager
+    def _dying_in(self, fault: Fault) -> Iterator[None]:
+        """Patch the checkpoint module so that this save dies at the fault's point."""
+        if fault.phase == "save":
+            real_write = ckpt.write_file
+
+            def torn_write(path: Path, write: Callable[[Any], None]) -> None:
+                if path.name != fault.file:
+                    real_write(path, write)
+                    return
+                buffer = io.BytesIO()
+                write(buffer)
+                data = buffer.getvalue()
+                with open(path, "wb") as handle:
+                    handle.write(data[: int(len(data) * fault.fraction)])
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                self._fire(fault)
+
+            with mock.patch.object(ckpt, "write_file", torn_write):
+                yield
+        else:  # prune: the new checkpoint is in place; die part of the way through deleting an old one
+            real_rmtree = shutil.rmtree
+            final = self.checkpoint_root / ckpt.step_dir_name(fault.step)
+
+            def rmtree_then_die(path: str | Path, *args: Any, **kwargs: Any) -> None:
+                if not final.is_dir():  # before the rename: e.g. stale staging directories being cleared
+                    real_rmtree(path, *args, **kwargs)
+                    return
+                files = sorted(Path(path).iterdir())
+                victim = next((f for f in files if f.name == "model.pt"), files[0] if files else None)
+                if victim is not None:
+                    victim.unlink()
+                self._fire(fault)
+
+            with mock.patch.object(ckpt.shutil, "rmtree", rmtree_then_die):
+                yield
+
+    def fit(self, resume: str | Path | bool | None = None) -> FitResult:
+        try:
+            return super().fit(resume)
+        finally:
+            self.write_ledger()
+
+    # ------------------------------------------------------------------------------ ledger
+
+    def _params_digest(self) -> str:
+        assert self.model is not None
+        return digest(p for _, p in sorted(self.sharding.unwrap(self.model).named_parameters()))
+
+    def _optimizer_digest(self) -> str:
+        assert self.optimizer is not None
+        state = self.optimizer.state_dict()["state"]
+        return digest(v for key in sorted(state) for _, v in sorted(state[key].items())
+                      if isinstance(v, torch.Tensor))
+
+    def write_ledger(self) -> None:
+        if not self.run_dir.is_dir():
+            return
+        data = {
+            "rank": self.env.rank,
+            "oom_events": self.oom_events,
+            "steps": {str(s): dataclasses.asdict(r) for s, r in sorted(self.ledger.items())},
+        }
+        path = self.run_dir / f"ledger_rank{self.env.rank}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+
+def read_ledger(run_dir: Path, rank: int = 0) -> dict[int, StepRecord]:
+    """The ledger a (finished or stopped) run wrote for `rank`."""
+    data = json.loads((run_dir / f"ledger_rank{rank}.json").read_text())
+    return {int(s): StepRecord(**r) for s, r in data["steps"].items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m memtrain.testing.faults",
+        description="memtrain's command line with a fault-injecting trainer (test only).",
+    )
+    parser.add_argument("--fault", action="append", type=Fault.parse, default=[], metavar="JSON",
+                        help='a Fault as JSON, e.g. \'{"kind": "kill", "step": 3, "phase": "backward"}\'')
+    parser.add_argument("--reset-micro", action="store_true",
+                        help="start every step at the recipe's micro-batch size")
+    parser.add_argument("--micro-schedule", type=json.loads, default={}, metavar="JSON",
+                        help='micro-batch size per step number, e.g. \'{"3": 2}\'')
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="memtrain's arguments: train RECIPE ...")
+    args = parser.parse_args(argv)
+    harness = Harness(tuple(args.fault), args.reset_micro,
+                      {int(k): int(v) for k, v in args.micro_schedule.items()})
+    with mock.patch.object(models, "CausalLMTrainer", functools.partial(FaultTrainer, harness=harness)):
+        return cli.main(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

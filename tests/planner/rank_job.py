@@ -1,0 +1,29 @@
+"""One rank of tests/planner/test_ranks.py (launched by torchrun): plan with this rank's injected
+headroom and write what it got."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from memtrain.distributed import init_distributed, shutdown
+from memtrain.plan import make_plan
+from memtrain.recipe import recipe_from_dict
+
+
+def main() -> None:
+    recipe_path, out_dir, *free = sys.argv[1:]
+    recipe = recipe_from_dict(yaml.safe_load(Path(recipe_path).read_text()))
+    env = init_distributed()
+    result = make_plan(recipe, env, free_bytes=int(free[env.rank]))
+    assert result.budget is not None
+    (Path(out_dir) / f"rank{env.rank}.json").write_text(json.dumps(
+        {"digest": result.plan.digest(), "plan": result.plan.to_dict(), "usable": result.budget.usable}))
+    shutdown(env)
+
+
+if __name__ == "__main__":
+    main()
