@@ -1,11 +1,12 @@
 """memtrain: LLM training that knows, before step 1, what fits in GPU memory and what is fastest.
 
 Public names: `Trainer` (subclass it), `CausalLMTrainer` (any transformers causal-LM config),
-`Recipe` / `load_recipe` (typed YAML recipes), `Plan` / `resolve_plan` (the choices a run trains with).
+`Recipe` / `load_recipe` (typed YAML recipes), `Plan` / `make_plan` / `resolve_plan` (the choices a run
+trains with, chosen by the planner when the recipe leaves them open).
 """
 
 from memtrain.errors import MemtrainError, PlanError, RecipeError, Unsupported
-from memtrain.plan import Plan, resolve_plan
+from memtrain.plan import Plan, make_plan, resolve_plan
 from memtrain.recipe import Recipe, load_recipe
 from memtrain.trainer import FitResult, Trainer
 
@@ -32,5 +33,6 @@ __all__ = [
     "Trainer",
     "Unsupported",
     "load_recipe",
+    "make_plan",
     "resolve_plan",
 ]
