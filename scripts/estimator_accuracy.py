@@ -117,6 +117,7 @@ def recipe_for(settings: Settings, plan: tuple[str, str, float, str], out: Path,
     def choice(value: str) -> str | list[str]:
         return [value] if open_choices else value
 
+    planner = {"checkpointing_fractions": [fraction]} if open_choices else {}
     return recipe_from_dict({
         "run": {"name": "accuracy", "output_dir": str(out), "seed": 0},
         "model": {"config": MODELS[settings.model]},
@@ -129,6 +130,7 @@ def recipe_for(settings: Settings, plan: tuple[str, str, float, str], out: Path,
         "strategies": {"precision": choice(precision), "checkpointing": choice(checkpointing),
                        "checkpointing_fraction": fraction, "optimizer_states": choice(states),
                        "sharding": "none"},
+        "planner": planner,
     })
 
 
@@ -170,23 +172,26 @@ def _release() -> None:
 # ------------------------------------------------------------------------------------------ memtrain
 
 
-def planner_prediction(settings: Settings, plan: tuple[str, str, float, str]) -> dict[str, int] | None:
-    """The planner's predicted peak and breakdown for exactly this plan; None when this checkout has no
-    planner entry point (`memtrain.planner.plan_for_run`)."""
+def planner_prediction(settings: Settings, plan: tuple[str, str, float, str]) -> tuple[dict[str, int] | None, str]:
+    """The planner's predicted peak and breakdown for exactly this plan, or None and why not (this checkout
+    has no planner entry point `memtrain.planner.plan_for_run`, or it planned something else)."""
     try:
         planner = importlib.import_module("memtrain.planner")
     except ImportError:
-        return None
+        return None, "no memtrain.planner in this checkout"
     plan_for_run = getattr(planner, "plan_for_run", None)
     if plan_for_run is None:
-        return None
+        return None, "memtrain.planner has no plan_for_run"
     with tempfile.TemporaryDirectory() as tmp:
         recipe = recipe_for(settings, plan, Path(tmp), track=False, open_choices=True)
         # Unlimited headroom: the prediction, not the fit, is wanted (a plan over budget would raise).
         result = plan_for_run(recipe, init_distributed(), free_bytes=2**60, progress=lambda _line: None)
-    if result.chosen is None:
-        return None
-    return result.chosen.prediction.at_peak.to_dict()
+    p = result.plan
+    chosen = (p.precision, p.checkpointing, p.checkpointing_fraction if p.checkpointing == "fraction" else 1.0,
+              p.optimizer_states)
+    if result.chosen is None or chosen != plan:
+        return None, f"the planner planned {plan_label(chosen)} instead"
+    return result.chosen.prediction.at_peak.to_dict(), ""
 
 
 def strategies_sum(settings: Settings, plan: tuple[str, str, float, str],
@@ -324,7 +329,7 @@ def mib(n: int | None) -> str:
 
 
 def err(estimate: int | None, measured: int | None) -> str:
-    return "n/a" if estimate is None or not measured else f"{(estimate - measured) / measured:+.1%}"
+    return "n/a" if estimate is None or not measured else f"{(estimate - measured) / measured:+.2%}"
 
 
 def table(rows: list[Row], cuda: bool) -> list[str]:
@@ -366,7 +371,7 @@ def summary(rows: list[Row]) -> list[str]:
         if not errors:
             return f"- {name}: n/a"
         within = sum(e <= 0.05 for e in errors)
-        return (f"- {name}: mean |error| {sum(errors) / len(errors):.1%}, worst {max(errors):.1%}, "
+        return (f"- {name}: mean |error| {sum(errors) / len(errors):.2%}, worst {max(errors):.2%}, "
                 f"{within} of {len(errors)} plans within 5%")
 
     return [
@@ -416,8 +421,10 @@ def main() -> None:
             skipped.append(f"{label}: {exc}")
             print(f"skipped {label}: {exc}", flush=True)
             continue
-        predicted = planner_prediction(settings, plan)
+        predicted, why_not = planner_prediction(settings, plan)
         planner_used = planner_used or predicted is not None
+        if why_not:
+            skipped.append(f"{label}: memtrain planner column n/a: {why_not}")
         row = Row(plan=label, measured=measured, planner=predicted,
                   strategies=strategies_sum(settings, plan, profiles), accelerate=peers.accelerate(plan[0]),
                   deepspeed_zero2=peers.deepspeed_zero2, deepspeed_zero3=peers.deepspeed_zero3,

@@ -54,9 +54,11 @@ SMALL_WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-ex
 if [ -n "$FETCH" ]; then
   # Wheels of the small pure dependencies for an offline GPU machine (run where PyPI is reachable).
   mkdir -p "$FETCH"
-  python3 -m pip download --quiet --only-binary=:all: --python-version "$PYVERSION" --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$FETCH" "${SMALL_WHEELS[@]}" || { echo "gpu_check: pip download failed" >&2; exit 1; }
+  { python3 -m pip download --quiet --only-binary=:all: --python-version "$PYVERSION" --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$FETCH" "${SMALL_WHEELS[@]}" 2>&1 || echo "gpu_check: pip download failed"; } \
+    | grep -v "is ignored: it is neither"  # local mirrors print one such line per package they lack
+  [ -n "$(ls -A "$FETCH")" ] || exit 1
   ls -1 "$FETCH"
   exit 0
 fi

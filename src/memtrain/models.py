@@ -45,6 +45,11 @@ def build_config(recipe: Recipe) -> Any:
     if model_type not in CONFIG_MAPPING:
         hint = did_you_mean(model_type, CONFIG_MAPPING.keys())
         raise RecipeError([f"{key}.model_type: unknown transformers model type {model_type!r}{hint}"])
+    bad = [f"{key}.{name}: must be a positive integer (got {raw[name]!r})" for name in _SIZES
+           if raw.get(name) is not None and (isinstance(raw[name], bool) or not isinstance(raw[name], int)
+                                             or raw[name] <= 0)]
+    if bad:  # before transformers, whose own checks would not name the field (or would pass)
+        raise RecipeError(bad)
     vocab = raw.get("vocab_size")
     if isinstance(vocab, int):
         # Small-vocabulary configs inherit e.g. GPT-2's token id 50256; memtrain does not use these ids
@@ -68,11 +73,6 @@ def build_config(recipe: Recipe) -> Any:
     if unknown:
         known = [a for a in dir(default) if not a.startswith("_")]
         raise RecipeError([f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown])
-    sizes = [(name, getattr(config, name, None)) for name in _SIZES]
-    bad = [f"{key}.{name}: must be a positive integer (got {value!r})" for name, value in sizes
-           if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0)]
-    if bad:
-        raise RecipeError(bad)
     return config
 
 

@@ -219,10 +219,16 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise RecipeError([f"recipe file not found: {path}"], source=str(path))
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError([f"not UTF-8 text (byte {exc.start}): save the recipe as UTF-8"], source=str(path)) from None
+    try:
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        if isinstance(exc, yaml.reader.ReaderError):  # a character YAML forbids: it has a position, no mark
+            where = f" at line {text.count(chr(10), 0, exc.position) + 1}"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise RecipeError([f"malformed YAML{where}: {problem}"], source=str(path)) from None
     if loaded is None:

@@ -43,7 +43,8 @@ from memtrain.errors import MemtrainError, PlanError, TrainingStopped
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.metrics import MetricsLog, make_progress
 from memtrain.micro_batching import pack_by_tokens
-from memtrain.plan import Plan, build_sharding, resolve_plan
+from memtrain.plan import Plan, build_sharding, make_plan
+from memtrain.planner import PlanResult, calibration
 from memtrain.preemption import PreemptionFlag
 from memtrain.recipe import Recipe
 from memtrain.schedule import lr_at
@@ -54,6 +55,7 @@ from memtrain.strategies.precision import Precision
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
+CALIBRATION_STEPS = 2  # the first step differs (lazy optimizer state, allocator warm-up): compare two
 
 
 @dataclass
@@ -80,7 +82,9 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.env: DistEnv = init_distributed()
-        self.plan: Plan = resolve_plan(recipe, self.env)
+        self.plan_result: PlanResult = make_plan(recipe, self.env)
+        self.plan: Plan = self.plan_result.plan
+        self.calibration: list[dict[str, Any]] = []  # the first steps: predicted against measured
         self.precision = Precision(self.plan.precision, fp8_emulate=recipe.strategies.fp8_emulate)
         self.sharding = build_sharding(recipe, self.plan)
         self.checkpointing = Checkpointing(self.plan.checkpointing, self.plan.checkpointing_fraction)
@@ -198,6 +202,8 @@ class Trainer:
                 cleanup.callback(progress.close)
             for step in range(start_step, total):
                 row = self.train_step(step)
+                if step < start_step + CALIBRATION_STEPS:
+                    self._calibrate(step, row)
                 result.losses.append(row["loss"])
                 result.steps_done = step + 1
                 tokens_seen += row["tokens"]
@@ -308,7 +314,7 @@ class Trainer:
         and the *same* step batch is re-split into smaller micro-batches and redone. No sample is lost or
         seen twice, and the gradient is the same (the loss is normalised by the global token count). The
         smaller micro-batch size is kept for the rest of the run and saved with checkpoints. (On several
-        ranks, an OOM inside the last micro-step's backward is the exception: see `_try_accumulate`.)
+        ranks, an OOM inside the last micro-step is the exception: see `_try_accumulate`.)
         """
         batch = self.step_batch(step)
         while True:
@@ -320,14 +326,13 @@ class Trainer:
     def _try_accumulate(self, step: int, batch: Batch) -> StepTotals | None:
         """One attempt at the step's micro-steps; None when some rank ran out of memory.
 
-        The ranks agree once per attempt, after the last micro-step's forward and before its backward
-        (the backward that synchronises gradients), so an OOM in any earlier micro-step or in that forward
-        is redone by every rank together, and no rank is ever left waiting in a gradient collective.
-        An OOM inside the last backward on several ranks cannot be agreed on: the peers are already inside
-        the backend's gradient collective, which the failed rank can neither join nor cancel (answering
-        with the agreement would pair it with a gradient bucket: a collective mismatch). That rank stops
-        with a `PlanError` and issues no further collective; the peers' collective then fails on the lost
-        peer (or at the collective timeout).
+        The ranks agree before the last micro-step, the one that synchronises them (DDP all-reduces the
+        gradients in its backward), so an OOM in any earlier micro-step is redone by every rank together
+        and no rank is left waiting in a collective. An OOM inside the last micro-step on several ranks cannot be agreed on: the peers are
+        in (or about to enter) the backend's collectives, which the failed rank can neither join nor
+        cancel (answering with the agreement would pair it with a gradient bucket: a collective
+        mismatch). That rank stops with a `PlanError` and issues no further collective, and its peers'
+        collective fails on the lost peer (or at the collective timeout).
         """
         assert self.model is not None
         micro_batches = [self._to_device(mb) for mb in self.split_batch(batch, self.plan.micro_batch_size)]
@@ -339,60 +344,44 @@ class Trainer:
         failed = False
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            if failed and not last:
+            if last and self._any_rank(failed):
+                return None
+            if failed:
                 continue
-            with self.sharding.micro_step(self.model, last):
-                loss_sum: torch.Tensor | None = None
-                if not failed:
-                    try:
-                        loss_sum = self._forward(micro_batch, counts[index] if step == 0 else None)
-                    except torch.OutOfMemoryError as exc:
-                        self._note_oom(step, index, "forward", exc)
-                failed = loss_sum is None
-                if last and self._any_rank(failed):
-                    return None
-                if loss_sum is None:
-                    continue
-                try:
-                    self._backward(loss_sum, scale)
-                except torch.OutOfMemoryError as exc:
-                    self._note_oom(step, index, "backward", exc)
-                    if last and self.env.distributed:
-                        raise self._unagreeable_oom(step) from None
-                    failed = True
-                    continue
-            loss_total += loss_sum.detach().double()
+            try:
+                loss_total += self._micro_step(micro_batch, scale, last, counts[index] if step == 0 else None)
+            except torch.OutOfMemoryError as exc:
+                self.oom_events.append({"step": step + 1, "micro_step": index + 1,
+                                        "micro_batch_size": self.plan.micro_batch_size, "error": str(exc)[:200]})
+                if last and self.env.distributed:
+                    raise self._unagreeable_oom(step) from None
+                failed = True
         if failed:
             return None
         return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
 
-    def _forward(self, micro_batch: Batch, expected_tokens: int | None) -> torch.Tensor:
-        """The micro-batch's summed loss, its graph kept for `_backward`."""
+    def _micro_step(self, micro_batch: Batch, scale: float, last: bool, expected_tokens: int | None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its summed loss (detached, float64). Its
+        tensors live only in this frame, so an exception here releases them."""
         assert self.model is not None
-        with self._phase("forward"), self.precision.autocast(self.env.device):
-            loss_sum, num_tokens = self.loss(self.model, micro_batch)
-        if expected_tokens is not None:
-            self._check_token_count(num_tokens, expected_tokens)
-        return loss_sum
-
-    def _backward(self, loss_sum: torch.Tensor, scale: float) -> None:
-        assert self.model is not None
-        with self._phase("backward"):
-            scaled = loss_sum * scale
-            self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
-
-    def _note_oom(self, step: int, index: int, phase: str, exc: torch.OutOfMemoryError) -> None:
-        self.oom_events.append({"step": step + 1, "micro_step": index + 1, "phase": phase,
-                                "micro_batch_size": self.plan.micro_batch_size, "error": str(exc)[:200]})
+        with self.sharding.micro_step(self.model, last):
+            with self._phase("forward"), self.precision.autocast(self.env.device):
+                loss_sum, num_tokens = self.loss(self.model, micro_batch)
+            if expected_tokens is not None:
+                self._check_token_count(num_tokens, expected_tokens)
+            with self._phase("backward"):
+                scaled = loss_sum * scale
+                self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
+        return loss_sum.detach().double()
 
     def _unagreeable_oom(self, step: int) -> PlanError:
         tokens = self.plan.micro_batch_tokens
         smaller = (f"a smaller batch.micro_tokens (it was {tokens})" if tokens is not None
                    else f"a smaller batch.micro_size (it was {self.plan.micro_batch_size})")
         return PlanError(
-            f"out of memory on rank {self.env.rank} in the backward of the last micro-step of step {step + 1}, "
-            "while the other ranks were already exchanging its gradients: the ranks cannot agree to redo "
-            f"this step. Continue with --resume and {smaller}"
+            f"out of memory on rank {self.env.rank} in the last micro-step of step {step + 1}, while the other "
+            "ranks were synchronising it: the ranks cannot agree to redo this step (only an earlier micro-step "
+            f"can be redone). Continue with --resume and {smaller}"
         )
 
     def _any_rank(self, flag: bool) -> bool:
@@ -400,7 +389,41 @@ class Trainer:
             return flag
         return bool(all_reduce_sum(torch.tensor(int(flag), device=self.env.device), self.env) > 0)
 
-    def _recover_from_oom(self, step: int) -> None:
+    def _calibrate(self, step: int, row: dict[str, Any]) -> None:
+        """Compare a first step's measured memory with the plan's prediction, record it in plan.json,
+        and re-plan (smaller micro-batches) when the measured peak passed the usable budget.
+
+        The measurement is the tracker's report when it runs (all components), else the allocator's
+        peak on CUDA; on a CPU without the tracker, RSS is no per-tensor figure and only the budget
+        check is skipped."""
+        report = self.memory_reports[-1] if self.tracker is not None and self.memory_reports else None
+        if report is not None:
+            entry = calibration(self.plan_result, report)
+            measured_peak: int | None = report.peak_bytes
+        else:
+            predicted = self.plan_result.predicted
+            measured_peak = row["peak_memory_bytes"] if self.env.device.type == "cuda" else None
+            entry = {"predicted": predicted.to_dict() if predicted is not None else None,
+                     "measured": {"peak": measured_peak} if measured_peak is not None else None}
+        self.calibration.append({"step": step + 1, **entry})
+        budget = self.plan_result.budget
+        over = budget is not None and measured_peak is not None and measured_peak > budget.usable
+        if self.env.is_main:
+            self._write_plan_json()
+        if self._any_rank(over):
+            self._recover_from_oom(step, reason=f"measured peak {format_bytes(measured_peak or 0)} passed the "
+                                   f"usable {format_bytes(budget.usable if budget else 0)}; re-planning")
+
+    def _write_plan_json(self) -> None:
+        result = self.plan_result
+        self._write_json(self.run_dir / "plan.json", {
+            "plan": self.plan.to_dict(), "backend": result.backend, "offload": result.offload,
+            "predicted": result.predicted.to_dict() if result.predicted is not None else None,
+            "budget": result.budget.to_dict() if result.budget is not None else None,
+            "calibration": self.calibration,
+        })
+
+    def _recover_from_oom(self, step: int, reason: str = "out of memory") -> None:
         """Drop the failed attempt's gradients and cached blocks, then shrink the micro-batch."""
         assert self.model is not None and self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
@@ -415,7 +438,7 @@ class Trainer:
                 raise PlanError(f"out of memory at step {step + 1} even at one token per micro-batch")
             self.plan = dataclasses.replace(self.plan, micro_batch_tokens=tokens // 2)
             if self.env.is_main:
-                print(f"[memtrain] out of memory at step {step + 1} with {tokens} tokens per micro-batch: "
+                print(f"[memtrain] {reason} at step {step + 1} with {tokens} tokens per micro-batch: "
                       f"redoing the same batch at {tokens // 2}", flush=True)
             return
         current = self.plan.micro_batch_size
@@ -429,8 +452,8 @@ class Trainer:
             self.plan, micro_batch_size=smaller, accumulation_steps=self.per_rank_batch_size // smaller
         )
         if self.env.is_main:
-            print(f"[memtrain] out of memory at step {step + 1} with micro-batch {current}: redoing the same "
-                  f"batch as {self.plan.accumulation_steps} x {smaller}", flush=True)
+            print(f"[memtrain] {reason} at step {step + 1} with micro-batch {current}: continuing with "
+                  f"{self.plan.accumulation_steps} x {smaller}", flush=True)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -568,7 +591,7 @@ class Trainer:
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._write_json(self.run_dir / "recipe.json", self.recipe.to_dict())
-            self._write_json(self.run_dir / "plan.json", self.plan.to_dict())
+            self._write_plan_json()
         barrier(self.env)
         return 0
 

@@ -165,6 +165,14 @@ class DDPBackend(ShardingBackend):
             return model.no_sync()
         return contextlib.nullcontext()
 
+    def discard_step(self, model: nn.Module) -> None:
+        """DDP broadcasts its buffers in the first forward after a synchronised one, and notes in each
+        forward's epilogue whether the next must. A forward cut short by the OOM skipped that epilogue
+        on one rank only, so the ranks would disagree about broadcasting in the redone step's first
+        forward (a collective one rank never joins: a hang). Every rank broadcasts there instead."""
+        if isinstance(model, DistributedDataParallel):
+            model.require_forward_param_sync = True
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 

@@ -59,7 +59,8 @@ class Fault:
     """One fault. `step` is the 1-based step number, as in metrics.jsonl and checkpoint names.
 
     kill      SIGKILL this process: in micro-step `micro` of attempt `attempt` of `step` (`phase`
-              forward, or backward: late in the backward, after most parameter gradients exist); or
+              forward: inside the model's forward, at its first block; backward: late in the backward,
+              when the gradient reaches the first block, after the later blocks' gradients exist); or
               while checkpoint `step` is saved (`phase` save: after `fraction` of `file`'s bytes are on
               disk; `phase` prune: after the checkpoint is renamed into place, part of the way through
               deleting an older one).
@@ -149,6 +150,7 @@ class FaultTrainer(CausalLMTrainer):
         self._fired: set[Fault] = set()
         self._step = 0  # the step number in flight, 0 outside train_step
         self._micro = 0
+        self._forward_fault: Fault | None = None
         self._backward_fault: Fault | None = None
 
     # ------------------------------------------------------------------------------ fault points
@@ -191,11 +193,17 @@ class FaultTrainer(CausalLMTrainer):
         super().setup()
         assert self.model is not None
         first_block = self.blocks(self.sharding.unwrap(self.model))[0]
+        first_block.register_forward_pre_hook(self._fire_forward_fault)
         first_block.register_forward_hook(self._arm_backward_fault)
 
+    def _fire_forward_fault(self, module: nn.Module, inputs: Any) -> None:
+        """Mid-forward, where a real OOM happens: after the embeddings, inside any wrapper's forward."""
+        if self._forward_fault is not None:
+            self._fire(self._forward_fault)
+
     def _arm_backward_fault(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        """During the armed micro-step's forward, make the gradient of the first block's output fire
-        the fault: the backward reaches it after every later block's parameters have their gradients."""
+        """Make the gradient of the first block's output fire the fault: the backward reaches it after
+        every later block's parameters have their gradients."""
         fault = self._backward_fault
         if fault is not None and torch.is_grad_enabled():
             hidden = output[0] if isinstance(output, tuple) else output
@@ -238,19 +246,16 @@ class FaultTrainer(CausalLMTrainer):
         if not self._step:
             return super().loss(model, batch)
         self._micro += 1
-        for kind in ("kill", "oom"):
-            fault = self._pending(kind, "forward")
-            if fault is not None:
-                self._fire(fault)
         delay = self._pending_at_step("delay")
         if delay is not None and self._micro == 1:
             self._fire(delay)
         self.ledger[self._step].attempts[-1].extend(batch["sample_ids"].tolist())
+        self._forward_fault = self._pending("kill", "forward") or self._pending("oom", "forward")
         self._backward_fault = self._pending("kill", "backward") or self._pending("oom", "backward")
         try:
             loss_sum, count = super().loss(model, batch)
         finally:
-            self._backward_fault = None
+            self._forward_fault = self._backward_fault = None
         for kind, factor in (("nan", math.nan), ("inf", math.inf)):
             if self._pending_at_step(kind) is not None:
                 loss_sum = loss_sum * factor
