@@ -20,17 +20,18 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 
-def _graph_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Non-leaf tensors that require grad inside (nested) tuples, lists, dicts and ModelOutputs."""
+def graph_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Non-leaf tensors that require grad inside (nested) tuples, lists, dicts and ModelOutputs
+    (a transformers ModelOutput is a Mapping)."""
     if isinstance(value, torch.Tensor):
         if value.grad_fn is not None:
             yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _graph_tensors(v)
+            yield from graph_tensors(v)
     elif isinstance(value, Mapping):
         for v in value.values():
-            yield from _graph_tensors(v)
+            yield from graph_tensors(v)
 
 
 class ModuleAttribution:
@@ -83,7 +84,7 @@ class ModuleAttribution:
     ) -> None:
         self.forward_depth += 1
         self._enter(name)
-        for t in _graph_tensors((args, kwargs)):
+        for t in graph_tensors((args, kwargs)):
             t.register_hook(
                 partial(self._leave, name)
             )  # its input's gradient: this module's backward is done
@@ -93,7 +94,7 @@ class ModuleAttribution:
     ) -> None:
         self.forward_depth -= 1
         self._leave(name)
-        for t in _graph_tensors(output):
+        for t in graph_tensors(output):
             t.register_hook(
                 partial(self._enter, name)
             )  # its output's gradient: this module's backward starts

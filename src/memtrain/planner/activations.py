@@ -43,7 +43,7 @@ so each number is fitted as a + b·tokens from two traces and read at any micro-
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from torch import nn
 
 from memtrain.footprint import COMPONENTS
 from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
+from memtrain.memory.modules import graph_tensors
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
 
@@ -247,21 +248,7 @@ def _on_grad(tensor: torch.Tensor | None, callback: Callable[[], None]) -> None:
 
 
 def _first_graph_tensor(value: Any) -> torch.Tensor | None:
-    return next(_graph_tensors(value), None)
-
-
-def _graph_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        if value.grad_fn is not None:
-            yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _graph_tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _graph_tensors(v)
-    elif hasattr(value, "to_tuple"):  # transformers ModelOutput
-        yield from _graph_tensors(value.to_tuple())
+    return next(graph_tensors(value), None)
 
 
 def _segment(start: Vec, report: StepMemory, end: Vec) -> Segment:
