@@ -158,7 +158,7 @@ def fit_hf(probe: Probe, model: nn.Module, start: int, result: Fit) -> None:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            clock.ends.clear()  # a new attempt after an OOM
+            clock.reset()  # a new attempt after an OOM
             result.attempts += 1
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -193,7 +193,7 @@ def fit_accelerate(probe: Probe, accelerator: Any, model: nn.Module, start: int,
     def train(batch_size: int) -> int:
         accelerator.free_memory()
         model.zero_grad(set_to_none=True)
-        clock.ends.clear()
+        clock.reset()
         result.attempts += 1
         optimizer = torch.optim.AdamW(model.parameters(), lr=probe.lr, weight_decay=0.0)
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)

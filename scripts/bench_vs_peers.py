@@ -140,6 +140,7 @@ class RunResult:
     tool: str
     plan: str
     step_seconds: list[float] = field(default_factory=list)
+    step_cpu_seconds: list[float] = field(default_factory=list)  # process CPU time per step
     rss_above_start_bytes: int = 0
     cuda_peak_allocated_bytes: int | None = None
     cuda_peak_reserved_bytes: int | None = None
@@ -201,18 +202,27 @@ def autocast(setup: Setup) -> contextlib.AbstractContextManager[Any]:
 
 
 class StepClock:
-    """Records when each optimizer step ends (after a CUDA synchronise); step times are the gaps."""
+    """Records when each optimizer step ends (after a CUDA synchronise); step times are the gaps. Also the
+    process's CPU time at each end: on a CPU shared with other jobs, wall time measures the neighbours as
+    much as the loop, while the CPU time a single-threaded run spends per step does not."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+
+    def reset(self) -> None:
+        self.ends.clear()
+        self.cpu_ends.clear()
 
     def tick(self) -> None:
         if device().type == "cuda":
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
 
-    def step_seconds(self, warmup: int) -> list[float]:
-        gaps = [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]  # gap i: step i + 2
+    def step_seconds(self, warmup: int, cpu: bool = False) -> list[float]:
+        ends = self.cpu_ends if cpu else self.ends
+        gaps = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]  # gap i: step i + 2
         return gaps[max(warmup - 1, 0):]
 
 
@@ -442,6 +452,7 @@ def run_tool(tool: str, setup: Setup, track: bool) -> RunResult:
     else:
         plan = run_memtrain(setup, probe_for, track, auto=tool == "memtrain-auto", steps=steps)
     result = RunResult(tool=tool, plan=plan, step_seconds=clock.step_seconds(setup.warmup),
+                       step_cpu_seconds=clock.step_seconds(setup.warmup, cpu=True),
                        rss_above_start_bytes=process_peak_rss_bytes() - start_rss)
     if device().type == "cuda":
         result.cuda_peak_allocated_bytes = int(torch.cuda.max_memory_allocated())
@@ -489,6 +500,8 @@ class Row:
     plan: str
     step_ms: float
     step_ratio: float  # median over repetitions of (this tool / (a)) in the same repetition
+    cpu_ms: float
+    cpu_ratio: float  # the same for the process's CPU time per step
     tokens_per_s: float
     tracked: RunResult
     rss_above_start_bytes: int
@@ -501,14 +514,20 @@ def summarise(setup: Setup, timed: dict[str, list[RunResult]], tracked: dict[str
         known = [v for v in values if v is not None]
         return int(statistics.median(known)) if known else None
 
+    def per_run(runs: list[RunResult], cpu: bool) -> list[float]:
+        return [statistics.median(r.step_cpu_seconds if cpu else r.step_seconds) for r in runs]
+
+    def paired(tool_runs: list[float], hand_runs: list[float]) -> float:
+        return statistics.median(t / h for t, h in zip(tool_runs, hand_runs, strict=True))
+
     rows = []
-    hand = [statistics.median(r.step_seconds) for r in timed["hand"]]
+    hand, hand_cpu = per_run(timed["hand"], cpu=False), per_run(timed["hand"], cpu=True)
     for tool, runs in timed.items():
-        medians = [statistics.median(r.step_seconds) for r in runs]
+        medians, cpu = per_run(runs, cpu=False), per_run(runs, cpu=True)
         step = statistics.median(medians)
         rows.append(Row(
-            tool=tool, plan=runs[0].plan, step_ms=step * 1000,
-            step_ratio=statistics.median(m / h for m, h in zip(medians, hand, strict=True)),
+            tool=tool, plan=runs[0].plan, step_ms=step * 1000, step_ratio=paired(medians, hand),
+            cpu_ms=statistics.median(cpu) * 1000, cpu_ratio=paired(cpu, hand_cpu),
             tokens_per_s=setup.tokens_per_step / step, tracked=tracked[tool],
             rss_above_start_bytes=int(statistics.median(r.rss_above_start_bytes for r in runs)),
             cuda_allocated_bytes=median_of([r.cuda_peak_allocated_bytes for r in runs]),
@@ -522,6 +541,9 @@ def table(rows: list[Row], cuda: bool) -> list[str]:
     header = ("| tool | plan | ms/step | step time × (a) | tokens/s | tokens/s × (a) | tracker peak MiB | × (a) | "
               "peak RSS above start MiB | × (a) |")
     rule = "|---|---|---|---|---|---|---|---|---|---|"
+    if not cuda:
+        header += " CPU ms/step | CPU time × (a) |"
+        rule += "---|---|"
     if cuda:
         header += " CUDA max allocated MiB | × (a) | CUDA max reserved MiB | × (a) |"
         rule += "---|---|---|---|"
@@ -531,6 +553,8 @@ def table(rows: list[Row], cuda: bool) -> list[str]:
                 f"{r.tokens_per_s / base.tokens_per_s:.2f} | {mib(r.tracked.tracker_peak_bytes)} | "
                 f"{ratio(r.tracked.tracker_peak_bytes, base.tracked.tracker_peak_bytes)} | "
                 f"{mib(r.rss_above_start_bytes)} | {ratio(r.rss_above_start_bytes, base.rss_above_start_bytes)} |")
+        if not cuda:
+            line += f" {r.cpu_ms:.0f} | {r.cpu_ratio:.3f} |"
         if cuda:
             line += (f" {mib(r.cuda_allocated_bytes)} | {ratio(r.cuda_allocated_bytes, base.cuda_allocated_bytes)} | "
                      f"{mib(r.cuda_reserved_bytes)} | {ratio(r.cuda_reserved_bytes, base.cuda_reserved_bytes)} |")
@@ -563,7 +587,8 @@ def notes(setup: Setup, params: int, reps: int) -> list[str]:
         "the same forward size, one target fewer per row.",
         f"Step time: gaps between consecutive optimizer-step ends over {setup.steps} steps, the first "
         f"{setup.warmup} dropped (warm-up); median per run; × (a) is the median over the {reps} interleaved "
-        "repetitions of the per-repetition ratio.",
+        "repetitions of the per-repetition ratio. CPU ms/step (CPU only): the process's CPU time per step, "
+        "which other jobs on a shared machine do not inflate as they do wall time (one thread per run).",
         "Tracker peak: live tensor bytes counted by memtrain's MemoryTracker around each tool's loop (2 steps). "
         "Peak RSS: the process's peak resident memory during the run above its RSS before the model was built.",
     ]
@@ -608,6 +633,7 @@ def main() -> None:
             result = spawn(tool, setup, track=False)
             timed[tool].append(result)
             print(f"rep {rep + 1}/{reps} {tool}: {statistics.median(result.step_seconds) * 1000:.0f} ms/step, "
+                  f"CPU {statistics.median(result.step_cpu_seconds) * 1000:.0f} ms/step, "
                   f"RSS +{mib(result.rss_above_start_bytes)} MiB", flush=True)
     tracked = {tool: RunResult(tool=tool, plan=timed[tool][0].plan) for tool in tools}
     for tool in [] if args.no_track else tools:
@@ -630,6 +656,7 @@ def main() -> None:
             "seconds": elapsed, "timed": {t: [dataclasses.asdict(r) for r in rs] for t, rs in timed.items()},
             "tracked": {t: dataclasses.asdict(r) for t, r in tracked.items()},
             "rows": [{"tool": r.tool, "plan": r.plan, "step_ms": r.step_ms, "step_ratio": r.step_ratio,
+                      "cpu_ms": r.cpu_ms, "cpu_ratio": r.cpu_ratio,
                       "tokens_per_s": r.tokens_per_s, "rss_above_start_bytes": r.rss_above_start_bytes,
                       "tracker_peak_bytes": r.tracked.tracker_peak_bytes,
                       "cuda_allocated_bytes": r.cuda_allocated_bytes, "cuda_reserved_bytes": r.cuda_reserved_bytes}

@@ -95,7 +95,7 @@ WRONG_TYPES: dict[str, list[Any]] = {
     "dict": ["notadict", [1], 5],
     "list": ["x", ["a"], [2.0], [], {"a": 1}],
     "bytes": ["lots", [1], {"a": 1}, "12 parsecs"],
-    "enum": [5, {"a": 1}, 2.5],
+    "enum": ["5 5", {"a": 1}, 2.5],  # not 5: batch.micro_size takes an integer too
 }
 UNICODE_WORDS = ("ключ", "clé_inconnue", "名前", "🚀", "ｔｒａｉｎ", "stéps", "ӏr")  # the last: Cyrillic "l"
 MODEL_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

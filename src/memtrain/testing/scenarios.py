@@ -98,8 +98,11 @@ class Launch:
     output: str  # stdout and stderr together
     seconds: float
 
-    def tail(self, chars: int = 1500) -> str:
-        return self.output[-chars:]
+    def tail(self, chars: int = 600) -> str:
+        """The lines that say what went wrong (errors, timeouts) and the end of the output."""
+        marks = ("error", "Error", "Timed out", "Traceback", "exitcode")
+        key_lines = [line for line in self.output.splitlines() if any(m in line for m in marks)][:12]
+        return "\n".join(key_lines) + "\n...\n" + self.output[-chars:]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
