@@ -19,9 +19,10 @@ Probes (2-3 steps each, the first untimed):
 - HF Trainer from `--start` sequences per device with `auto_find_batch_size=True` (it retries at 0.9x on OOM);
 - accelerate: `find_executable_batch_size(starting_batch_size=--start)` around the loop of its docs, except
   that the model is built once per process (rebuilding a 1.1B model per attempt would take the time box);
-- memtrain: a binary search over the batch up to 4x --start in which a batch the planner cannot fit costs
-  only planning (`PlanError` before anything is allocated); the largest planned batch then trains, and a
-  step that runs out of memory anyway (memtrain would re-split it: accumulation) counts as not fitting.
+- memtrain: a binary search over the batch up to 4x the peers' first batch, in which a batch the planner
+  cannot fit costs only planning (`PlanError` before anything is allocated); the largest planned batch
+  then trains. A step that runs out of memory anyway, or whose measured peak passes the budget, makes
+  memtrain split the batch (accumulation): that batch counts as not fitting, and 0.9x of it is tried.
 
 On a machine without CUDA it prints "skipped: needs CUDA" and exits 0.
 
@@ -66,7 +67,11 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 TOOLS = ("hf", "accelerate", "memtrain")
+# Shares of the time box, run in this order: memtrain plans each batch it tries (a few seconds of CPU each)
+# before it trains, the peers only train. Time a tool leaves unused passes to the ones after it.
+SHARES = {"memtrain": 0.4, "hf": 0.3, "accelerate": 0.3}
 LABELS = {"hf": "HF Trainer", "accelerate": "accelerate", "memtrain": "memtrain auto"}
+PEER_PLAN = f"{'bf16-mixed' if torch.cuda.is_available() else 'fp32'}, gradient checkpointing, torch AdamW"
 START = {24: 8, 40: 16, 80: 32}  # first batch tried per budget (GiB); the peers only go down from here
 
 
@@ -176,7 +181,7 @@ def fit_hf(probe: Probe, model: nn.Module, start: int, result: Fit) -> None:
                           callbacks=[Clock()])
         trainer.train()
         result.batch = int(trainer.state.train_batch_size or start)
-        result.plan = "bf16-mixed, gradient checkpointing, torch AdamW"
+        result.plan = PEER_PLAN
         del trainer
     result.tokens_per_s = tokens_per_s(clock, result.batch, probe.seq_len)
 
@@ -213,7 +218,7 @@ def fit_accelerate(probe: Probe, accelerator: Any, model: nn.Module, start: int,
         return batch_size
 
     result.batch = train()
-    result.plan = "bf16-mixed, gradient checkpointing, torch AdamW"
+    result.plan = PEER_PLAN
     result.tokens_per_s = tokens_per_s(clock, result.batch, probe.seq_len)
     accelerator.free_memory()
 
@@ -260,7 +265,8 @@ def fit_memtrain(probe: Probe, start: int, result: Fit) -> None:
             trainer = TimedTrainer(memtrain_recipe(probe, batch, Path(tmp)), clock.tick)
             try:
                 trainer.fit()
-                recovered = bool(trainer.oom_events)
+                # out of memory (re-split), or a measured peak past the budget (re-planned): accumulation
+                recovered = bool(trainer.oom_events) or trainer.plan.micro_batch_size != batch
             except torch.OutOfMemoryError:
                 recovered = True
             p = trainer.plan
@@ -272,7 +278,7 @@ def fit_memtrain(probe: Probe, start: int, result: Fit) -> None:
             result.plan = f"{p.precision}, checkpointing {p.checkpointing}{fraction}, states {p.optimizer_states}"
             result.tokens_per_s = tokens_per_s(clock, batch, probe.seq_len)
             return
-        result.history.append(f"{batch}: planned, but a step ran out of memory")
+        result.history.append(f"{batch}: planned, but a step ran out of memory or past the budget")
         batch = int(batch * 0.9)
 
 
@@ -310,6 +316,8 @@ def run_worker(tool: str, probe: Probe, budgets: list[int], deadline: float) -> 
                 result.note = f"{'out of memory' if is_oom(exc) else type(exc).__name__}: {str(exc)[:160]}"
             if result.batch and result.batch >= start and tool != "memtrain":
                 result.note = f"fits its first try ({start}): the true maximum may be higher"
+            if tool == "memtrain" and result.batch == 4 * start:
+                result.note = f"the top of the search ({4 * start}): the true maximum may be higher"
         result.tokens_per_step = result.batch * probe.seq_len
         result.seconds = time.perf_counter() - started
         release()
@@ -385,9 +393,9 @@ def main() -> None:
     started = time.perf_counter()
     deadline = time.time() + args.time_budget
     results: dict[str, list[Fit]] = {}
-    for index, tool in enumerate(TOOLS):
-        # each tool gets an equal share of what is left, so one slow tool cannot starve the others
-        share = (deadline - time.time()) / (len(TOOLS) - index)
+    order = list(SHARES)
+    for index, tool in enumerate(order):
+        share = (deadline - time.time()) * SHARES[tool] / sum(SHARES[t] for t in order[index:])
         results[tool] = spawn(tool, probe, budgets, time.time() + share, args.cpu_smoke)
         for f in results[tool]:
             print(f"{LABELS[tool]} at {f.budget_gib} GiB: batch {f.batch}, {f.tokens_per_s:.0f} tokens/s "

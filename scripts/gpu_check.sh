@@ -9,9 +9,9 @@
 #   bash scripts/gpu_check.sh --fetch-wheels DIR [--python-version 3.12]   # on a networked machine
 #
 # Steps (time box each): setup (seconds with a CUDA torch present; 600 s when it must download one),
-# `pytest -m gpu` (75 s: fp8, paged-8bit, activation-offload streams, allocator stats, memory_viz
-# snapshot), scripts/estimator_accuracy.py (90 s), scripts/bench_fit_budget.py (175 s),
-# scripts/bench_vs_peers.py --quick (80 s): 420 s of benchmarks and tests plus setup. Outputs in DIR: summary.md and summary.json (every step's status, time and reason,
+# `pytest -m gpu` (60 s: fp8, paged-8bit, activation-offload streams, allocator stats, memory_viz
+# snapshot, the planner against the allocator), scripts/estimator_accuracy.py (85 s),
+# scripts/bench_fit_budget.py (200 s), scripts/bench_vs_peers.py --quick (75 s): 420 s plus setup. Outputs in DIR: summary.md and summary.json (every step's status, time and reason,
 # the environment, each step's own results), one .json and .md per benchmark, pytest_gpu.xml, log.txt.
 # Exit status: 0 when no step failed (skipped steps do not fail), 1 otherwise.
 #
@@ -179,7 +179,7 @@ EOF
 
   # ---------------------------------------------------------------------------------------- tests
   t0=$(date +%s)
-  run pytest_gpu 75 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" tests
+  run pytest_gpu 60 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" tests
   status=$?
   summary="$(grep -E '(passed|failed|skipped|deselected|error)' "$OUT/pytest_gpu.log" | tail -1)"
   if [ $status = 0 ] && [ "$CUDA" = 0 ]; then
@@ -218,9 +218,9 @@ EOF
       fi
     fi
   }
-  bench estimator_accuracy 90 estimator_accuracy.py --time-budget 70 -- --model tiny --seq-len 32 --plans 3
-  bench fit_budget 175 bench_fit_budget.py --time-budget 145 -- --cpu-smoke --model tiny --seq-len 64 --budgets 24 --steps 2
-  bench vs_peers 80 bench_vs_peers.py --quick --reps 2 --steps 20 --no-track -- --model tiny --reps 1 --steps 3 --tools hand,memtrain --no-track
+  bench estimator_accuracy 85 estimator_accuracy.py --time-budget 65 -- --model tiny --seq-len 32 --plans 3
+  bench fit_budget 200 bench_fit_budget.py --time-budget 170 -- --cpu-smoke --model tiny --seq-len 64 --budgets 24 --steps 2
+  bench vs_peers 75 bench_vs_peers.py --quick --reps 1 --steps 20 --no-track -- --model tiny --reps 1 --steps 3 --tools hand,memtrain --no-track
   if [ "$CUDA" = 0 ]; then
     say "fit_budget without --cpu-smoke on this machine: $("$PY" scripts/bench_fit_budget.py 2>&1 | tail -1)"
   fi
