@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from memtrain.distributed import init_distributed, shutdown
+from memtrain.distributed import barrier, init_distributed, shutdown
 from memtrain.plan import make_plan
 from memtrain.recipe import recipe_from_dict
 
@@ -22,6 +22,7 @@ def main() -> None:
     assert result.budget is not None
     (Path(out_dir) / f"rank{env.rank}.json").write_text(json.dumps(
         {"digest": result.plan.digest(), "plan": result.plan.to_dict(), "usable": result.budget.usable}))
+    barrier(env)  # neither rank tears the gloo group down while its peer still talks (an abort at exit)
     shutdown(env)
 
 
