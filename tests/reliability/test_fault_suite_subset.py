@@ -72,6 +72,7 @@ def test_sigterm_checkpoints_and_resumes_bit_exact(tmp_path: Path) -> None:
     assert_recovered(scenarios.sigterm(tmp_path, 1, SEED))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the pickle planted in model.pt
 def test_corrupt_checkpoints_name_the_file_and_fall_back(tmp_path: Path) -> None:
     outcome = scenarios.corrupt(tmp_path, SEED)
     assert_recovered(outcome)

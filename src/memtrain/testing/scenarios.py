@@ -64,9 +64,11 @@ class Outcome:
     figures: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    log: list[tuple[str, bool]] = field(default_factory=list)  # every trial: what was injected, passed
 
     def record(self, problem: str | None, label: str) -> None:
         self.trials += 1
+        self.log.append((label, problem is None))
         if problem is None:
             self.passed += 1
         else:
@@ -300,9 +302,10 @@ def kill9(work: Path, trials: int, seed: int, jobs: int = 2, points: tuple[Fault
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
             for index, (problem, kills, torn) in enumerate(pool.map(trial, range(len(points) or trials))):
                 outcome.record(problem, f"trial {index} ({'; '.join(k.to_json() for k in kills)})")
+                outcome.count("kills", len(kills))
                 for kill in kills:
-                    outcome.count({"forward": "kills mid-step", "backward": "kills mid-step",
-                                   "save": "kills mid-checkpoint-file", "prune": "kills mid-prune"}[kill.phase])
+                    outcome.count({"forward": "mid-step", "backward": "mid-step",
+                                   "save": "mid-checkpoint-file", "prune": "mid-prune"}[kill.phase])
                 outcome.count("torn staging dirs ignored", torn)
         outcome.figures["bit-exact resumes"] = outcome.passed
     return outcome
@@ -420,6 +423,8 @@ def oom_budget(work: Path, trials: int, seed: int) -> Outcome:
                     s, trainer.ledger[s], reference.ledger[s], int(s == events[0]["step"]))) is not None), None)
             outcome.record(problem, f"budget {budget} B, global batch {size}, micro-batch {size}")
             outcome.count("OOM events recovered", len(events))
+            outcome.count("samples lost", sum(_lost(trainer.ledger[s], reference.ledger[s]) for s in trainer.ledger))
+            outcome.count("samples seen twice", sum(_doubled(trainer.ledger[s]) for s in trainer.ledger))
     return outcome
 
 
@@ -816,6 +821,7 @@ def corrupt_two_ranks(work: Path, seed: int) -> Outcome:
         else:
             problem = run_difference(run, work / "pristine-ddp")
         outcome.record(problem, "rng_rank1.pt of step 8 truncated")
+        outcome.figures["both ranks fell back to step 6, bit-exact"] = outcome.passed
     return outcome
 
 
