@@ -47,8 +47,8 @@ import torch
 from bench_vs_peers import RowsDataset, StepClock, TimedTrainer, quiet
 from torch import nn
 
+from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.errors import PlanError
-from memtrain.models import CausalLMTrainer, build_config
 from memtrain.recipe import Recipe, recipe_from_dict
 
 GiB = 2**30
@@ -273,9 +273,8 @@ def fit_memtrain(probe: Probe, start: int, result: Fit) -> None:
             del trainer
         release()
         if not recovered:
-            fraction = f" {p.checkpointing_fraction:g}" if p.checkpointing == "fraction" else ""
             result.batch = batch
-            result.plan = f"{p.precision}, checkpointing {p.checkpointing}{fraction}, states {p.optimizer_states}"
+            result.plan = p.describe()
             result.tokens_per_s = tokens_per_s(clock, batch, probe.seq_len)
             return
         result.history.append(f"{batch}: planned, but a step ran out of memory or past the budget")

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.memory import StepPeak
-from memtrain.metrics import MetricsLog
-from memtrain.models import CausalLMTrainer
 from memtrain.recipe import load_recipe
+from memtrain.training.metrics import MetricsLog
 
 REPO = Path(__file__).resolve().parent.parent
 

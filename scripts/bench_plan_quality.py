@@ -27,12 +27,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
 from memtrain.distributed import DistEnv  # noqa: E402
-from memtrain.models import CausalLMTrainer  # noqa: E402
+from memtrain.memory.headroom import measured_target  # noqa: E402
 from memtrain.planner.cost import CostModel, calibrate  # noqa: E402
-from memtrain.planner.hardware import measured_target  # noqa: E402
 from memtrain.planner.model_probe import ModelProbe  # noqa: E402
-from memtrain.planner.search import Scored, search  # noqa: E402
+from memtrain.planner.result import Scored  # noqa: E402
+from memtrain.planner.search import search  # noqa: E402
 from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
 
 MODEL = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
@@ -44,9 +45,9 @@ def recipe(budget: str | None, steps: int, out: Path, pinned: Scored | None = No
                                   "sharding": "none"}
     batch: dict[str, Any] = {"global_size": 16, "micro_size": "auto"}
     if pinned is not None:
-        c = pinned.candidate
-        strategies.update(checkpointing=c.checkpointing, optimizer_states=c.optimizer_states,
-                          checkpointing_fraction=c.checkpointing_fraction)
+        c = pinned.plan
+        strategies.update(checkpointing=c.checkpointing.name, optimizer_states=c.optimizer_states.name,
+                          checkpointing_fraction=getattr(c.checkpointing, "fraction", 0.5))
         batch["micro_size"] = c.micro_batch_size
     return recipe_from_dict({
         "run": {"name": "plan-quality", "output_dir": str(out), "seed": 0},
@@ -83,7 +84,7 @@ def main() -> int:
         base = recipe(args.budget, args.steps, Path(tmp) / "plan")
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
         target = measured_target(env, int(base.memory.budget or 0), base.planner.safety_fraction)
-        result = search(base, ModelProbe(base), target, env.device, what_if=False)
+        result = search(base, ModelProbe(CausalLMTrainer(base).model_spec()), target, env.device)
         plans = list(result.ranked[: args.top])
         print(f"budget {args.budget}: {len(result.ranked)} plans fit, {len(result.infeasible)} do not; "
               f"measuring the {len(plans)} predicted fastest")
@@ -94,9 +95,7 @@ def main() -> int:
         print("| rank | plan | predicted peak | predicted s | measured s |")
         print("|---:|---|---:|---:|---:|")
         for index, (scored, seconds) in enumerate(zip(plans, measured, strict=True), 1):
-            c = scored.candidate
-            label = f"{c.checkpointing}{f' {c.checkpointing_fraction:g}' if c.checkpointing == 'fraction' else ''}, " \
-                    f"{c.optimizer_states} states, micro {c.micro_batch_size} x {c.accumulation_steps}"
+            label = scored.plan.describe()
             print(f"| {index} | {label} | {scored.prediction.peak:,} | {scored.cost.total:.4f} | {seconds:.4f} |")
     best = min(measured)
     print(f"\nchosen / best measured throughput: {best / measured[0]:.3f} (goal >= 0.95); "

@@ -4,7 +4,7 @@
 
 It launches itself under torchrun (2 gloo ranks), trains a small llama (4 layers, hidden 256,
 vocabulary 2048; 3.7M parameters) for a few steps in every mode, and prints for each: the bytes this
-rank measurably holds (`memtrain.sharding_census`: weights, gradients, optimizer states, DDP buckets,
+rank measurably holds (`census`: weights, gradients, optimizer states, DDP buckets,
 weights gathered at the end of forward, max over ranks), memtrain's estimate of the peak (persistent +
 transients, `ShardingBackend.state_bytes`), the ZeRO paper's formula from docs/REFERENCE.md with this
 precision's bytes (fp32: 4 + 4 + 8 per parameter; bf16-mixed: 2 + 2 + 12), and the median step time.
@@ -61,9 +61,11 @@ def paper_bytes(mode: str, numel: int, world: int, precision: str) -> int:
 def worker(steps: int, out: Path, scratch: Path) -> None:
     import torch.distributed as dist
 
-    from memtrain.blocks import model_shape
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sharding"))  # the census trainer
     from memtrain.recipe import recipe_from_dict
-    from memtrain.sharding_census import CensusTrainer
+    from memtrain.strategies.blocks import model_shape
+
+    from census import CensusTrainer
 
     paper_json = scratch / "paper.json"
     paper_json.write_text(json.dumps(PAPER_KNOBS))

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.memory import COMPONENTS
-from memtrain.models import CausalLMTrainer
 from memtrain.recipe import recipe_from_dict
 
 MODELS: dict[str, dict[str, Any]] = {

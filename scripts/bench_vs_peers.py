@@ -49,10 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memtrain import data as data_lib
+from memtrain.causal_lm import data as data_lib
+from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.memory import MemoryTracker, StepMemory, process_peak_rss_bytes
 from memtrain.memory.cheap import reset_peak_rss
-from memtrain.models import CausalLMTrainer, build_config
 from memtrain.recipe import Recipe, recipe_from_dict
 
 Batch = dict[str, torch.Tensor]
@@ -419,9 +419,7 @@ def run_memtrain(setup: Setup, probe_for: Callable[[MemoryTracker | None], Probe
         trainer.fit()
         clock_probe.reports.extend(trainer.memory_reports)
         p = trainer.plan
-    checkpointing = p.checkpointing + (f" {p.checkpointing_fraction:g}" if p.checkpointing == "fraction" else "")
-    return (f"{p.precision}, checkpointing {checkpointing}, states {p.optimizer_states}, "
-            f"micro {p.micro_batch_size} x {p.accumulation_steps}")
+    return p.describe()
 
 
 # ------------------------------------------------------------------------------------------ one worker

@@ -9,7 +9,7 @@ Side by side, per plan:
   the real step composed over time), when this checkout has a planner (checked at run time);
 - the sum of memtrain's per-strategy estimates (`Precision.estimate`, `OptimizerStates.estimate`) plus
   `Checkpointing.estimate` over an activation profile traced from one real micro-batch
-  (`memtrain.activation_profile`): what a prediction is without composing the components over time;
+  (`memtrain.memory.activation_profile`): what a prediction is without composing the components over time;
 - the logic behind `accelerate estimate-memory` (accelerate/commands/estimate.py: the model built on the
   meta device with `init_empty_weights`, `calculate_maximum_sizes`, `estimate_training_usage`, whose
   largest entry the command prints as "Training using Adam"), run offline on the same config;
@@ -46,16 +46,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.activation_profile import profile_activations
-from memtrain.blocks import discover_blocks, model_shape
+from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.distributed import init_distributed
 from memtrain.errors import MemtrainError, Unsupported
-from memtrain.footprint import ActivationProfile, Footprint
-from memtrain.models import CausalLMTrainer, build_config
-from memtrain.plan import checkpointing_strategy
+from memtrain.memory.activation_profile import profile_activations
+from memtrain.memory.footprint import ActivationProfile, Footprint
 from memtrain.recipe import Recipe, recipe_from_dict
-from memtrain.strategies.optimizer import OptimizerStates
-from memtrain.strategies.precision import Precision
+from memtrain.strategies.apply import apply_strategies
+from memtrain.strategies.blocks import discover_blocks, model_shape
+from memtrain.strategies.checkpointing import CHECKPOINTING, NoCheckpointing
+from memtrain.strategies.optimizer import OPTIMIZER_STATES
+from memtrain.strategies.precision import PRECISION
 
 MODELS: dict[str, dict[str, Any]] = {
     # The Llama-like model of scripts/bench_strategies.py: 12 x 256, vocab 8192, 12M parameters (CPU).
@@ -185,10 +186,11 @@ def planner_prediction(settings: Settings, plan: tuple[str, str, float, str]) ->
     with tempfile.TemporaryDirectory() as tmp:
         recipe = recipe_for(settings, plan, Path(tmp), track=False, open_choices=True)
         # Unlimited headroom: the prediction, not the fit, is wanted (a plan over budget would raise).
-        result = plan_for_run(recipe, init_distributed(), free_bytes=2**60, progress=lambda _line: None)
+        spec = CausalLMTrainer(recipe).model_spec()
+    result = plan_for_run(recipe, init_distributed(), spec, free_bytes=2**60, progress=lambda _line: None)
     p = result.plan
-    chosen = (p.precision, p.checkpointing, p.checkpointing_fraction if p.checkpointing == "fraction" else 1.0,
-              p.optimizer_states)
+    chosen = (p.precision.name, p.checkpointing.name, getattr(p.checkpointing, "fraction", 1.0),
+              p.optimizer_states.name)
     if result.chosen is None or chosen != plan:
         return None, f"the planner planned {plan_label(chosen)} instead"
     return result.chosen.prediction.at_peak.to_dict(), ""
@@ -207,13 +209,14 @@ def strategies_sum(settings: Settings, plan: tuple[str, str, float, str],
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     shape = model_shape(meta, discover_blocks(meta))
-    footprint = Precision(precision).estimate(shape, Footprint())
-    footprint = OptimizerStates(states).estimate(shape, footprint)  # bf16-master: states of fp32 masters
+    footprint = PRECISION.create(precision).estimate(shape, Footprint())
+    footprint = OPTIMIZER_STATES.create(states).estimate(shape, footprint)  # bf16-master: states of fp32 masters
     if precision not in profiles:
         profiles[precision] = activation_profile(recipe, precision, settings)
     if checkpointing == "offload" and not torch.cuda.is_available():
         checkpointing = "none"  # host and device are one memory: offload keeps every byte (Checkpointing.estimate)
-    footprint = checkpointing_strategy(checkpointing, fraction).estimate(profiles[precision], footprint)
+    mode = CHECKPOINTING.create(checkpointing, {"checkpointing_fraction": fraction})
+    footprint = mode.estimate(profiles[precision], footprint)
     return footprint.to_dict()
 
 
@@ -222,12 +225,12 @@ def activation_profile(recipe: Recipe, precision: str, settings: Settings) -> Ac
     from transformers import AutoModelForCausalLM
 
     env = init_distributed()
-    strategy = Precision(precision, fp8_emulate=recipe.strategies.fp8_emulate)
+    strategy = PRECISION.create(precision, {"fp8_emulate": recipe.strategies.fp8_emulate})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(build_config(recipe))
     blocks = discover_blocks(model)
-    strategy.swap_modules(model, blocks)
-    model = strategy.cast_model(model).to(env.device)
+    apply_strategies(model, blocks, strategy, NoCheckpointing())
+    model = model.to(env.device)
     vocab = int(MODELS[settings.model]["vocab_size"])
     ids = torch.randint(0, vocab, (settings.micro_batch, settings.seq_len + 1), device=env.device)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}

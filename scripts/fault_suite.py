@@ -4,7 +4,7 @@ and recipe fuzzing, each injected many times at points drawn from a seed.
 Why a script (and not only tests): the issue asks for figures — how many faults of each kind were
 injected and how many runs recovered exactly — from one reproducible run, to put in docs/RELIABILITY.md.
 tests/reliability/test_fault_suite_subset.py runs a few of each kind in CI with the same scenario code
-(`memtrain.testing.scenarios`), so the suite and the tests cannot drift apart.
+(`fault_kit.scenarios`), so the suite and the tests cannot drift apart.
 
     python scripts/fault_suite.py [--quick] [--out results/faults] [--seed 0]
 
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from memtrain.testing import scenarios
-from memtrain.testing.recipe_fuzz import recipe_fuzz
-from memtrain.testing.scenarios import Outcome
+from fault_kit import scenarios
+from fault_kit.recipe_fuzz import recipe_fuzz
+from fault_kit.scenarios import Outcome
 
 Scenario = Callable[[Path, int, int], Outcome]  # (work dir, seed, jobs) -> outcome
 

@@ -29,9 +29,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from memtrain.footprint import COMPONENTS  # noqa: E402
-from memtrain.models import CausalLMTrainer  # noqa: E402
-from memtrain.planner.hardware import Target, budget_from  # noqa: E402
+from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
+from memtrain.memory.footprint import COMPONENTS  # noqa: E402
+from memtrain.memory.headroom import Target, budget_from  # noqa: E402
 from memtrain.planner.model_probe import ModelProbe  # noqa: E402
 from memtrain.planner.search import search  # noqa: E402
 from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
@@ -90,8 +90,8 @@ def predict(recipe: Recipe, probe: ModelProbe) -> Any:
     huge = 2**50
     target = Target("cpu", 1, budget_from(huge, huge, 0, 0.0, "accuracy script"), bf16=True, fp8=False)
     open_micro = recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"micro_size": "auto"})})
-    result = search(open_micro, probe, target, torch.device("cpu"), what_if=False)
-    (match,) = [s for s in result.ranked if s.candidate.micro_batch_size == recipe.batch.micro_size]
+    result = search(open_micro, probe, target, torch.device("cpu"))
+    (match,) = [s for s in result.ranked if s.plan.micro_batch_size == recipe.batch.micro_size]
     return match.prediction
 
 
@@ -120,7 +120,7 @@ def main() -> int:
         for plan in QUICK_PLANS if args.quick else PLANS:
             with tempfile.TemporaryDirectory() as tmp:
                 recipe = recipe_for(model, plan, Path(tmp))
-                probe = probe or ModelProbe(recipe)
+                probe = probe or ModelProbe(CausalLMTrainer(recipe).model_spec())
                 prediction = predict(recipe, probe)
                 measured = measure(recipe)
             label = f"{plan[0]}, {plan[1]}{f' {plan[2]:g}' if plan[1] == 'fraction' else ''}, {plan[3]} states, " \

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Install what memtrain needs (scripts/setup.sh) and run the whole test suite. Extra arguments go to
+# Install what memtrain needs (scripts/setup.sh), check lint, formatting and types, and run the whole test suite. Extra arguments go to
 # pytest (e.g. `-m "not slow"` for a quick pass). Pytest's exit code 5 (no test collected) is a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
+# The house first (seconds): lint, formatting and types; then the tests.
+.venv/bin/ruff check src tests scripts examples || exit 1
+.venv/bin/ruff format --check src tests scripts examples || exit 1
+.venv/bin/mypy || exit 1
 .venv/bin/python -m pytest -q "$@"
 status=$?
 if [ "$status" -eq 5 ]; then

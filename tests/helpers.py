@@ -62,3 +62,11 @@ def tracked_step(tracker: Any, model: Any, optimizer: Any, x: Any) -> None:
     with tracker.phase("optimizer"):
         optimizer.step()
         optimizer.zero_grad()
+
+
+def probe_of(recipe: Recipe) -> Any:
+    """The planner's view of the built-in causal-LM trainer's job for `recipe`."""
+    from memtrain.causal_lm.trainer import CausalLMTrainer
+    from memtrain.planner.model_probe import ModelProbe
+
+    return ModelProbe(CausalLMTrainer(recipe).model_spec())

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memtrain.models import CausalLMTrainer
+from memtrain.causal_lm.trainer import CausalLMTrainer
 
 from helpers import tiny_recipe
 
@@ -92,7 +92,7 @@ def test_token_budget_micro_batches_are_exact_and_within_budget(tmp_path: Path) 
 
 
 def test_pack_by_tokens_by_hand() -> None:
-    from memtrain.micro_batching import pack_by_tokens
+    from memtrain.strategies.micro_batching import pack_by_tokens
 
     assert pack_by_tokens([5, 10, 3, 10, 2], max_tokens=20) == [[1, 3], [0, 2, 4]]
     assert pack_by_tokens([30, 4], max_tokens=20) == [[0], [1]]  # a row over budget goes alone

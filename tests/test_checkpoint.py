@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memtrain import checkpoint as ckpt
-from memtrain.models import CausalLMTrainer
+from memtrain.causal_lm.trainer import CausalLMTrainer
 
 from helpers import tiny_recipe
 

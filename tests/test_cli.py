@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memtrain.cli import main
-from memtrain.metrics import read_metrics
+from memtrain.training.metrics import read_metrics
 
 from helpers import REPO, subprocess_env
 

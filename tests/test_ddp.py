@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain.metrics import read_metrics
+from memtrain.training.metrics import read_metrics
 
 from helpers import REPO, subprocess_env
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain.models import CausalLMTrainer
-from memtrain.trainer import Batch
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.training.trainer import Batch
 
 from helpers import tiny_recipe
 

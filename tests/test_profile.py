@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
 from memtrain.memory import COMPONENTS
-from memtrain.models import CausalLMTrainer
 
 from helpers import REPO, tiny_recipe
 

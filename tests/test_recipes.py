@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from memtrain.causal_lm.trainer import check_model_recipe
 from memtrain.errors import RecipeError
-from memtrain.models import check_model_recipe
 from memtrain.recipe import apply_overrides, json_schema, load_recipe, recipe_from_dict
 
 from helpers import REPO, TINY_LLAMA, tiny_recipe_dict

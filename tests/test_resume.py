@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.checkpoint import CheckpointError
-from memtrain.metrics import read_metrics
-from memtrain.models import CausalLMTrainer
+from memtrain.training.metrics import read_metrics
 
 from helpers import TINY_LLAMA, tiny_recipe
 

@@ -169,7 +169,7 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [py_version, list(py_state), py_gauss],
-        "numpy": [np_kind, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+        "numpy": [np_kind, torch.from_numpy(np.asarray(np_keys, dtype=np.int64)), np_pos, np_has_gauss, np_gauss],
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()

@@ -22,7 +22,8 @@ EXIT_STOPPED = 3  # the run stopped itself after a checkpoint (e.g. too many non
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0], epilog=_strategies(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a recipe (launch with torchrun for several ranks)")
@@ -54,7 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)")
 
     commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
+    for command in (train, validate, profile, plan):
+        command.add_argument("--trainer", default=None, metavar="FILE.py:CLASS",
+                             help="your Trainer subclass (path/to/file.py:MyTrainer or package.module:MyTrainer); "
+                             "default: the built-in causal-LM trainer")
     return parser
+
+
+def _strategies() -> str:
+    """The registered strategy names by recipe key (the registries are the one vocabulary)."""
+    from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
+
+    lines = [f"  {kind}: {', '.join(REGISTRIES[kind].names())}" for kind in RECIPE_KINDS]
+    return "strategies (recipe key strategies.<kind>: auto, a name, or a list of names):\n" + "\n".join(lines)
 
 
 # Libraries that log about optional native kernels this run does not use (torchao's CUDA/Triton
@@ -84,10 +97,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "profile":
         return _profile(args)
     if args.command == "plan":
-        from memtrain.planner import command
+        from memtrain.commands import plan
 
-        return command.run(args.recipe, list(args.overrides), as_json=args.json, gpu=args.gpu,
-                           gpu_memory=args.gpu_memory, world_size=args.world_size)
+        return plan.run(args.recipe, list(args.overrides), trainer=args.trainer, as_json=args.json, gpu=args.gpu,
+                        gpu_memory=args.gpu_memory, world_size=args.world_size)
     overrides = list(args.overrides)
     if args.command == "train":
         if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):
@@ -97,22 +110,28 @@ def _run(args: argparse.Namespace) -> int:
             overrides.append("output.progress=off")
     recipe = load_recipe(args.recipe, overrides)
 
-    from memtrain.models import CausalLMTrainer, build_config, check_model_recipe
+    from memtrain.commands.trainers import trainer_class
+    from memtrain.distributed import shutdown
+    from memtrain.training.trainer import describe_summary
 
     if args.command == "validate":
-        check_model_recipe(recipe)
-        config = build_config(recipe)
-        print(f"{args.recipe}: ok ({config.model_type}, {recipe.train.steps} steps, "
-              f"global batch {recipe.batch.global_size} x {recipe.data.seq_len} tokens)")
+        if args.trainer is None:
+            from memtrain.causal_lm.trainer import build_config, check_model_recipe
+
+            check_model_recipe(recipe)
+            model = build_config(recipe).model_type
+        else:
+            validated = trainer_class(args.trainer)(recipe)
+            model = validated.describe_model()
+            shutdown(validated.env)
+        print(f"{args.recipe}: ok ({model}, {recipe.train.steps} steps, global batch {recipe.batch.global_size})")
         return 0
 
-    from memtrain.distributed import shutdown
-    from memtrain.trainer import describe_summary
-
-    trainer = CausalLMTrainer(recipe)
+    trainer = trainer_class(args.trainer)(recipe)
     try:
+        trainer.setup()
         if trainer.env.is_main:
-            print(f"[memtrain] plan: {json.dumps(trainer.plan.to_dict())}", flush=True)
+            print(f"[memtrain] plan: {trainer.plan.describe()}", flush=True)
         result = trainer.fit(resume=args.resume)
         if trainer.env.is_main:
             print(describe_summary(result.summary), flush=True)
@@ -122,11 +141,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from memtrain.profile import describe, run_profile
+    from memtrain.commands.profile import describe, run_profile
 
     if args.steps < 1:
         raise MemtrainError("--steps: must be at least 1")
-    report, out_dir = run_profile(args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out)
+    report, out_dir = run_profile(args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out,
+                                  args.trainer)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(report, indent=2) if args.json else describe(report, out_dir))
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def init_distributed() -> DistEnv:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, store=_attempt_store(rank, world_size), rank=rank,
                                 world_size=world_size, timeout=COLLECTIVE_TIMEOUT, **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)

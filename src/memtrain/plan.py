@@ -1,71 +1,106 @@
-"""`Plan`: the frozen set of choices a run trains with, and how a recipe's choices become one.
+"""`Plan`: the frozen set of strategies a run trains with, and the plan of a recipe that pins every choice.
 
-A recipe may leave choices open (`auto`, a list of allowed names, `batch.micro_size: auto`). Then the
-memory planner (`memtrain.planner`) predicts the peak memory of every allowed combination, keeps those
-that fit the measured headroom and picks the fastest by its step-time model; all ranks agree on it. A
-recipe that pins every choice skips the planner: its choices are checked (`Unsupported` with the
-strategy's reason when one cannot run here) and used as they are.
+A recipe may leave choices open (`auto`, a list of allowed names, `batch.micro_size: auto`); then the
+planner (`memtrain.planner.make_plan`) predicts every allowed combination and picks one. A recipe that
+pins every choice skips the planner: `pinned_plan` checks each strategy (`Unsupported` with the strategy's
+reason when one cannot run here) and uses them as they are.
+
+A Plan holds strategy objects, not names: the trainer applies them (`strategies.apply`), the memory and
+step-time models read their facts, and `to_dict` / `from_dict` carry them through plan.json and
+checkpoint metadata.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError
 from memtrain.recipe import Recipe
+from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer import OptimizerStates
 from memtrain.strategies.precision import Precision
-from memtrain.strategies.sharding import ShardingBackend, make_sharding
-
-if TYPE_CHECKING:
-    from memtrain.planner.search import PlanResult
+from memtrain.strategies.registry import DeviceFacts, Strategy
+from memtrain.strategies.sharding import Sharding
+from memtrain.strategies.sharding.base import ShardingBackend
 
 
 @dataclass(frozen=True)
 class Plan:
-    precision: str
-    checkpointing: str
-    checkpointing_fraction: float
-    optimizer_states: str
-    sharding: str
-    micro_batch_size: int
-    accumulation_steps: int
-    world_size: int
-    micro_batch_tokens: int | None = None  # set: micro-batches are packed by tokens, not by sequences
+    precision: Precision
+    checkpointing: Checkpointing
+    optimizer_states: OptimizerStates
+    sharding: Sharding
+    micro_batching: MicroBatching
+    world_size: int = 1
 
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+    def strategies(self) -> dict[str, Strategy]:
+        return {kind: getattr(self, kind) for kind in REGISTRIES}
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.micro_batching.size
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.micro_batching.accumulation_steps
+
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        return self.micro_batching.max_tokens if isinstance(self.micro_batching, TokenBudget) else None
+
+    def replace(self, **changes: Any) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    def sharding_backend(self, grad_clip: float | None = None) -> ShardingBackend:
+        """The sharding backend this plan trains with."""
+        return self.sharding.build(self.precision, self.micro_batch_size, self.accumulation_steps, grad_clip)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{kind: s.to_dict() for kind, s in self.strategies().items()}, "world_size": self.world_size}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """The inverse of `to_dict` (plan.json, checkpoint metadata); `ValueError` for another layout."""
+        try:
+            kinds = {kind: registry.from_dict(data[kind]) for kind, registry in REGISTRIES.items()}
+            return cls(**kinds, world_size=int(data["world_size"]))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a memtrain plan ({type(exc).__name__}: {exc})") from None
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def describe(self) -> str:
+        """One line: each strategy with its options, e.g. `bf16-mixed, checkpointing fraction(0.5), states
+        fp32, sharding none, micro 4 x 2` (4 sequences per micro-batch, 2 micro-batches per step)."""
+        s = self.strategies()
+        return (f"{s['precision'].describe()}, checkpointing {s['checkpointing'].describe()}, states "
+                f"{s['optimizer_states'].describe()}, sharding {s['sharding'].describe()}, micro "
+                f"{s['micro_batching'].describe()}")
 
-def resolve_plan(recipe: Recipe, env: DistEnv) -> Plan:
-    """The plan this run trains with (collective on several ranks when the planner runs)."""
-    return make_plan(recipe, env).plan
+    def summary(self) -> dict[str, Any]:
+        """Flat, for tables and `memtrain plan --json` candidates: each kind's `describe()`, and the
+        micro-batch size and accumulation steps."""
+        return {**{kind: s.describe() for kind, s in self.strategies().items()},
+                "micro_batch_size": self.micro_batch_size, "accumulation_steps": self.accumulation_steps}
 
-
-def make_plan(recipe: Recipe, env: DistEnv, *, free_bytes: int | None = None) -> PlanResult:
-    """The plan with what the planner predicted for it (`PlanResult.predicted`, None for a pinned plan).
-    `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom)."""
-    from memtrain.planner import plan_for_run
-    from memtrain.planner.search import PlanResult
-
-    if is_open(recipe):
-        return plan_for_run(recipe, env, free_bytes=free_bytes)
-    return PlanResult(plan=pinned_plan(recipe, env), backend=recipe.strategies.sharding_backend,
-                      offload=recipe.strategies.sharding_offload)
+    def key(self) -> tuple[Any, ...]:
+        """A total order over plans (names, then options), for deterministic ties."""
+        return tuple((s.name, repr(s.options())) for s in self.strategies().values())
 
 
 def is_open(recipe: Recipe) -> bool:
     """Whether the recipe leaves anything for the planner to choose."""
     s = recipe.strategies
-    choices = (s.precision, s.checkpointing, s.optimizer_states, s.sharding)
+    choices = [getattr(s, kind) for kind in RECIPE_KINDS]
     return recipe.batch.micro_size == "auto" and recipe.batch.micro_tokens is None or any(
         not isinstance(c, str) or c == "auto" for c in choices)
 
@@ -82,49 +117,30 @@ def per_rank_batch(recipe: Recipe, world_size: int) -> int:
     return global_size // world_size
 
 
+def recipe_strategy(recipe: Recipe, kind: str, name: str) -> Strategy:
+    """Strategy `name` of `kind` with its options from the recipe's `strategies:` section."""
+    return REGISTRIES[kind].create(name, recipe.strategies.model_dump())
+
+
+def micro_batching(recipe: Recipe, rows: int, size: int) -> MicroBatching:
+    """`size` rows per micro-batch, or the recipe's token budget over all `rows`."""
+    if recipe.batch.micro_tokens is not None:
+        return TokenBudget(rows, 1, recipe.batch.micro_tokens)
+    return MicroBatching(size, rows // size)
+
+
 def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
-    """The plan of a recipe that pins every choice, each checked on this device."""
-    s = recipe.strategies
+    """The plan of a recipe that pins every choice, each strategy checked on this device."""
     assert not is_open(recipe)
-    names = {"precision": s.precision, "checkpointing": s.checkpointing,
-             "optimizer_states": s.optimizer_states, "sharding": s.sharding}
-    precision, checkpointing, optimizer_states, sharding = (str(v) for v in names.values())
-    Precision(precision, fp8_emulate=s.fp8_emulate).check(env.device)
-    checkpointing_strategy(checkpointing, s.checkpointing_fraction).check(env.device)
-    OptimizerStates(optimizer_states).check(env.device)
-    make_sharding(sharding, **sharding_options(recipe, precision)).check(env)
-    per_rank = per_rank_batch(recipe, env.world_size)
-    micro = per_rank if recipe.batch.micro_size == "auto" else recipe.batch.micro_size
-    return Plan(
-        precision=precision,
-        checkpointing=checkpointing,
-        checkpointing_fraction=s.checkpointing_fraction if checkpointing == "fraction" else 1.0,
-        optimizer_states=optimizer_states,
-        sharding=sharding,
-        micro_batch_size=micro,
-        micro_batch_tokens=recipe.batch.micro_tokens,
-        accumulation_steps=per_rank // micro,
-        world_size=env.world_size,
-    )
-
-
-def sharding_options(recipe: Recipe, precision: str, micro_batch_size: int = 1,
-                     accumulation_steps: int = 1) -> dict[str, Any]:
-    """The recipe's sharding options and the plan facts a sharding backend is built with."""
-    s = recipe.strategies
-    return {
-        "backend": s.sharding_backend, "offload": s.sharding_offload, "comm_hook": s.comm_hook,
-        "deepspeed_config": s.deepspeed_config, "precision": precision, "grad_clip": recipe.train.grad_clip,
-        "micro_batch_size": micro_batch_size, "accumulation_steps": accumulation_steps,
-    }
-
-
-def build_sharding(recipe: Recipe, plan: Plan) -> ShardingBackend:
-    """The sharding backend a plan trains with."""
-    options = sharding_options(recipe, plan.precision, plan.micro_batch_size, plan.accumulation_steps)
-    return make_sharding(plan.sharding, **options)
-
-
-def checkpointing_strategy(name: str, fraction: float) -> Checkpointing:
-    """The recipe's fraction applies only to the `fraction` mode."""
-    return Checkpointing(name, fraction if name == "fraction" else 1.0)
+    facts = DeviceFacts.of(env.device, env.world_size)
+    chosen = {kind: recipe_strategy(recipe, kind, str(getattr(recipe.strategies, kind))) for kind in RECIPE_KINDS}
+    for kind, strategy in chosen.items():
+        if kind == "sharding":
+            assert isinstance(strategy, Sharding) and isinstance(chosen["precision"], Precision)
+            strategy.check_with(env, chosen["precision"])
+        else:
+            strategy.check(facts)
+    rows = per_rank_batch(recipe, env.world_size)
+    size = rows if recipe.batch.micro_size == "auto" else int(recipe.batch.micro_size)
+    return Plan(**chosen, micro_batching=micro_batching(recipe, rows, size),  # type: ignore[arg-type]
+                world_size=env.world_size)

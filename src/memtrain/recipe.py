@@ -17,17 +17,14 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from memtrain.errors import RecipeError, did_you_mean
+from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 
-PrecisionName = Literal["fp32", "bf16-mixed", "bf16-master", "fp16-mixed", "fp8"]
-ShardingName = Literal["none", "ddp", "zero1", "zero2", "zero3"]
-OptimizerStatesName = Literal["fp32", "bf16", "8bit", "paged-8bit"]
-CheckpointingName = Literal["none", "full", "fraction", "selective", "offload"]
-
-PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
-SHARDINGS: tuple[str, ...] = get_args(ShardingName)
+StrategyChoice = str | list[str]
+"""`auto`, one registered name, or a list of allowed names (checked against the kind's registry)."""
 
 
 class _Section(BaseModel):
@@ -135,13 +132,16 @@ class OutputConfig(_Section):
 
 
 class StrategiesConfig(_Section):
-    precision: PrecisionName | Literal["auto"] | list[PrecisionName] = "fp32"
-    sharding: ShardingName | Literal["auto"] | list[ShardingName] = "none"
-    checkpointing: CheckpointingName | Literal["auto"] | list[CheckpointingName] = "none"
+    """Each strategy kind takes `auto`, a name from its registry (`memtrain.strategies.catalog`), or a
+    list of allowed names; the other keys are the strategies' options."""
+
+    precision: StrategyChoice = "fp32"
+    sharding: StrategyChoice = "none"
+    checkpointing: StrategyChoice = "none"
     checkpointing_fraction: float = Field(
         default=0.5, gt=0.0, le=1.0, description="Share of blocks recomputed when checkpointing is 'fraction'."
     )
-    optimizer_states: OptimizerStatesName | Literal["auto"] | list[OptimizerStatesName] = "fp32"
+    optimizer_states: StrategyChoice = "fp32"
     fp8_emulate: bool = Field(default=False, description="fp8 through torchao's emulation (CPU, debugging).")
     # sharding options (used by strategies.sharding)
     sharding_backend: Literal["fsdp2", "deepspeed"] = Field(
@@ -156,6 +156,23 @@ class StrategiesConfig(_Section):
     deepspeed_config: str | None = Field(
         default=None, description="DeepSpeed JSON merged into the generated config; keys contradicting the recipe are errors."
     )
+
+    @field_validator(*RECIPE_KINDS)
+    @classmethod
+    def _registered(cls, value: StrategyChoice, info: ValidationInfo) -> StrategyChoice:
+        registry = REGISTRIES[str(info.field_name)]
+        names = [value] if isinstance(value, str) else value
+        if not names:
+            raise PydanticCustomError("strategy_name", "an empty list allows nothing; give a name or auto")
+        for name in names:
+            if name in registry or (name == "auto" and isinstance(value, str)):
+                continue
+            listed = ", ".join((*registry.names(), "auto"))
+            raise PydanticCustomError(
+                "strategy_name", "'{word}' is not one of {listed} (or a list of them){hint}",
+                {"word": name, "listed": listed, "hint": did_you_mean(name, registry.names())},
+            )
+        return value
 
 
 class PlannerConfig(_Section):
@@ -299,6 +316,9 @@ def _describe(exc: ValidationError) -> list[str]:
             hint = did_you_mean(loc[-1], parent.model_fields) if parent else ""
             problems.append(f"{path}: unknown key{hint}")
             continue
+        if first["type"] == "strategy_name":
+            problems.append(f"{path}: {first['msg']}")
+            continue
         allowed = _allowed_at(loc)
         bad_words = [e.get("input") for e in errors if e["type"] == "literal_error"]
         bad_words = [w for w in bad_words if isinstance(w, str) and w not in allowed]
@@ -367,10 +387,8 @@ def _literal_values(annotation: Any) -> list[str]:
 
 
 def _cross_checks(recipe: Recipe) -> list[str]:
-    """Checks that span sections; the model config is checked in `memtrain.models`."""
+    """Checks that span sections; the model config is checked in `memtrain.causal_lm.trainer`."""
     problems = []
-    if recipe.model.config is None and recipe.model.config_path is None:
-        problems.append("model: give model.config (inline, with model_type) or model.config_path")
     if recipe.model.config is not None and recipe.model.config_path is not None:
         problems.append("model: give only one of model.config and model.config_path")
     if recipe.data.source in ("text", "jsonl") and not recipe.data.path:
@@ -387,4 +405,9 @@ def json_schema() -> dict[str, Any]:
     """JSON schema for editors (`memtrain schema`)."""
     schema = Recipe.model_json_schema()
     schema["title"] = "memtrain recipe"
+    strategies = schema["$defs"]["StrategiesConfig"]["properties"]
+    for kind in RECIPE_KINDS:  # the names come from the registries, so the schema lists what is registered
+        names = ["auto", *REGISTRIES[kind].names()]
+        strategies[kind] = {"default": strategies[kind].get("default"), "anyOf": [
+            {"enum": names}, {"type": "array", "items": {"enum": names[1:]}}]}
     return schema

@@ -19,10 +19,10 @@ import pytest
 import torch
 import yaml
 
-from memtrain.blocks import discover_blocks, model_shape
-from memtrain.footprint import Footprint
-from memtrain.models import CausalLMTrainer
-from memtrain.strategies.optimizer import OptimizerStates, measured_state_bytes
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.memory.footprint import Footprint
+from memtrain.strategies.blocks import discover_blocks, model_shape
+from memtrain.strategies.optimizer import OPTIMIZER_STATES, measured_state_bytes
 
 from helpers import tiny_recipe, tiny_recipe_dict
 
@@ -83,12 +83,12 @@ def test_paged_8bit_trains_on_cuda_and_matches_its_estimate(tmp_path: Path) -> N
     losses = trainer.fit().losses
     assert losses[-1] < 0.9 * losses[0]
     model = trainer.model
-    estimate = OptimizerStates("paged-8bit").estimate(model_shape(model, discover_blocks(model)), Footprint())
+    estimate = OPTIMIZER_STATES.create("paged-8bit").estimate(model_shape(model, discover_blocks(model)), Footprint())
     assert estimate.optimizer_states == measured_state_bytes(trainer.optimizer)
 
 
 def test_profile_on_cuda_writes_a_memory_viz_snapshot_and_the_allocator_view(tmp_path: Path) -> None:
-    from memtrain.profile import run_profile
+    from memtrain.commands.profile import run_profile
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe_dict(tmp_path, **SECTIONS, strategies={"precision": "bf16-mixed"})))
@@ -111,14 +111,15 @@ def test_planner_prediction_against_the_allocator(tmp_path: Path) -> None:
     auto = tiny_recipe(tmp_path / "auto", **PLANNER_SECTIONS, batch={"global_size": 8, "micro_size": "auto"},
                        strategies={"precision": "auto", "checkpointing": "auto", "optimizer_states": ["fp32"],
                                    "sharding": "auto"})
-    result = plan_for_run(auto, init_distributed(), progress=lambda _line: None)
-    assert result.plan.precision in ("bf16-mixed", "fp32"), "auto keeps fp32-like numerics"
+    result = plan_for_run(auto, init_distributed(), CausalLMTrainer(auto).model_spec(), progress=lambda _line: None)
+    assert result.plan.precision.name in ("bf16-mixed", "fp32"), "auto keeps fp32-like numerics"
     assert result.chosen is not None
     plan = result.plan
     sections = {**PLANNER_SECTIONS, "batch": {"global_size": 8, "micro_size": plan.micro_batch_size}}
     pinned = tiny_recipe(tmp_path / "run", **sections, train={"steps": 3}, strategies={
-        "precision": plan.precision, "checkpointing": plan.checkpointing,
-        "checkpointing_fraction": plan.checkpointing_fraction, "optimizer_states": plan.optimizer_states})
+        "precision": plan.precision.name, "checkpointing": plan.checkpointing.name,
+        "checkpointing_fraction": getattr(plan.checkpointing, "fraction", 0.5),
+        "optimizer_states": plan.optimizer_states.name})
     trainer = CausalLMTrainer(pinned)
     torch.cuda.empty_cache()
     trainer.fit()

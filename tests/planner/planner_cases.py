@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from memtrain.planner.hardware import Target, budget_from
+from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.search import PlanResult, Scored, search
 from memtrain.recipe import Recipe
 
-from helpers import TINY_LLAMA, tiny_recipe
+from helpers import TINY_LLAMA, probe_of, tiny_recipe
 
 MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 5}
 UNBOUNDED = 2**50
@@ -38,11 +38,11 @@ def cpu_target(usable: int = UNBOUNDED, world_size: int = 1) -> Target:
 
 
 def plan_on(recipe: Recipe, target: Target, probe: ModelProbe | None = None) -> PlanResult:
-    return search(recipe, probe or ModelProbe(recipe), target, torch.device("cpu"), what_if=False)
+    return search(recipe, probe or probe_of(recipe), target, torch.device("cpu"))
 
 
 def scored_plan(result: PlanResult, **fields: Any) -> Scored:
     """The one evaluated candidate whose fields match `fields`."""
     (match,) = [s for s in (*result.ranked, *result.infeasible)
-                if all(getattr(s.candidate, k) == v for k, v in fields.items())]
+                if all(s.plan.summary()[k] == v for k, v in fields.items())]
     return match

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import yaml
 
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.distributed import barrier, init_distributed, shutdown
-from memtrain.plan import make_plan
+from memtrain.planner import make_plan
 from memtrain.recipe import recipe_from_dict
 
 
@@ -18,7 +19,8 @@ def main() -> None:
     recipe_path, out_dir, *free = sys.argv[1:]
     recipe = recipe_from_dict(yaml.safe_load(Path(recipe_path).read_text()))
     env = init_distributed()
-    result = make_plan(recipe, env, free_bytes=int(free[env.rank]))
+    spec = CausalLMTrainer(recipe).model_spec()
+    result = make_plan(recipe, env, spec, free_bytes=int(free[env.rank]))
     assert result.budget is not None
     (Path(out_dir) / f"rank{env.rank}.json").write_text(json.dumps(
         {"digest": result.plan.digest(), "plan": result.plan.to_dict(), "usable": result.budget.usable}))

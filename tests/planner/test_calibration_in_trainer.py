@@ -7,8 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from memtrain.models import CausalLMTrainer
-from memtrain.planner.hardware import MemoryBudget
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.memory.headroom import MemoryBudget
 
 from helpers import tiny_recipe
 
@@ -33,6 +33,6 @@ def test_measured_peak_over_budget_replans_smaller_micro_batches(tmp_path: Path)
     recipe = tiny_recipe(tmp_path, memory={"track": True}, batch={"global_size": 8, "micro_size": 8})
     trainer = CausalLMTrainer(recipe)
     tight = MemoryBudget(total=1 << 30, free=1 << 30, reserve=0, usable=1, source="test")
-    trainer.plan_result = dataclasses.replace(trainer.plan_result, budget=tight)
+    trainer.plan_result = dataclasses.replace(trainer.choose_plan(), budget=tight)
     trainer.fit()
     assert trainer.plan.micro_batch_size < 8

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from planner_cases import planner_recipe
 
-from memtrain.models import CausalLMTrainer
+from memtrain.causal_lm.trainer import CausalLMTrainer
+
+from planner_cases import planner_recipe
 
 BUDGETS = [3_200_000, 4_000_000, 5_000_000, 6_500_000, 9_000_000, 12_000_000]
 
@@ -43,12 +44,13 @@ def test_chosen_plan_trains_under_the_budget(tmp_path: Path, budget: int) -> Non
 def test_calibration_compares_prediction_and_measurement(tmp_path: Path) -> None:
     """What the trainer writes into plan.json: the planner's prediction next to the tracker's step."""
     from memtrain.distributed import DistEnv
-    from memtrain.plan import make_plan
-    from memtrain.planner import calibration
+    from memtrain.planner import calibration, make_plan
 
     recipe = planner_recipe(tmp_path, memory={"budget": 6_500_000}, train={"steps": 3})
-    result = make_plan(recipe, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    spec = CausalLMTrainer(recipe).model_spec()
+    result = make_plan(recipe, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), spec)
     trainer = CausalLMTrainer(recipe)
+    trainer.setup()
     assert trainer.plan == result.plan  # deterministic: the trainer resolves the same plan
     trainer.fit()
     report = calibration(result, trainer.memory_reports[-1])

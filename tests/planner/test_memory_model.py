@@ -11,20 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from planner_cases import cpu_target, plan_on, planner_recipe, scored_plan
 from torch import nn
 
-from memtrain.footprint import Footprint
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.memory import MemoryTracker
-from memtrain.models import CausalLMTrainer
+from memtrain.memory.footprint import Footprint
 from memtrain.planner.activations import SegmentKey
 from memtrain.planner.memory_model import predict, step_walk
-from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.states import state_levels
+from memtrain.strategies.checkpointing import NoCheckpointing
 from memtrain.strategies.master_weights import MasterWeightOptimizer
-from memtrain.strategies.optimizer import OptimizerStates
-from memtrain.strategies.precision import Precision
+from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
+from memtrain.strategies.precision import PRECISION, Precision
 from memtrain.strategies.sharding import make_sharding
+
+from helpers import probe_of
+from planner_cases import cpu_target, plan_on, planner_recipe, scored_plan
 
 PLANS = [  # precision, checkpointing, fraction, optimizer states, micro-batch rows (of 8)
     ("fp32", "none", 1.0, "fp32", 8),
@@ -32,6 +34,7 @@ PLANS = [  # precision, checkpointing, fraction, optimizer states, micro-batch r
     ("bf16-master", "full", 1.0, "8bit", 2),
     ("fp32", "selective", 1.0, "bf16", 4),
 ]
+FP32, NONE = Precision(), NoCheckpointing()
 TOLERANCE = 0.02  # measured worst case here: 0.9% (a size between the two traced ones)
 
 
@@ -65,9 +68,10 @@ def test_predicted_peak_matches_the_tracker(tmp_path: Path, plan: tuple[str, str
 def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str) -> None:
     """The optimizer step as the trainer runs it (master hand-over, clipping, step) on a model whose largest
     tensor dominates, so that the per-tensor temporaries are visible."""
-    model = Precision(precision).cast_model(nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.Linear(64, 64)))
-    optimizer = Precision(precision).build_optimizer(
-        model, lambda ps: OptimizerStates(states).build(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
+    stored = PRECISION.create(precision).stored_dtype
+    model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.Linear(64, 64)).to(stored)
+    optimizer = PRECISION.create(precision).build_optimizer(
+        model, lambda ps: OPTIMIZER_STATES.create(states).build(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
     tracker = MemoryTracker(model, optimizer)
     with tracker:
         for step in range(2):  # the second step is the steady state (states exist)
@@ -81,18 +85,19 @@ def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str) ->
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             measured = tracker.end_step().peak_bytes
-    from memtrain.blocks import model_shape
+    from memtrain.strategies.blocks import model_shape
 
-    levels = state_levels(model_shape(model, []), precision=precision, optimizer_states=states,
-                          backend=make_sharding("none"), world_size=1, dim0={}, fixed_bytes=0, foreach=False)
+    levels = state_levels(model_shape(model, []), precision=PRECISION.create(precision),
+                          optimizer_states=OPTIMIZER_STATES.create(states), backend=make_sharding("none"),
+                          replicated=True, world_size=1, dim0={}, fixed_bytes=0, foreach=False)
     predicted = levels.weights + levels.optimizer_states + levels.optimizer_gradients + levels.optimizer_extra
     assert abs(predicted - measured) <= 64, (predicted, measured)  # clipping's scalars
 
 
 def test_activation_fit_is_exact_at_its_ends_and_safe_between(tmp_path: Path) -> None:
-    probe = ModelProbe(planner_recipe(tmp_path))
-    fitted = probe.trace("fp32", "none", (1, 8))
-    middle = probe.trace("fp32", "none", (4, 8))  # exact at 4 rows
+    probe = probe_of(planner_recipe(tmp_path))
+    fitted = probe.trace(FP32, NONE, (1, 8))
+    middle = probe.trace(FP32, NONE, (4, 8))  # exact at 4 rows
     key = SegmentKey("first", "bwd.head")
     assert fitted.at(key, 8 * 32).at_peak == pytest.approx(middle.at(key, 8 * 32).at_peak, abs=1)
     between, exact = sum(fitted.at(key, 4 * 32).at_peak), sum(middle.at(key, 4 * 32).at_peak)
@@ -102,8 +107,8 @@ def test_activation_fit_is_exact_at_its_ends_and_safe_between(tmp_path: Path) ->
 def test_runs_of_blocks_walk_like_single_blocks(tmp_path: Path) -> None:
     """A 40-block walk collapses runs of identical blocks; naming every other block's trace differently
     forbids the collapsing, and the result must not change."""
-    probe = ModelProbe(planner_recipe(tmp_path))
-    trace = probe.trace("fp32", "none", (1, 2))
+    probe = probe_of(planner_recipe(tmp_path))
+    trace = probe.trace(FP32, NONE, (1, 2))
     collapsed = step_walk({"none": trace}, ["none"] * 40, 64, 4)
     alternating = step_walk({"a": trace, "b": trace}, ["a", "b"] * 20, 64, 4)
     for one, other in ((collapsed.first, alternating.first), (collapsed.later, alternating.later)):
@@ -113,10 +118,11 @@ def test_runs_of_blocks_walk_like_single_blocks(tmp_path: Path) -> None:
 
 
 def test_prediction_breakdown_sums_to_the_peak(tmp_path: Path) -> None:
-    probe = ModelProbe(planner_recipe(tmp_path))
-    levels = state_levels(probe.shape, precision="fp32", optimizer_states="fp32", backend=make_sharding("none"),
-                          world_size=1, dim0=probe.dim0, fixed_bytes=0, foreach=False)
-    prediction = predict(levels, step_walk({"none": probe.trace("fp32", "none", (1, 2))}, ["none"] * 5, 64, 2))
+    probe = probe_of(planner_recipe(tmp_path))
+    levels = state_levels(probe.shape, precision=FP32, optimizer_states=OptimizerStates(),
+                          backend=make_sharding("none"), replicated=True, world_size=1, dim0=probe.dim0,
+                          fixed_bytes=0, foreach=False)
+    prediction = predict(levels, step_walk({NONE: probe.trace(FP32, NONE, (1, 2))}, [NONE] * 5, 64, 2))
     assert isinstance(prediction.at_peak, Footprint)
     assert prediction.peak == prediction.at_peak.peak
     assert all(getattr(prediction.maxima, c) >= getattr(prediction.at_peak, c) for c in ("weights", "activations"))

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from planner_cases import cpu_target, plan_on, planner_recipe
 
-from memtrain.planner.hardware import SAFETY_FRACTION
+from memtrain.memory.headroom import SAFETY_FRACTION
 
 from helpers import REPO, subprocess_env
+from planner_cases import cpu_target, plan_on, planner_recipe
 
 FREE = (12_000_000, 5_000_000)  # rank 0 sees more than rank 1
 

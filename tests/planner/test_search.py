@@ -10,19 +10,24 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from planner_cases import MODEL, cpu_target, plan_on, planner_recipe
 
 from memtrain.cli import main
 from memtrain.errors import PlanError
-from memtrain.footprint import Footprint
-from memtrain.planner.candidates import Candidate
+from memtrain.memory.footprint import Footprint
+from memtrain.memory.headroom import load_gpu, what_if_target
+from memtrain.plan import Plan
 from memtrain.planner.cost import StepCost
-from memtrain.planner.hardware import load_gpu, what_if_target
 from memtrain.planner.memory_model import Prediction, StateLevels
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.search import Scored, rank, search
+from memtrain.strategies.checkpointing import NoCheckpointing
+from memtrain.strategies.micro_batching import MicroBatching
+from memtrain.strategies.optimizer import OptimizerStates
+from memtrain.strategies.precision import Precision
+from memtrain.strategies.sharding import Sharding
 
-from helpers import tiny_recipe_dict
+from helpers import probe_of, tiny_recipe_dict
+from planner_cases import MODEL, cpu_target, plan_on, planner_recipe
 
 MiB = 2**20
 
@@ -33,7 +38,7 @@ def synthetic(count: int, seed: int) -> list[Scored]:
     for i in range(count):
         peak = rng.randrange(1, 1000) * MiB
         seconds = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0])  # ties happen: the order must still be total
-        candidate = Candidate("fp32", "none", 1.0, "fp32", "none", i + 1, 1)
+        candidate = Plan(Precision(), NoCheckpointing(), OptimizerStates(), Sharding(), MicroBatching(i + 1, 1))
         out.append(Scored(candidate, Prediction(Footprint(activations=peak), Footprint(activations=peak), "x"),
                           StepCost(seconds, 0, 0, 0, 0, 0), StateLevels(0, 0, 0, 0, 0, 0)))
     return out
@@ -64,7 +69,7 @@ def test_ranking_is_deterministic() -> None:
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory: pytest.TempPathFactory) -> ModelProbe:
     torch.set_num_threads(1)
-    return ModelProbe(planner_recipe(tmp_path_factory.mktemp("probe")))
+    return probe_of(planner_recipe(tmp_path_factory.mktemp("probe")))
 
 
 GOLDEN = [  # usable bytes -> (checkpointing, fraction, optimizer states, micro-batch) with the CPU cost model
@@ -78,30 +83,30 @@ GOLDEN = [  # usable bytes -> (checkpointing, fraction, optimizer states, micro-
 def test_golden_plans(tmp_path: Path, probe: ModelProbe, usable: int, expected: tuple[str, float, str, int]) -> None:
     result = plan_on(planner_recipe(tmp_path), cpu_target(usable), probe)
     c = result.plan
-    assert (c.checkpointing, c.checkpointing_fraction, c.optimizer_states, c.micro_batch_size) == expected
-    assert c.precision == "fp32" and c.sharding == "none" and c.world_size == 1
+    fraction = getattr(c.checkpointing, "fraction", 1.0)
+    assert (c.checkpointing.name, fraction, c.optimizer_states.name, c.micro_batch_size) == expected
+    assert c.precision.name == "fp32" and c.sharding.name == "none" and c.world_size == 1
     assert c.micro_batch_size * c.accumulation_steps == 8
     assert result.predicted is not None and result.predicted.peak <= usable
 
 
 def test_auto_precision_keeps_fp32_numerics_and_lists_are_honoured(tmp_path: Path, probe: ModelProbe) -> None:
     auto = plan_on(planner_recipe(tmp_path, strategies={"precision": "auto"}), cpu_target(), probe)
-    assert {s.candidate.precision for s in auto.ranked} == {"fp32"}  # CPU: bf16-mixed only on a bf16 GPU
+    assert {s.plan.precision.name for s in auto.ranked} == {"fp32"}  # CPU: bf16-mixed only on a bf16 GPU
     listed = plan_on(planner_recipe(tmp_path, strategies={"precision": ["bf16-master", "fp32"]}), cpu_target(), probe)
-    assert {s.candidate.precision for s in listed.ranked} == {"bf16-master", "fp32"}
+    assert {s.plan.precision.name for s in listed.ranked} == {"bf16-master", "fp32"}
     gpu = search(planner_recipe(tmp_path, strategies={"precision": "auto"}), probe,
-                 what_if_target(1, load_gpu("a100-80gb"), None, None), torch.device("cuda", 0), what_if=True)
-    assert {s.candidate.precision for s in gpu.ranked} == {"bf16-mixed", "fp32"}
-    assert gpu.plan.precision == "bf16-mixed"  # faster on a GPU, same numerics class
+                 what_if_target(1, load_gpu("a100-80gb"), None, None), torch.device("cuda", 0))
+    assert {s.plan.precision.name for s in gpu.ranked} == {"bf16-mixed", "fp32"}
+    assert gpu.plan.precision.name == "bf16-mixed"  # faster on a GPU, same numerics class
 
 
 def test_options_that_cannot_run_are_excluded_with_the_reason(tmp_path: Path, probe: ModelProbe) -> None:
     recipe = planner_recipe(tmp_path, strategies={"precision": ["fp8", "bf16-mixed"]})
-    result = search(recipe, probe, what_if_target(1, load_gpu("a100-80gb"), None, None), torch.device("cuda", 0),
-                    what_if=True)
+    result = search(recipe, probe, what_if_target(1, load_gpu("a100-80gb"), None, None), torch.device("cuda", 0))
     reasons = dict(result.excluded)
     assert "compute capability >= 8.9" in reasons["strategies.precision=fp8"]
-    assert {s.candidate.precision for s in result.ranked} == {"bf16-mixed"}
+    assert {s.plan.precision.name for s in result.ranked} == {"bf16-mixed"}
 
 
 def test_nothing_fits_raises_plan_error_with_the_table(tmp_path: Path, probe: ModelProbe) -> None:
@@ -128,8 +133,10 @@ def test_plan_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["plan", str(_recipe_file(tmp_path, memory={"budget": 5_000_000})), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) >= {"plan", "predicted", "budget", "candidates", "cheapest_infeasible"}
-    assert set(doc["plan"]) == {"precision", "checkpointing", "checkpointing_fraction", "optimizer_states",
-                                "micro_batch_size", "accumulation_steps", "sharding", "backend", "offload"}
+    assert set(doc["plan"]) == {"precision", "checkpointing", "optimizer_states", "sharding", "micro_batching",
+                                "world_size"}
+    assert Plan.from_dict(doc["plan"]).to_dict() == doc["plan"], "plan --json round-trips"
+    assert set(doc["summary"]) >= {"precision", "checkpointing", "micro_batch_size", "accumulation_steps"}
     assert set(doc["predicted"]) == {"weights", "gradients", "optimizer_states", "activations", "other", "peak"}
     assert set(doc["budget"]) == {"total", "free", "reserve", "usable"}
     assert all(isinstance(v, int) for v in (*doc["predicted"].values(), *doc["budget"].values()))

@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memtrain.planner.hardware import load_gpu, what_if_target
+from memtrain.memory.headroom import load_gpu, what_if_target
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.search import search
 from memtrain.recipe import load_recipe
 
-from helpers import REPO
+from helpers import REPO, probe_of
 
 N = 64
 PINNED = ["strategies.checkpointing=full"]  # one traced mode keeps the test short
@@ -31,13 +31,13 @@ PINNED = ["strategies.checkpointing=full"]  # one traced mode keeps the test sho
 @pytest.fixture(scope="module")
 def probe() -> ModelProbe:
     torch.set_num_threads(1)
-    return ModelProbe(load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", PINNED))
+    return probe_of(load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", PINNED))
 
 
 def _stored(probe: ModelProbe, *overrides: str) -> tuple[int, int, int]:
     recipe = load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", [*PINNED, *overrides])
     unbounded = what_if_target(N, None, 2**50, None)
-    result = search(recipe, probe, unbounded, torch.device("cuda", 0), what_if=True)
+    result = search(recipe, probe, unbounded, torch.device("cuda", 0))
     assert result.chosen is not None
     return result.chosen.states.stored
 
@@ -67,13 +67,12 @@ def test_fsdp2_zero3_states_follow_the_formulas(probe: ModelProbe) -> None:
 @pytest.mark.slow
 def test_seventy_billion_on_64_h100_golden_plan(probe: ModelProbe) -> None:
     recipe = load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", PINNED)
-    result = search(recipe, probe, what_if_target(N, load_gpu("h100-80gb"), None, None), torch.device("cuda", 0),
-                    what_if=True)
+    result = search(recipe, probe, what_if_target(N, load_gpu("h100-80gb"), None, None), torch.device("cuda", 0))
     plan = result.plan
     # Only zero3 fits 70B on 80 GB; FSDP2 accumulating without a reduce would keep unsharded fp32
     # gradients, so the whole per-rank batch runs as one micro-batch.
-    assert (plan.precision, plan.sharding, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-mixed", "zero3", 4, 1)
+    assert (plan.precision.name, plan.sharding.name, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-mixed", "zero3", 4, 1)
     assert result.budget is not None and result.predicted is not None
     assert result.budget.total == load_gpu("h100-80gb").memory_bytes
     assert result.predicted.peak <= result.budget.usable
-    assert {s.candidate.sharding for s in result.infeasible} >= {"ddp", "zero1", "zero2"}
+    assert {s.plan.sharding.name for s in result.infeasible} >= {"ddp", "zero1", "zero2"}

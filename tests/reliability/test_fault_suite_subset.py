@@ -1,8 +1,8 @@
 """The CI subset of the fault-injection suite (scripts/fault_suite.py): a few faults of each kind, run by
-the same scenario code (`memtrain.testing.scenarios`), so that a regression in any recovery path fails
+the same scenario code (`fault_kit.scenarios`), so that a regression in any recovery path fails
 CI, and the suite's figures in docs/RELIABILITY.md cannot drift from what is tested.
 
-Each test fails with the scenario's own report: the fault (as the JSON `memtrain.testing.faults` takes)
+Each test fails with the scenario's own report: the fault (as the JSON `fault_kit.faults` takes)
 and what went wrong.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain.testing import scenarios
-from memtrain.testing.faults import Fault
-from memtrain.testing.recipe_fuzz import recipe_fuzz
-from memtrain.testing.scenarios import Outcome
+from fault_kit import scenarios
+from fault_kit.faults import Fault
+from fault_kit.recipe_fuzz import recipe_fuzz
+from fault_kit.scenarios import Outcome
 
 SEED = 0
 

@@ -23,11 +23,11 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memtrain.blocks import model_shape  # noqa: E402
 from memtrain.recipe import recipe_from_dict  # noqa: E402
-from memtrain.sharding_census import CensusTrainer  # noqa: E402
-from memtrain.strategies.deepspeed_backend import DeepSpeedBackend  # noqa: E402
+from memtrain.strategies.blocks import model_shape  # noqa: E402
+from memtrain.strategies.sharding.deepspeed_backend import DeepSpeedBackend  # noqa: E402
 
+from census import CensusTrainer  # noqa: E402
 from helpers import tiny_recipe_dict  # noqa: E402
 
 

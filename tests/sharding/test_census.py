@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from memtrain.sharding_census import ddp_bucket_bytes, storage_bytes
+from census import ddp_bucket_bytes, storage_bytes
 
 
 def test_ddp_buckets_hold_one_copy_of_every_gradient() -> None:

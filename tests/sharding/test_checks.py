@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from memtrain import sharded_checkpoint
+import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 from memtrain.checkpoint import CheckpointError
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
-from memtrain.plan import build_sharding, resolve_plan
-from memtrain.strategies.deepspeed_config import DeepSpeedPlan, build_config
+from memtrain.plan import pinned_plan
 from memtrain.strategies.sharding import make_sharding
+from memtrain.strategies.sharding.deepspeed_config import DeepSpeedPlan, build_config
 
 from helpers import tiny_recipe
 
@@ -63,7 +63,7 @@ def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
 def test_world_size_not_dividing_the_global_batch(tmp_path: Path) -> None:
     recipe = tiny_recipe(tmp_path, strategies={"sharding": "zero3"})  # global batch 8
     with pytest.raises(RecipeError, match="batch.global_size"):
-        resolve_plan(recipe, DistEnv(rank=0, world_size=3, local_rank=0, device=torch.device("cpu")))
+        pinned_plan(recipe, DistEnv(rank=0, world_size=3, local_rank=0, device=torch.device("cpu")))
 
 
 @NEEDS_DEEPSPEED
@@ -71,7 +71,7 @@ def test_recipe_options_reach_the_backend(tmp_path: Path) -> None:
     recipe = tiny_recipe(tmp_path, batch={"global_size": 8, "micro_size": 2},
                          strategies={"sharding": "zero2", "sharding_backend": "deepspeed",
                                      "sharding_offload": "optimizer", "precision": "fp32"})
-    backend = build_sharding(recipe, resolve_plan(recipe, TWO_RANKS))
+    backend = pinned_plan(recipe, TWO_RANKS).sharding_backend()
     assert type(backend).__name__ == "DeepSpeedBackend"
     config = backend.config(model_numel=1000, world_size=2)  # type: ignore[attr-defined]
     assert config["gradient_accumulation_steps"] == 2 and config["train_batch_size"] == 8

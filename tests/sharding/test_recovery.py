@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from memtrain.models import CausalLMTrainer
-from memtrain.trainer import Batch
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.training.trainer import Batch
 
 from helpers import tiny_recipe
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain.footprint import Footprint, ModelShape, ParamInfo
+from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 from memtrain.strategies.sharding import make_sharding
-from memtrain.strategies.sharding_bytes import (
+from memtrain.strategies.sharding.state_bytes import (
     ADAMW,
     DeepSpeedZero3Knobs,
     OptimizerCost,

@@ -23,20 +23,21 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from memtrain.activation_profile import profile_activations
-from memtrain.blocks import discover_blocks
 from memtrain.errors import Unsupported
-from memtrain.footprint import ActivationProfile, Footprint
+from memtrain.memory.activation_profile import profile_activations
+from memtrain.memory.footprint import ActivationProfile, Footprint
 from memtrain.strategies import checkpointing as ckpt_module
-from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.blocks import discover_blocks
+from memtrain.strategies.checkpointing import CHECKPOINTING, Checkpointing, FractionCheckpointing
+from memtrain.strategies.registry import DeviceFacts
 
 MODES = [
-    Checkpointing("full"),
-    Checkpointing("fraction", 0.5),
-    Checkpointing("selective"),
-    Checkpointing("offload"),
+    CHECKPOINTING.create("full"),
+    FractionCheckpointing(0.5),
+    CHECKPOINTING.create("selective"),
+    CHECKPOINTING.create("offload"),
 ]
-ALL_MODES = [Checkpointing("none"), *MODES]
+ALL_MODES = [CHECKPOINTING.create("none"), *MODES]
 ESTIMATE_TOLERANCE = 0.10  # measured worst case: 3.2% (offload on the hand-written model)
 
 
@@ -206,7 +207,7 @@ def host_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def profile_of(name: str, ids: torch.Tensor) -> ActivationProfile:
-    model = build(name, Checkpointing("none"))
+    model = build(name, CHECKPOINTING.create("none"))
     return profile_activations(model, discover_blocks(model), lambda: loss_of(model, ids))
 
 
@@ -233,7 +234,7 @@ def train(
 
 @pytest.mark.parametrize("name", MODELS)
 def test_every_mode_is_bit_identical_to_none(name: str) -> None:
-    ref_losses, ref_grads = train(name, Checkpointing("none"))
+    ref_losses, ref_grads = train(name, CHECKPOINTING.create("none"))
     for strategy in MODES:
         losses, grads = train(name, strategy)
         for step, (a, b) in enumerate(zip(ref_losses, losses, strict=True)):
@@ -251,7 +252,7 @@ def test_checkpointed_llama_leaves_the_kv_cache_alone() -> None:
     """
     ids = ids_for("llama")
     results = []
-    for strategy in (Checkpointing("none"), Checkpointing("full")):
+    for strategy in (CHECKPOINTING.create("none"), CHECKPOINTING.create("full")):
         model = build("llama", strategy)
         out = model(input_ids=ids, use_cache=True)
         cached = out.past_key_values.get_seq_length()
@@ -284,7 +285,7 @@ def flops(name: str, strategy: Checkpointing, pointwise: bool = False) -> int:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_flops_show_the_recompute(name: str) -> None:
-    model = build(name, Checkpointing("none"))
+    model = build(name, CHECKPOINTING.create("none"))
     with FlopCounterMode(display=False) as counter:
         loss_of(model, ids_for(name))
     blocks = discover_blocks(model)
@@ -293,16 +294,16 @@ def test_flops_show_the_recompute(name: str) -> None:
     block_forward = sum(sum(counter.get_flop_counts()[f"{prefix}.{names[id(b)]}"].values()) for b in blocks)
 
     none, full, fraction = (
-        flops(name, Checkpointing(n, f)) for n, f in [("none", 1), ("full", 1), ("fraction", 0.5)]
+        flops(name, CHECKPOINTING.create(n, {"checkpointing_fraction": f})) for n, f in [("none", 1), ("full", 1), ("fraction", 0.5)]
     )
     # One more forward of the blocks, less the tail after each block's last saved tensor (non-reentrant
     # checkpoint stops recomputing there: llama's down projection, whose output nobody saves).
     assert 0.7 * block_forward <= full - none <= block_forward
-    share = Checkpointing("fraction", 0.5).checkpointed(len(blocks)).count(True) / len(blocks)
+    share = FractionCheckpointing(0.5).checkpointed(len(blocks)).count(True) / len(blocks)
     assert fraction - none == pytest.approx(share * (full - none), rel=1e-6)
-    assert flops(name, Checkpointing("selective")) == none, "selective keeps every matmul output"
-    assert flops(name, Checkpointing("offload")) == none
-    counted = {n: flops(name, Checkpointing(n), pointwise=True) for n in ("none", "selective", "full")}
+    assert flops(name, CHECKPOINTING.create("selective")) == none, "selective keeps every matmul output"
+    assert flops(name, CHECKPOINTING.create("offload")) == none
+    counted = {n: flops(name, CHECKPOINTING.create(n), pointwise=True) for n in ("none", "selective", "full")}
     assert counted["none"] < counted["selective"] < counted["full"], counted
 
 
@@ -315,10 +316,10 @@ def wide_llama_peaks() -> dict[str, int]:
     ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(1))
     peaks = {}
     for strategy in (
-        Checkpointing("none"),
-        Checkpointing("full"),
-        Checkpointing("fraction", 0.5),
-        Checkpointing("selective"),
+        CHECKPOINTING.create("none"),
+        CHECKPOINTING.create("full"),
+        FractionCheckpointing(0.5),
+        CHECKPOINTING.create("selective"),
     ):
         torch.manual_seed(0)
         model = tiny_llama(layers=12, hidden=128, positions=128)
@@ -365,11 +366,11 @@ def test_offload_on_cpu_runs_the_path_and_moves_nothing(name: str, monkeypatch: 
         return host
 
     monkeypatch.setattr(ckpt_module._HostOffload, "_to_host", recording)
-    model = build(name, Checkpointing("offload"))
+    model = build(name, CHECKPOINTING.create("offload"))
     peak = measured_peak(model, ids)
     assert not {id(p.untyped_storage()) for p in model.parameters()} & offered.keys(), "weights stay"
     assert sum(offered.values()) == sum(profile_of(name, ids).per_block)
-    assert peak == measured_peak(build(name, Checkpointing("none")), ids)
+    assert peak == measured_peak(build(name, CHECKPOINTING.create("none")), ids)
 
 
 def test_profile_by_hand() -> None:
@@ -413,18 +414,18 @@ def test_estimate_by_hand() -> None:
         assert footprint.with_(activations=0) == base
         return footprint.activations
 
-    assert acts(Checkpointing("none")) == 230  # 100 + 100 + 30
-    assert acts(Checkpointing("full")) == 110  # recompute of block 1 on top of both inputs: 10 + 10 + 90
-    assert acts(Checkpointing("fraction", 0.5)) == 140  # 10 + 100 + 30: block 0's recompute comes later
-    assert acts(Checkpointing("selective")) == 150  # block 1 recomputed: 50 + max(50, 10 + 90)
-    assert acts(Checkpointing("offload")) == 110  # block 0's inputs stay: 10 + max(0, 10 + 90)
+    assert acts(CHECKPOINTING.create("none")) == 230  # 100 + 100 + 30
+    assert acts(CHECKPOINTING.create("full")) == 110  # recompute of block 1 on top of both inputs: 10 + 10 + 90
+    assert acts(FractionCheckpointing(0.5)) == 140  # 10 + 100 + 30: block 0's recompute comes later
+    assert acts(CHECKPOINTING.create("selective")) == 150  # block 1 recomputed: 50 + max(50, 10 + 90)
+    assert acts(CHECKPOINTING.create("offload")) == 110  # block 0's inputs stay: 10 + max(0, 10 + 90)
 
 
 def test_fraction_checkpoints_the_first_blocks() -> None:
-    assert Checkpointing("fraction", 0.5).checkpointed(12) == (True,) * 6 + (False,) * 6
-    assert Checkpointing("fraction", 0.5).checkpointed(3) == (True, True, False)  # rounds half up
-    assert Checkpointing("fraction", 1.0).checkpointed(4) == Checkpointing("full").checkpointed(4)
-    assert Checkpointing("offload").checkpointed(4) == (False,) * 4
+    assert FractionCheckpointing(0.5).checkpointed(12) == (True,) * 6 + (False,) * 6
+    assert FractionCheckpointing(0.5).checkpointed(3) == (True, True, False)  # rounds half up
+    assert FractionCheckpointing(1.0).checkpointed(4) == CHECKPOINTING.create("full").checkpointed(4)
+    assert CHECKPOINTING.create("offload").checkpointed(4) == (False,) * 4
 
 
 # --------------------------------------------------------------------------------- keys and errors
@@ -433,7 +434,7 @@ def test_fraction_checkpoints_the_first_blocks() -> None:
 @pytest.mark.parametrize("strategy", ALL_MODES, ids=lambda s: s.name)
 def test_state_dict_keys_are_unchanged(strategy: Checkpointing) -> None:
     for name in MODELS:
-        plain = build(name, Checkpointing("none"))
+        plain = build(name, CHECKPOINTING.create("none"))
         wrapped = build(name, strategy)
         assert list(wrapped.state_dict()) == list(plain.state_dict())
         assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in plain.named_parameters()]
@@ -441,10 +442,10 @@ def test_state_dict_keys_are_unchanged(strategy: Checkpointing) -> None:
 
 def test_full_checkpoint_loads_into_none_model() -> None:
     ids = ids_for("llama")
-    trained = build("llama", Checkpointing("full"))
+    trained = build("llama", CHECKPOINTING.create("full"))
     loss_of(trained, ids).backward()
     torch.optim.SGD(trained.parameters(), lr=0.1).step()
-    fresh = build("llama", Checkpointing("none"), seed=1)
+    fresh = build("llama", CHECKPOINTING.create("none"), seed=1)
     assert not torch.equal(loss_of(fresh, ids), loss_of(trained, ids))
     fresh.load_state_dict(trained.state_dict(), strict=True)
     assert torch.equal(loss_of(fresh, ids), loss_of(trained, ids))
@@ -453,34 +454,37 @@ def test_full_checkpoint_loads_into_none_model() -> None:
 @pytest.mark.parametrize(
     ("strategy", "message"),
     [
-        (Checkpointing("fraction", 0.0), "checkpointing_fraction: must be in (0, 1]"),
-        (Checkpointing("fraction", 1.5), "checkpointing_fraction: must be in (0, 1]"),
-        (Checkpointing("fraction", float("nan")), "checkpointing_fraction: must be in (0, 1]"),
-        (Checkpointing("full", 0.5), "only applies to strategies.checkpointing=fraction"),
-        (Checkpointing("selectve"), "unknown mode"),
+        (FractionCheckpointing(0.0), "checkpointing_fraction: must be in (0, 1]"),
+        (FractionCheckpointing(1.5), "checkpointing_fraction: must be in (0, 1]"),
+        (FractionCheckpointing(float("nan")), "checkpointing_fraction: must be in (0, 1]"),
     ],
 )
 def test_check_rejects_what_cannot_run(strategy: Checkpointing, message: str) -> None:
     with pytest.raises(Unsupported, match=message.replace("(", r"\(").replace("]", r"\]")) as info:
-        strategy.check(torch.device("cpu"))
+        strategy.check(DeviceFacts("cpu"))
     assert str(info.value).startswith("strategies.checkpointing"), "the message names the recipe key"
+
+
+def test_unknown_mode_names_the_key_and_the_registered_names() -> None:
+    with pytest.raises(Unsupported, match='strategies.checkpointing: .selectve. is not one of .*did you mean "selective"'):
+        CHECKPOINTING.create("selectve")
 
 
 def test_every_mode_runs_on_cpu_and_cuda_but_offload_needs_a_host_path() -> None:
     for strategy in ALL_MODES:
-        strategy.check(torch.device("cpu"))
-        strategy.check(torch.device("cuda"))
+        strategy.check(DeviceFacts("cpu"))
+        strategy.check(DeviceFacts("cuda"))
     with pytest.raises(Unsupported, match="offload is implemented for CUDA"):
-        Checkpointing("offload").check(torch.device("mps"))
-    Checkpointing("full").check(torch.device("mps"))
+        CHECKPOINTING.create("offload").check(DeviceFacts("mps"))
+    CHECKPOINTING.create("full").check(DeviceFacts("mps"))
 
 
 def test_apply_refuses_twice_and_foreign_blocks() -> None:
-    model = build("plain", Checkpointing("full"))
+    model = build("plain", CHECKPOINTING.create("full"))
     with pytest.raises(ValueError, match="already wrapped"):
-        Checkpointing("selective").apply(model, discover_blocks(model))
+        CHECKPOINTING.create("selective").apply(model, discover_blocks(model))
     with pytest.raises(ValueError, match="not a submodule"):
-        Checkpointing("full").apply(PlainNet(), discover_blocks(model))
+        CHECKPOINTING.create("full").apply(PlainNet(), discover_blocks(model))
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
@@ -495,7 +499,7 @@ def test_offload_on_cuda_is_exact_and_keeps_activations_on_the_host() -> None:
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # eager attention: no atomics in backward
     try:
-        for strategy in (Checkpointing("none"), Checkpointing("offload")):
+        for strategy in (CHECKPOINTING.create("none"), CHECKPOINTING.create("offload")):
             torch.manual_seed(0)
             model = tiny_llama(layers=12, hidden=128, positions=128, attention="eager").to(device)
             strategy.apply(model, discover_blocks(model))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain.models import CausalLMTrainer
+from memtrain.causal_lm.trainer import CausalLMTrainer
 
 from helpers import tiny_recipe
 

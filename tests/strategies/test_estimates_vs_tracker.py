@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from memtrain.blocks import model_shape
-from memtrain.footprint import Footprint
-from memtrain.models import CausalLMTrainer
-from memtrain.strategies.optimizer import OptimizerStates
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.memory.footprint import Footprint
+from memtrain.strategies.blocks import model_shape
+from memtrain.strategies.optimizer import OPTIMIZER_STATES
 
 from helpers import TINY_LLAMA, tiny_recipe
 
@@ -40,7 +40,7 @@ def test_model_state_estimates_match_tracker(tmp_path: Path, precision: str, sta
     trainer.fit()
     model = trainer.sharding.unwrap(trainer.model)
     shape = model_shape(model, trainer.blocks(model))
-    predicted = OptimizerStates(states).estimate(shape, trainer.precision.estimate(shape, Footprint()))
+    predicted = OPTIMIZER_STATES.create(states).estimate(shape, trainer.plan.precision.estimate(shape, Footprint()))
     measured = trainer.memory_reports[-1].component_peaks
     assert measured["weights"] == predicted.weights
     assert measured["gradients"] == predicted.gradients

@@ -20,9 +20,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from memtrain.errors import Unsupported
-from memtrain.footprint import Footprint, ModelShape, ParamInfo
+from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 from memtrain.strategies.lowbit_adamw import BF16StateAdamW, round_stochastic_
-from memtrain.strategies.optimizer import OptimizerStates, measured_state_bytes
+from memtrain.strategies.optimizer import OPTIMIZER_STATES, measured_state_bytes
+from memtrain.strategies.registry import DeviceFacts
 
 VOCAB = 300
 TINY: dict[str, Any] = {
@@ -35,7 +36,7 @@ TINY: dict[str, Any] = {
     "max_position_embeddings": 64,
 }
 HPARAMS: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-CPU = torch.device("cpu")
+CPU = DeviceFacts("cpu")
 STEPS = 30
 # Largest |loss(bf16 states) - loss(fp32 states)| allowed over the 30 steps (measured: 5e-4).
 BF16_LOSS_TOLERANCE = 1e-2
@@ -81,7 +82,7 @@ def loss_curves() -> dict[str, list[float]]:
     curves = {}
     for name in ("fp32", "bf16", "8bit"):
         model = copy.deepcopy(base)
-        curves[name] = train(model, OptimizerStates(name).build(model.parameters(), **HPARAMS), STEPS)
+        curves[name] = train(model, OPTIMIZER_STATES.create(name).build(model.parameters(), **HPARAMS), STEPS)
     return curves
 
 
@@ -93,7 +94,7 @@ def test_estimate_by_hand() -> None:
     start = Footprint(weights=7, gradients=5, optimizer_states=999, activations=3, other=1)
 
     def states(name: str, param_bytes: int = 4) -> int:
-        out = OptimizerStates(name).estimate(shape, start, param_bytes)
+        out = OPTIMIZER_STATES.create(name).estimate(shape, start, param_bytes)
         assert out.with_(optimizer_states=999) == start  # only the optimizer component changes
         return out.optimizer_states - 999  # added to what was there (e.g. a master copy)
 
@@ -104,7 +105,7 @@ def test_estimate_by_hand() -> None:
     eight_bit = 2 * 4 * 4095 + (2 * 4096 + 2 * 16 * 4) + (2 * 10_000 + 2 * 40 * 4) + 2 * 256 * 4
     assert states("8bit") == states("8bit", param_bytes=2) == states("paged-8bit") == eight_bit
     small_only = ModelShape((ParamInfo("norm", 64, None),), num_blocks=0)
-    assert OptimizerStates("8bit").estimate(small_only, Footprint()).optimizer_states == 2 * 4 * 64
+    assert OPTIMIZER_STATES.create("8bit").estimate(small_only, Footprint()).optimizer_states == 2 * 4 * 64
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-params", "bf16-params"])
@@ -113,7 +114,7 @@ def test_estimate_equals_measured_after_one_step(name: str, dtype: torch.dtype) 
     model = tiny_llama().to(dtype)
     sizes = {p.numel() for p in model.parameters()}
     assert min(sizes) < 4096 <= max(sizes) and 4096 in sizes  # both sides of the 8-bit threshold
-    strategy = OptimizerStates(name)
+    strategy = OPTIMIZER_STATES.create(name)
     optimizer = strategy.build(model.parameters(), **HPARAMS)
     assert measured_state_bytes(optimizer) == 0  # states are created lazily by the first step
     train_step(model, optimizer, arithmetic_batch(torch.Generator().manual_seed(0)))
@@ -125,11 +126,11 @@ def test_8bit_keeps_about_two_bytes_per_param_on_large_tensors() -> None:
     model = tiny_llama(hidden_size=128, intermediate_size=344, num_key_value_heads=4, vocab_size=512)
     shape = shape_of(model)
     assert sum(p.numel for p in shape.params if p.numel < 4096) / shape.numel < 0.01
-    optimizer = OptimizerStates("8bit").build(model.parameters(), **HPARAMS)
+    optimizer = OPTIMIZER_STATES.create("8bit").build(model.parameters(), **HPARAMS)
     train_step(model, optimizer, arithmetic_batch(torch.Generator().manual_seed(0)))
     measured = measured_state_bytes(optimizer)
     assert 2.0 <= measured / shape.numel <= 2.2
-    assert OptimizerStates("8bit").estimate(shape, Footprint()).optimizer_states == measured
+    assert OPTIMIZER_STATES.create("8bit").estimate(shape, Footprint()).optimizer_states == measured
 
 
 def loss_drop(curve: list[float]) -> float:
@@ -150,7 +151,7 @@ def test_bf16_one_step_equals_torch_adamw_up_to_state_rounding() -> None:
     model = tiny_llama()
     reference = copy.deepcopy(model)
     ids = arithmetic_batch(torch.Generator().manual_seed(0))
-    ours = OptimizerStates("bf16").build(model.parameters(), **HPARAMS)
+    ours = OPTIMIZER_STATES.create("bf16").build(model.parameters(), **HPARAMS)
     theirs = torch.optim.AdamW(reference.parameters(), foreach=False, **HPARAMS)
     train_step(model, ours, ids)
     train_step(reference, theirs, ids)
@@ -188,7 +189,7 @@ def test_stochastic_rounding_lets_the_second_moment_decay(stochastic: bool) -> N
     param = nn.Parameter(torch.zeros(4096))
     hparams = HPARAMS | {"weight_decay": 0.0}
     if stochastic:  # what the strategy builds
-        optimizer = OptimizerStates("bf16").build([param], **hparams)
+        optimizer = OPTIMIZER_STATES.create("bf16").build([param], **hparams)
     else:
         optimizer = BF16StateAdamW([param], stochastic_rounding=False, **hparams)
     param.grad = torch.ones(4096)
@@ -243,32 +244,32 @@ def test_bf16_updates_dtensor_parameters_through_their_shards() -> None:
 
 def test_check_on_cpu() -> None:
     for name in ("fp32", "bf16", "8bit"):
-        OptimizerStates(name).check(CPU)
+        OPTIMIZER_STATES.create(name).check(CPU)
     with pytest.raises(
         Unsupported, match=r"paged-8bit needs CUDA.*use 8bit or fp32 \(strategies\.optimizer_states\)"
     ):
-        OptimizerStates("paged-8bit").check(CPU)
+        OPTIMIZER_STATES.create("paged-8bit").check(CPU)
 
 
 def test_missing_bitsandbytes_is_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` raise ImportError
     for name in ("8bit", "paged-8bit"):
         with pytest.raises(Unsupported, match=r"pip install 'memtrain\[bnb\]'"):
-            OptimizerStates(name).check(torch.device("cuda"))
+            OPTIMIZER_STATES.create(name).check(DeviceFacts("cuda"))
         with pytest.raises(Unsupported, match=r"memtrain\[bnb\]"):
-            OptimizerStates(name).build([nn.Parameter(torch.zeros(1))], **HPARAMS)
-    OptimizerStates("fp32").check(CPU)
-    OptimizerStates("bf16").check(CPU)
+            OPTIMIZER_STATES.create(name).build([nn.Parameter(torch.zeros(1))], **HPARAMS)
+    OPTIMIZER_STATES.create("fp32").check(CPU)
+    OPTIMIZER_STATES.create("bf16").check(CPU)
 
 
 def test_unknown_name_names_the_choices() -> None:
-    with pytest.raises(ValueError, match=r'strategies\.optimizer_states.*did you mean "8bit"'):
-        OptimizerStates("8-bit")
+    with pytest.raises(Unsupported, match=r'strategies\.optimizer_states.*did you mean "8bit"'):
+        OPTIMIZER_STATES.create("8-bit")
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "8bit"])
 def test_state_dict_round_trip_with_weights_only_load(name: str) -> None:
-    strategy = OptimizerStates(name)
+    strategy = OPTIMIZER_STATES.create(name)
     model = tiny_llama()
     optimizer = strategy.build(model.parameters(), **HPARAMS)
     generator = torch.Generator().manual_seed(0)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import Unsupported
-from memtrain.models import CausalLMTrainer
-from memtrain.trainer import Batch
+from memtrain.training.trainer import Batch
 
 from helpers import tiny_recipe
 
@@ -114,12 +114,13 @@ def test_fp8_emulated_trains(tmp_path: Path) -> None:
 
 def test_pinned_fp8_on_cpu_stops_with_reason(tmp_path: Path) -> None:
     with pytest.raises(Unsupported, match=r"fp8 needs .*compute capability >= 8.9.*fp8_emulate"):
-        CausalLMTrainer(tiny_recipe(tmp_path, strategies={"precision": "fp8"}))
+        CausalLMTrainer(tiny_recipe(tmp_path, strategies={"precision": "fp8"})).setup()
 
 
 def test_precision_list_skips_what_cannot_run(tmp_path: Path) -> None:
     trainer = CausalLMTrainer(tiny_recipe(tmp_path, strategies={"precision": ["fp8", "bf16-mixed"]}))
-    assert trainer.plan.precision == "bf16-mixed"
+    trainer.choose_plan()
+    assert trainer.plan.precision.name == "bf16-mixed"
 
 
 @pytest.mark.parametrize("states", ["bf16", "8bit"])
@@ -128,6 +129,6 @@ def test_recipe_optimizer_states_reach_the_optimizer(tmp_path: Path, states: str
     trainer.setup()
     expected = {"bf16": "BF16StateAdamW", "8bit": "AdamW8bit"}[states]
     assert type(trainer.optimizer).__name__ == expected
-    assert trainer.plan.optimizer_states == states
+    assert trainer.plan.optimizer_states.name == states
     losses = trainer.fit().losses
     assert len(losses) == 3 and all(loss == loss for loss in losses)

@@ -1,24 +1,30 @@
 """The memory planner: before step 1, predict every allowed plan's peak and pick the fastest that fits.
 
+The planner sees the job through a `ModelSpec` (spec.py): the trainer's own `build_model`, blocks,
+micro-batches and `loss`. It imports no trainer and no model library.
+
 Entry points:
 
-- `plan_for_run(recipe, env)`: what `memtrain.plan.make_plan` calls when a recipe leaves choices open.
-  Every rank measures its headroom (the budget is the minimum over ranks); rank 0 traces and searches
-  and broadcasts the result; every rank checks that all ranks hold the same plan (digest), so no rank can
-  train with a different plan than its peers.
-- `plan_what_if(recipe, world_size, gpu=..., memory_bytes=...)`: the same search for hardware that is not
-  here (`memtrain plan --gpu h100-80gb --world-size 64`).
+- `make_plan(recipe, env, spec)`: the plan a run trains with. A recipe that pins every choice gets its
+  pinned plan (each strategy checked); otherwise `plan_for_run`.
+- `plan_for_run(recipe, env, spec)`: every rank measures its headroom (the budget is the minimum over
+  ranks); rank 0 traces and searches and broadcasts the result; every rank checks that all ranks hold
+  the same plan (digest), so no rank can train with a different plan than its peers.
+- `plan_here(recipe, spec, world_size)` and `plan_what_if(recipe, spec, world_size, gpu=..., memory_bytes=...)`:
+  the same search without a process group, for this machine or for hardware that is not here
+  (`memtrain plan --gpu h100-80gb --world-size 64`).
 - `calibration(result, measured)`: predicted against measured components, for the run's plan.json.
 
-Layout: hardware.py (budget), model_probe.py + activations.py (shape and traced activations),
+Layout: spec.py (the trainer's job), model_probe.py + activations.py (shape and traced activations),
 states.py + memory_model.py (the predicted peak), candidates.py (the grid), cost.py (step time),
-search.py (ranking), explain.py (table and JSON).
+search.py (ranking), explain.py (table and JSON). The budget comes from `memtrain.memory.headroom`.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,12 +32,16 @@ import torch
 from memtrain.distributed import DistEnv, broadcast_object
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
-from memtrain.planner.hardware import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
+from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
+from memtrain.plan import is_open, pinned_plan
 from memtrain.planner.model_probe import ModelProbe
-from memtrain.planner.search import PlanResult, Scored, search
+from memtrain.planner.result import PlanResult, Scored
+from memtrain.planner.search import search
+from memtrain.planner.spec import ModelSpec
 from memtrain.recipe import Recipe
 
-__all__ = ["MemoryBudget", "PlanResult", "Scored", "Target", "calibration", "plan_for_run", "plan_what_if"]
+__all__ = ["MemoryBudget", "ModelSpec", "PlanResult", "Scored", "Target", "calibration", "make_plan",
+           "plan_for_run", "plan_here", "plan_what_if"]
 
 Progress = Callable[[str], None]
 
@@ -40,7 +50,17 @@ def stderr_progress(line: str) -> None:
     print(f"[memtrain] planner: {line}", file=sys.stderr, flush=True)
 
 
-def plan_for_run(recipe: Recipe, env: DistEnv, *, free_bytes: int | None = None,
+def make_plan(recipe: Recipe, env: DistEnv, spec: ModelSpec, *, free_bytes: int | None = None,
+              progress: Progress = stderr_progress) -> PlanResult:
+    """The plan with what the planner predicted for it (`PlanResult.predicted`, None for a pinned plan);
+    collective on several ranks when the planner runs. `free_bytes` replaces this rank's measured free
+    memory (tests inject uneven headroom)."""
+    if is_open(recipe):
+        return plan_for_run(recipe, env, spec, free_bytes=free_bytes, progress=progress)
+    return PlanResult(plan=pinned_plan(recipe, env))
+
+
+def plan_for_run(recipe: Recipe, env: DistEnv, spec: ModelSpec, *, free_bytes: int | None = None,
                  progress: Progress = stderr_progress) -> PlanResult:
     """Plan on this process's device; collective on several ranks (every rank must call it).
     `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom)."""
@@ -50,7 +70,7 @@ def plan_for_run(recipe: Recipe, env: DistEnv, *, free_bytes: int | None = None,
     failure: MemtrainError | None = None
     if env.is_main:
         try:
-            outcome = search(recipe, ModelProbe(recipe, progress=progress), target, env.device, what_if=False)
+            outcome = search(recipe, ModelProbe(spec, progress=progress), target, env.device)
         except MemtrainError as exc:
             if not env.distributed:
                 raise
@@ -64,12 +84,22 @@ def plan_for_run(recipe: Recipe, env: DistEnv, *, free_bytes: int | None = None,
     return outcome
 
 
-def plan_what_if(recipe: Recipe, world_size: int, *, gpu: GpuProfile | None = None,
+def plan_here(recipe: Recipe, spec: ModelSpec, world_size: int = 1, *,
+              progress: Progress = stderr_progress) -> PlanResult:
+    """Plan for `world_size` ranks like this process's device, without a process group (`memtrain plan`):
+    its CUDA device, or on CPU the simulated budget `memory.budget`, else host memory."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    here = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
+    budget = int(recipe.memory.budget) if recipe.memory.budget is not None else None
+    target = replace(measured_target(here, budget, recipe.planner.safety_fraction), world_size=world_size)
+    return search(recipe, ModelProbe(spec, progress=progress), target, device)
+
+
+def plan_what_if(recipe: Recipe, spec: ModelSpec, world_size: int, *, gpu: GpuProfile | None = None,
                  memory_bytes: int | None = None, progress: Progress = stderr_progress) -> PlanResult:
     """Plan for `world_size` ranks of a GPU that is not here."""
     target = what_if_target(world_size, gpu, memory_bytes, recipe.planner.safety_fraction)
-    probe = ModelProbe(recipe, progress=progress)
-    return search(recipe, probe, target, torch.device("cuda", 0), what_if=True)
+    return search(recipe, ModelProbe(spec, progress=progress), target, torch.device("cuda", 0))
 
 
 def calibration(result: PlanResult, measured: StepMemory) -> dict[str, Any]:

@@ -3,8 +3,7 @@
 Why a trace: activations depend on the attention kernel, the MLP shape, dropout, the loss's fp32 logits and
 on how each block's Python code holds its intermediates; formulas get all of these wrong somewhere. So the
 planner runs the training step itself — forward and backward of two micro-steps, built and run the way the
-trainer builds and runs them (precision swap, checkpointing, low-precision cast, autocast, the trainer's
-loss) — under `fake_tensors()` with the `MemoryTracker` counting every storage. No memory is used, so
+trainer builds and runs them (`apply_strategies`, autocast, the trainer's own loss) — under `fake_tensors()` with the `MemoryTracker` counting every storage. No memory is used, so
 any size traces in well under a second on a CPU.
 
 Why segments: the peak of a step is not a sum of independent maxima. Activations grow block by block in
@@ -42,7 +41,6 @@ so each number is fitted as a + b·tokens from two traces and read at any micro-
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,9 +48,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.footprint import COMPONENTS
 from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
+from memtrain.memory.footprint import COMPONENTS
 from memtrain.memory.modules import graph_tensors
+from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
 
@@ -123,16 +122,6 @@ def clone_depth(num_blocks: int) -> int:
     return min(num_blocks, CLONE_DEPTH)
 
 
-def shallow_config(config: Any, depth: int) -> Any:
-    """A copy of a transformers config with `depth` blocks (per-layer lists cut to match)."""
-    clone = copy.deepcopy(config)
-    clone.num_hidden_layers = depth
-    layer_types = getattr(clone, "layer_types", None)
-    if isinstance(layer_types, list):
-        clone.layer_types = layer_types[:depth]
-    return clone
-
-
 def trace_step(
     build_model: Callable[[], nn.Module],
     find_blocks: Callable[[nn.Module], list[nn.Module]],
@@ -143,24 +132,23 @@ def trace_step(
     micro_batch_size: int,
     weights_dtype: torch.dtype | None = None,
 ) -> StepTrace:
-    """Build the model under fake tensors as the trainer would (fp8 swap, checkpointing, cast) and trace two
-    micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes the batch (called under the fake mode).
-    `weights_dtype` overrides the dtype the forward reads weights in (FSDP2 and DeepSpeed hand bf16 weights
-    to a bf16-mixed forward, so autocast has nothing to cast and cache)."""
-    cast_to = weights_dtype or precision.cast_model(nn.Linear(1, 1, bias=False)).weight.dtype
+    """Build the model under fake tensors with the strategies applied as the trainer applies them
+    (`apply_strategies`) and trace two micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes a
+    real micro-batch, copied into fake tensors. `weights_dtype` overrides the dtype the forward reads
+    weights in (FSDP2 and DeepSpeed hand bf16 weights to a bf16-mixed forward, so autocast has nothing to
+    cast and cache)."""
+    real_batch = make_batch(micro_batch_size)
     mode = fake_tensors()
     with mode:
         model = build_model()
         blocks = find_blocks(model)
-        precision.swap_modules(model, blocks)
-        checkpointing.apply(model, blocks)
-        _cast(model, cast_to)
+        apply_strategies(model, blocks, precision, checkpointing, weights_dtype=weights_dtype)
         model.train()
         tracker = MemoryTracker(model)
         recorder = _Recorder(tracker, blocks)
         with tracker, recorder.hooks():
-            batch = make_batch(micro_batch_size)
-            tokens = int(batch["input_ids"].numel())
+            batch: Batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
+            tokens = max(int(v.numel()) for v in batch.values())
             for kind in MICRO_STEPS:
                 recorder.micro_step = kind
                 recorder.mark(SegmentKey(kind, "fwd.pre"))
@@ -229,17 +217,6 @@ class _Hooks:
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """`Precision.cast_model` for a model of fake tensors: `Module.to(dtype)` swaps parameter objects,
-    which fake tensors refuse, so the same cast (floating parameters and buffers) goes through `.data`."""
-    if dtype == torch.float32:
-        return
-    with torch.no_grad():
-        for tensor in (*model.parameters(), *model.buffers()):
-            if tensor.is_floating_point():
-                tensor.data = tensor.data.to(dtype)
 
 
 def _on_grad(tensor: torch.Tensor | None, callback: Callable[[], None]) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.footprint import COMPONENTS
 from memtrain.memory import format_bytes
-from memtrain.planner.hardware import MemoryBudget
-from memtrain.planner.search import PlanResult, Scored
+from memtrain.memory.footprint import COMPONENTS
+from memtrain.memory.headroom import MemoryBudget
+from memtrain.plan import Plan
+from memtrain.planner.result import PlanResult, Scored
 from memtrain.recipe import Recipe
 
 RUNNERS_UP = 5
@@ -25,12 +26,8 @@ def to_json(result: PlanResult) -> dict[str, Any]:
     plan = result.plan
     usable = result.budget.usable if result.budget is not None else 0
     return {
-        "plan": {
-            "precision": plan.precision, "checkpointing": plan.checkpointing,
-            "checkpointing_fraction": plan.checkpointing_fraction, "optimizer_states": plan.optimizer_states,
-            "micro_batch_size": plan.micro_batch_size, "accumulation_steps": plan.accumulation_steps,
-            "sharding": plan.sharding, "backend": result.backend, "offload": result.offload,
-        },
+        "plan": plan.to_dict(),
+        "summary": plan.summary(),
         "predicted": result.predicted.to_dict() if result.predicted is not None else None,
         "model_states": dict(zip(("weights", "gradients", "optimizer_states"), result.chosen.states.stored,
                                  strict=True)) if result.chosen is not None else None,
@@ -46,8 +43,8 @@ def describe(result: PlanResult, title: str) -> str:
     assert chosen is not None and budget is not None, "describe() needs a plan the planner chose"
     lines = [title, _budget_line(budget)]
     peak = chosen.prediction.peak
-    lines += ["", f"chosen: {_label(chosen.candidate.__dict__)}   sharding backend {result.backend}, "
-              f"offload {result.offload}"]
+    sharding = result.plan.sharding
+    lines += ["", f"chosen: {_label(chosen.plan)}   sharding backend {sharding.backend}, offload {sharding.offload}"]
     at_peak = chosen.prediction.at_peak
     lines.append("  " + "  ".join(f"{c} {_gib(getattr(at_peak, c))}" for c in COMPONENTS))
     usable = budget.usable
@@ -61,7 +58,7 @@ def describe(result: PlanResult, title: str) -> str:
     misfit = result.cheapest_infeasible
     if misfit is not None:
         bound = "at least " if misfit.prediction.lower_bound else ""
-        lines += ["", f"fastest plan that does not fit: {_label(misfit.candidate.__dict__)}: peak {bound}"
+        lines += ["", f"fastest plan that does not fit: {_label(misfit.plan)}: peak {bound}"
                   f"{_gib(misfit.prediction.peak)}, {_gib(misfit.short(usable))} short, step {misfit.cost.total:.3g} s"]
     lines += _excluded(result.excluded)
     return "\n".join(lines)
@@ -75,7 +72,7 @@ def explain_failure(recipe: Recipe, budget: MemoryBudget, infeasible: tuple[Scor
         closest = sorted(infeasible, key=lambda s: (s.prediction.lower_bound, s.prediction.peak, s.order()))
         best = closest[0]
         bound = "at least " if best.prediction.lower_bound else ""
-        lines += ["", f"closest: {_label(best.candidate.__dict__)} needs {bound}{_gib(best.prediction.peak)} "
+        lines += ["", f"closest: {_label(best.plan)} needs {bound}{_gib(best.prediction.peak)} "
                   f"({_gib(best.short(budget.usable))} short); peak at {best.prediction.where}",
                   "  " + "  ".join(f"{c} {_gib(getattr(best.prediction.at_peak, c))}" for c in COMPONENTS),
                   "", *table(closest[: 1 + RUNNERS_UP], budget.usable)]
@@ -109,10 +106,9 @@ def table(rows: list[Scored], usable: int) -> list[str]:
              f"{'micro x acc':<11} {'peak':>11} {'fits':<4} {'step s':>8}"
     body = []
     for index, s in enumerate(rows, 1):
-        c = s.candidate
-        mode = c.checkpointing if c.checkpointing != "fraction" else f"fraction {c.checkpointing_fraction:g}"
-        body.append(f"  {index:>2}  {c.precision:<11} {mode:<15} {c.optimizer_states:<10} {c.sharding:<8} "
-                    f"{f'{c.micro_batch_size} x {c.accumulation_steps}':<11} "
+        c = s.plan.summary()
+        body.append(f"  {index:>2}  {c['precision']:<11} {c['checkpointing']:<15} {c['optimizer_states']:<10} "
+                    f"{c['sharding']:<8} {c['micro_batching']:<11} "
                     f"{('>' if s.prediction.lower_bound else '') + _gib(s.prediction.peak):>11} "
                     f"{'yes' if not s.short(usable) else 'no':<4} {s.cost.total:>8.3g}")
     return [header, *body]
@@ -127,13 +123,11 @@ def _excluded(excluded: tuple[tuple[str, str], ...]) -> list[str]:
     return ["", "excluded:", *(f"  {what}: {why}" for what, why in excluded)] if excluded else []
 
 
-def _label(fields: dict[str, Any]) -> str:
-    mode = fields["checkpointing"]
-    if mode == "fraction":
-        mode = f"fraction {fields['checkpointing_fraction']:g}"
-    return (f"precision={fields['precision']} checkpointing={mode} optimizer_states={fields['optimizer_states']} "
-            f"sharding={fields['sharding']} micro_batch={fields['micro_batch_size']} x "
-            f"{fields['accumulation_steps']} accumulation")
+def _label(plan: Plan) -> str:
+    fields = plan.summary()
+    return (f"precision={fields['precision']} checkpointing={fields['checkpointing']} "
+            f"optimizer_states={fields['optimizer_states']} sharding={fields['sharding']} "
+            f"micro_batch={fields['micro_batch_size']} x {fields['accumulation_steps']} accumulation")
 
 
 def _gib(n: int) -> str:

@@ -27,17 +27,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from memtrain.footprint import COMPONENTS, Footprint, ModelShape
+from memtrain.memory.footprint import COMPONENTS, Footprint, ModelShape
 from memtrain.planner.activations import FittedTrace, Segment, SegmentKey, Vec
+from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.optimizer import OptimizerStates
 
 GRADIENTS = COMPONENTS.index("gradients")
 _ZERO: Vec = (0.0,) * len(COMPONENTS)
 
-# Optimizer-step temporaries, in fp32 copies of the largest parameter tensor (per-tensor loops) or of the
-# whole local parameter set (torch's foreach AdamW on CUDA: one `_foreach_sqrt` of every second moment).
-# Measured with the tracker on CPU (tests/planner/test_memory_model.py checks them).
-PER_TENSOR_TEMPORARIES = {"fp32": 2, "bf16": 6, "8bit": 0, "paged-8bit": 0}
-FOREACH_TEMPORARIES = {"fp32": 1}
 
 
 @dataclass(frozen=True)
@@ -70,25 +67,6 @@ class Prediction:
     @property
     def peak(self) -> int:
         return self.at_peak.peak
-
-
-def block_modes(checkpointing: str, checkpointed: Sequence[bool], device_type: str) -> list[str]:
-    """The traced mode each block runs in (`fraction`: recomputed blocks `full`, the rest `none`).
-    On a CPU `offload` keeps saved tensors where they are, so it is `none` there."""
-    if checkpointing == "fraction":
-        return ["full" if again else "none" for again in checkpointed]
-    if checkpointing == "offload" and device_type != "cuda":
-        return ["none"] * len(checkpointed)
-    return [checkpointing] * len(checkpointed)
-
-
-def traced_modes(checkpointing: str, device_type: str) -> tuple[str, ...]:
-    """The modes a plan's prediction needs traces of (offload on CUDA is derived from none and full)."""
-    if checkpointing == "fraction" or (checkpointing == "offload" and device_type == "cuda"):
-        return ("none", "full")
-    if checkpointing == "offload":
-        return ("none",)
-    return (checkpointing,)
 
 
 def offload_trace(none: FittedTrace, full: FittedTrace) -> FittedTrace:
@@ -130,14 +108,17 @@ class StepWalk:
     traced: bool = True  # False: no activations (a lower bound for plans whose states alone do not fit)
 
 
-def step_walk(traces: Mapping[str, FittedTrace], modes: Sequence[str], tokens: int, accumulation_steps: int,
+Traces = Mapping[Checkpointing, FittedTrace]
+
+
+def step_walk(traces: Traces, modes: Sequence[Checkpointing], tokens: int, accumulation_steps: int,
               replicated: bool = True) -> StepWalk:
     first = walk(traces, modes, tokens, "first", _ZERO, replicated)
     later = walk(traces, modes, tokens, "later", first.end, replicated) if accumulation_steps > 1 else None
     return StepWalk(first, later)
 
 
-def walk(traces: Mapping[str, FittedTrace], modes: Sequence[str], tokens: int, micro_step: str,
+def walk(traces: Traces, modes: Sequence[Checkpointing], tokens: int, micro_step: str,
          start: Vec, replicated: bool = True) -> Walk:
     """Replay one micro-step of `len(modes)` blocks from the level `start`.
 
@@ -166,7 +147,10 @@ def walk(traces: Mapping[str, FittedTrace], modes: Sequence[str], tokens: int, m
     return Walk(best, maxima, level, where)
 
 
-def _runs(modes: Sequence[str], depth: int) -> list[tuple[str, int, int, int, str]]:
+Run = tuple[str, int, int, int, Checkpointing]
+
+
+def _runs(modes: Sequence[Checkpointing], depth: int) -> list[Run]:
     """(phase, first block index, blocks in the run, clone block index, mode) in execution order."""
     count = len(modes)
 
@@ -175,7 +159,7 @@ def _runs(modes: Sequence[str], depth: int) -> list[tuple[str, int, int, int, st
             return i
         return 0 if i == 0 else depth - 1 if i == count - 1 else 1
 
-    forward: list[tuple[str, int, int, int, str]] = []
+    forward: list[Run] = []
     for i, mode in enumerate(modes):
         last = forward[-1] if forward else None
         if last is not None and last[4] == mode and last[3] == clone_index(i) == 1:
@@ -203,23 +187,26 @@ def predict(levels: StateLevels, walks: StepWalk) -> Prediction:
     return Prediction(_footprint(_plus(rest, best.at_peak)), _footprint(maxima), best.where, bound)
 
 
-def optimizer_extra(shape: ModelShape, optimizer_states: str, foreach: bool, master_handover: bool) -> int:
-    """Bytes the optimizer step holds above weights, states and fp32 gradients.
+def optimizer_extra(shape: ModelShape, optimizer_states: OptimizerStates, foreach: bool, master_handover: bool) -> int:
+    """Bytes the optimizer step holds above weights, states and fp32 gradients, over the trainable
+    parameters in `shape`.
 
     Per-tensor optimizers (torch AdamW off CUDA, the bf16-state AdamW) hold fp32 temporaries of one tensor at
-    a time; torch's foreach AdamW (its CUDA default) one fp32 temporary of all parameters. bf16-master first
-    hands the bf16 gradients over as fp32 master gradients, tensor by tensor: the bf16 gradients not yet
-    converted are still alive then, and with optimizers without temporaries (8-bit) that is the higher moment.
+    a time; torch's foreach AdamW (its CUDA default) one fp32 temporary of all parameters (the strategy's
+    `per_tensor_temporaries` / `foreach_temporaries`). bf16-master first hands the bf16 gradients over as
+    fp32 master gradients, tensor by tensor: the bf16 gradients not yet converted are still alive then, and
+    with optimizers without temporaries (8-bit) that is the higher moment.
     """
-    largest = max((p.numel for p in shape.params), default=0)
-    if foreach and optimizer_states in FOREACH_TEMPORARIES:
-        extra = FOREACH_TEMPORARIES[optimizer_states] * 4 * shape.numel
+    trainable = shape.trainable
+    largest = max((p.numel for p in trainable.params), default=0)
+    if foreach and optimizer_states.foreach_temporaries is not None:
+        extra = optimizer_states.foreach_temporaries * 4 * trainable.numel
     else:
-        extra = PER_TENSOR_TEMPORARIES[optimizer_states] * 4 * largest
+        extra = optimizer_states.per_tensor_temporaries * 4 * largest
     if master_handover:
-        done, handover = 0, 0
-        for p in shape.params:  # bf16 of the rest + fp32 of those done + this one's fp32 copy, over 4·numel
-            handover = max(handover, 2 * (shape.numel - done) + 4 * done + 4 * p.numel - 4 * shape.numel)
+        done, handover, total = 0, 0, trainable.numel
+        for p in trainable.params:  # bf16 of the rest + fp32 of those done + this one's fp32 copy, over 4·numel
+            handover = max(handover, 2 * (total - done) + 4 * done + 4 * p.numel - 4 * total)
             done += p.numel
         extra = max(extra, handover)
     return extra

@@ -1,10 +1,11 @@
-"""What the planner knows about a recipe's model before building it: its shape and its traced activations.
+"""What the planner knows about the trainer's model before building it: its shape and its traced activations.
 
-The shape (every parameter's size and block, leading dimensions for FSDP2's padding, buffer bytes) comes
-from the model built on the meta device: no memory, a 70B model in about a second. Activations come from
-`activations.trace_step` on a clone of at most three blocks under fake tensors, at two micro-batch sizes of the
-recipe's sequence length, once per (precision, checkpointing mode); the fits are cached, so a search over
-hundreds of candidates costs a handful of traces.
+The shape (every parameter's size, block and whether it trains; leading dimensions for FSDP2's padding;
+buffer bytes) comes from the trainer's `build_model()` on the meta device: no memory, a 70B model in
+about a second. Activations come from `activations.trace_step` under fake tensors, at two micro-batch
+sizes, once per (precision, checkpointing mode); the fits are cached, so a search over hundreds of
+candidates costs a handful of traces. When the trainer can build the model at a reduced depth
+(`ModelSpec.build_clone`), a clone of at most three blocks is traced; otherwise the whole model is.
 
 Why the smallest and the largest micro-batch the search considers as the two traced sizes: within a
 segment the peak is the highest of many moments, each linear in the rows, so it is convex in the rows and
@@ -14,121 +15,109 @@ exact there and on the safe side in between.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from memtrain.blocks import discover_blocks, model_shape
-from memtrain.errors import Unsupported
-from memtrain.footprint import ModelShape
-from memtrain.planner.activations import FittedTrace, clone_depth, fit, shallow_config, trace_step
-from memtrain.recipe import Recipe
+from memtrain.errors import MemtrainError, Unsupported
+from memtrain.memory.footprint import ModelShape
+from memtrain.planner.activations import FittedTrace, clone_depth, fit, trace_step
+from memtrain.planner.spec import Batch, ModelSpec
+from memtrain.strategies.blocks import model_shape
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
 
 
 @dataclass
 class ModelProbe:
-    """A recipe's model as the planner sees it; `progress` receives a line per trace."""
+    """The trainer's model as the planner sees it; `progress` receives a line per trace."""
 
-    recipe: Recipe
+    spec: ModelSpec
     progress: Callable[[str], None] = field(default=lambda _line: None)
     shape: ModelShape = field(init=False)
     dim0: dict[str, int] = field(init=False)
     buffer_bytes: int = field(init=False)
     hidden_size: int = field(init=False)
-    _config: Any = field(init=False)
-    _fits: dict[tuple[str, str, tuple[int, int], bool], FittedTrace] = field(init=False, default_factory=dict)
+    seq_len: int = field(init=False)
+    row_bytes: int = field(init=False)
+    _fits: dict[tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None], FittedTrace] = field(
+        init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        from memtrain.models import build_config
-
-        self._config = build_config(self.recipe)
-        with torch.device("meta"):
-            model = self._build(self._config)
-        self.shape = model_shape(model, discover_blocks(model))
+        try:
+            with torch.device("meta"):
+                model = self.spec.build_model()
+            blocks = self.spec.blocks(model)
+        except MemtrainError:
+            raise
+        except Exception as exc:
+            raise Unsupported(f"cannot build {self.spec.name} on the meta device to plan it: "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        self.shape = model_shape(model, blocks)
         self.dim0 = {name: p.shape[0] if p.dim() else 1 for name, p in model.named_parameters()}
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        self.hidden_size = int(getattr(self._config, "hidden_size", 0) or 0)
+        self.hidden_size = _hidden_size(blocks)
+        one_row = self.spec.micro_batch(1)
+        self.seq_len = max((t.numel() for t in one_row.values()), default=1)
+        self.row_bytes = _nbytes(one_row)
 
     @property
     def num_blocks(self) -> int:
         return self.shape.num_blocks
 
-    @property
-    def seq_len(self) -> int:
-        return self.recipe.data.seq_len
+    def step_data_bytes(self, rows: int) -> int:
+        """The step batch of this rank on the device (the trainer moves every micro-batch of a step at once)."""
+        return rows * self.row_bytes
 
-    def trace(self, precision: str, mode: str, rows: tuple[int, int], bf16_weights: bool = False) -> FittedTrace:
+    def trace(self, precision: Precision, mode: Checkpointing, rows: tuple[int, int],
+              weights_dtype: torch.dtype | None = None) -> FittedTrace:
         """The activation fit for one precision and one traced checkpointing mode, drawn through traces at
-        the smallest and the largest micro-batch rows the search considers (cached). `bf16_weights`: the
-        sharding backend hands the forward bf16 weights (FSDP2's and DeepSpeed's bf16-mixed)."""
+        the smallest and the largest micro-batch rows the search considers (cached). `weights_dtype`: the
+        sharding backend hands the forward weights of this dtype (FSDP2's and DeepSpeed's bf16-mixed)."""
         if rows[0] == rows[1]:
             rows = (rows[0], 2 * rows[0])
-        key = (precision, mode, rows, bf16_weights)
+        key = (precision, mode, rows, weights_dtype)
         if key not in self._fits:
-            depth = clone_depth(self.num_blocks)
-            weights = ", bf16 weights" if bf16_weights else ""
-            self.progress(f"tracing {precision}{weights} / checkpointing {mode} ({depth} of {self.num_blocks} "
-                          f"blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens)")
-            config = shallow_config(self._config, depth)
-            strategy = Precision(precision, fp8_emulate=precision == "fp8")
+            clone = self.spec.build_clone
+            depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
+            weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
+            self.progress(f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
+                          f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens)")
+            build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
             try:
-                with _one_sequence_per_row():
+                with self.spec.trace_context():
                     small, large = (
-                        trace_step(lambda: self._build(config), discover_blocks, self._batch, _causal_lm_loss,
-                                   strategy, Checkpointing(mode), count,
-                                   torch.bfloat16 if bf16_weights else None)
+                        trace_step(build, self.spec.blocks, self._batch, self.spec.loss, precision, mode, count,
+                                   weights_dtype)
                         for count in rows
                     )
                 self._fits[key] = fit(small, large)
+            except MemtrainError:
+                raise
             except Exception as exc:  # a model or kernel the fake-tensor trace cannot run
-                raise Unsupported(f"cannot trace {precision} with checkpointing {mode}: {type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+                raise Unsupported(f"cannot trace {precision.describe()} with checkpointing {mode.describe()}: "
+                                  f"{type(exc).__name__}: {_first_line(exc)}") from exc
         return self._fits[key]
 
-    def _build(self, config: Any) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_config(config, attn_implementation=self.recipe.model.attn_implementation)
-
-    def _batch(self, rows: int) -> dict[str, torch.Tensor]:
-        vocab = int(self._config.vocab_size)
-        ids = torch.randint(0, vocab, (rows, self.seq_len))
-        return {"input_ids": ids, "labels": torch.randint(0, vocab, (rows, self.seq_len))}
+    def _batch(self, rows: int) -> Batch:
+        return self.spec.micro_batch(rows)
 
 
-@contextlib.contextmanager
-def _one_sequence_per_row() -> Iterator[None]:
-    """What transformers finds on real tensors, told to it under fake ones.
-
-    The trainer passes neither position ids nor a padding mask, so every row is one sequence and
-    transformers' SDPA path relies on `is_causal` without building a mask. To find that out it reads the
-    position ids (`masking_utils.find_packed_sequence_indices`); a fake tensor cannot be read, so it assumes
-    packed sequences, builds a B x 1 x s x s mask and selects another attention kernel, which keeps other
-    tensors for backward. During the trace the lookup answers what it answers on real tensors: no packing.
-    """
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
+def _hidden_size(blocks: list[nn.Module]) -> int:
+    """The width the blocks work at: the commonest last dimension of the first block's parameters (the
+    input features of its projections and the size of its norms)."""
+    if not blocks:
+        return 0
+    widths = Counter(p.shape[-1] for p in blocks[0].parameters() if p.dim())
+    return widths.most_common(1)[0][0] if widths else 0
 
 
-def _causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
-    from memtrain.models import CausalLMTrainer
+def _nbytes(batch: Batch) -> int:
+    return sum(t.numel() * t.element_size() for t in batch.values())
 
-    return CausalLMTrainer.loss(None, model, batch)  # type: ignore[arg-type]  # self is unused
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""

@@ -38,17 +38,16 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memtrain.activation_profile import is_matmul
 from memtrain.errors import Unsupported
-from memtrain.footprint import ActivationProfile, Footprint
-
-NAMES = ("none", "full", "fraction", "selective", "offload")
+from memtrain.memory.activation_profile import is_matmul
+from memtrain.memory.footprint import ActivationProfile, Footprint
+from memtrain.strategies.registry import DeviceFacts, Registry, Strategy
 
 # transformers layers take their KV cache under one of these names. A recomputed layer would append its keys
 # and values a second time, so a checkpointed call drops the cache, as transformers' own checkpointing does.
@@ -58,78 +57,52 @@ _WRAPPED = "_memtrain_checkpointing"  # marks a block whose forward this module 
 
 
 @dataclass(frozen=True)
-class Checkpointing:
-    name: str
-    fraction: float = 1.0
+class Checkpointing(Strategy):
+    """`none`: autograd keeps everything. Subclasses choose which blocks to recompute and how.
 
-    def check(self, device: torch.device) -> None:
-        """Raise `Unsupported` for options that cannot run on `device`.
+    Facts the planner reads: `checkpointed(num_blocks)` (which blocks recompute), `recompute` (what a
+    recompute costs: "forward" of the block, "elementwise" ops only, or "none"), `offloads_activations`,
+    and `block_modes` / `traced_modes` (the modes whose traces stand for each block's memory).
+    """
 
-        `offload` copies to pinned host memory on a CUDA side stream. On a CPU the host *is* the device:
-        the same code path runs, moves nothing and saves nothing, which is allowed so that every path runs
-        in CPU tests. Other accelerators have no offload path here.
-        """
-        self._check_options()
-        if self.name == "offload" and device.type not in ("cuda", "cpu"):
-            raise Unsupported(
-                f"strategies.checkpointing: offload is implemented for CUDA devices, not {device.type}; "
-                "use full or selective"
-            )
-
-    def _check_options(self) -> None:
-        if self.name not in NAMES:
-            raise Unsupported(
-                f"strategies.checkpointing: unknown mode {self.name!r}; use one of {', '.join(NAMES)}"
-            )
-        if self.name == "fraction" and not 0.0 < self.fraction <= 1.0:
-            raise Unsupported(
-                f"strategies.checkpointing_fraction: must be in (0, 1], got {self.fraction}; "
-                "use e.g. 0.5, or strategies.checkpointing=none / full"
-            )
-        if self.name != "fraction" and self.fraction != 1.0:
-            raise Unsupported(
-                f"strategies.checkpointing_fraction: {self.fraction} only applies to "
-                "strategies.checkpointing=fraction"
-            )
+    kind: ClassVar[str] = "checkpointing"
+    name: ClassVar[str] = "none"
+    recompute: ClassVar[str] = "none"
+    offloads_activations: ClassVar[bool] = False
 
     def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
-        """Which blocks are recomputed in backward (`none` and `offload` recompute nothing)."""
-        if self.name in ("full", "selective"):
-            count = num_blocks
-        elif self.name == "fraction":
-            count = math.floor(self.fraction * num_blocks + 0.5)  # round half up, unlike round()
-        else:
-            count = 0
-        return tuple(i < count for i in range(num_blocks))
+        """Which blocks are recomputed in backward."""
+        return (False,) * num_blocks
+
+    def block_modes(self, num_blocks: int, device_type: str) -> tuple[Checkpointing, ...]:
+        """The traced mode each block runs in: a block-wise mode is `full` where it recomputes, `none`
+        elsewhere (modes that change how a block runs override this)."""
+        return tuple(FullCheckpointing() if again else NoCheckpointing() for again in self.checkpointed(num_blocks))
+
+    def traced_modes(self, device_type: str) -> tuple[Checkpointing, ...]:
+        """The modes a prediction of this one needs traces of."""
+        if type(self).block_modes is Checkpointing.block_modes:
+            return (NoCheckpointing(), FullCheckpointing())
+        return (self,)
+
+    def search_variants(self, fractions: tuple[float, ...], pinned: bool) -> tuple[Checkpointing, ...]:
+        """The settings of this mode the planner tries (a mode with a knob offers several unless pinned)."""
+        return (self,)
 
     def apply(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """Wrap `blocks` (submodules of `model`, in forward order) in place; names and keys are unchanged."""
-        self._check_options()
-        owned = {id(m) for m in model.modules()}
-        for block in blocks:
-            if id(block) not in owned:
-                raise ValueError(
-                    f"strategies.checkpointing: {type(block).__name__} is not a submodule of the model"
-                )
-            if getattr(block, _WRAPPED, None) is not None:
-                raise ValueError(
-                    f"strategies.checkpointing: a {type(block).__name__} is already wrapped "
-                    f"({getattr(block, _WRAPPED)}); apply checkpointing once"
-                )
-            if getattr(block, "gradient_checkpointing", False):
-                raise ValueError(
-                    "strategies.checkpointing: transformers' gradient checkpointing is enabled on the model; "
-                    "call model.gradient_checkpointing_disable() and let memtrain checkpoint it"
-                )
-        if self.name == "offload":
-            streams: dict[torch.device, torch.cuda.Stream] = {}
-            for block in blocks:
-                _replace_forward(block, functools.partial(_offloaded, block, streams), self.name)
-            return
-        context_fn = _selective_contexts if self.name == "selective" else None
+        _check_wrappable(model, blocks)
         for block, recompute in zip(blocks, self.checkpointed(len(blocks)), strict=True):
             if recompute:
-                _replace_forward(block, functools.partial(_checkpointed, block, context_fn), self.name)
+                _replace_forward(block, functools.partial(_checkpointed, block, self.context_fn()), self.name)
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        """torch checkpoint's `context_fn` for recomputed blocks (selective checkpointing's policy)."""
+        return None
+
+    def kept_bytes(self, profile: ActivationProfile, block: int, recomputed: bool) -> int:
+        """What block `block` keeps through the forward (see `estimate`)."""
+        return profile.block_inputs[block] if recomputed else profile.per_block[block]
 
     def estimate(self, profile: ActivationProfile, footprint: Footprint) -> Footprint:
         """`footprint` with `activations` set to this mode's peak activation bytes on the device.
@@ -139,10 +112,10 @@ class Checkpointing:
         last save (the profile's `block_peaks` and `recompute_peaks`; P_i - I_i for a profile
         without them); O what the head side holds.
 
-        Through the forward each block keeps K_i: P_i without checkpointing, I_i when checkpointed,
-        I_i + M_i when selective. Offloaded blocks keep nothing (each block's end waits for its copies),
-        except that the first block's inputs (embeddings, rotary tables, masks) stay: the model's forward
-        holds them. The peak is the largest of
+        Through the forward each block keeps K_i (`kept_bytes`): P_i without checkpointing, I_i when
+        checkpointed, I_i + M_i when selective. Offloaded blocks keep nothing (each block's end waits for
+        its copies), except that the first block's inputs (embeddings, rotary tables, masks) stay: the
+        model's forward holds them. The peak is the largest of
 
         - the end of the forward: sum(K) + O;
         - a block that is not recomputed, running its forward: sum(K_j, j < i) + max(K_i, I_i + F_i);
@@ -150,9 +123,9 @@ class Checkpointing:
           released theirs: sum(K_j, j < i) + max(K_i, I_i + R_i).
 
         O is taken to be all head side (embeddings save token ids, which are batch data), so it is gone
-        before any block's backward. Checkpointing the first blocks (see `checkpointed`) keeps the last
-        term low. On a CPU-only run host and device are one memory and `offload` saves nothing: the planner
-        must read the `none` figure there.
+        before any block's backward. Checkpointing the first blocks (see `FractionCheckpointing`) keeps the
+        last term low. On a CPU-only run host and device are one memory and `offload` saves nothing: the
+        planner must read the `none` figure there.
         """
         count = len(profile.per_block)
         inputs = profile.block_inputs
@@ -163,13 +136,7 @@ class Checkpointing:
                 p - i for p, i in zip(profile.per_block, inputs, strict=True)
             )
         recomputed = self.checkpointed(count)
-        if self.name == "offload":
-            kept = [inputs[0] if i == 0 else 0 for i in range(count)]
-        else:
-            matmul = profile.matmul_outputs if self.name == "selective" else (0,) * count
-            kept = [
-                inputs[i] + matmul[i] if again else profile.per_block[i] for i, again in enumerate(recomputed)
-            ]
+        kept = [self.kept_bytes(profile, i, again) for i, again in enumerate(recomputed)]
         running = max(
             (
                 sum(kept[:i]) + max(kept[i], inputs[i] + (recompute_peaks if again else forward_peaks)[i])
@@ -178,6 +145,141 @@ class Checkpointing:
             default=0,
         )
         return footprint.with_(activations=max(sum(kept) + profile.outside_blocks, running))
+
+
+CHECKPOINTING: Registry[Checkpointing] = Registry("checkpointing", Checkpointing)
+
+
+@CHECKPOINTING.register
+@dataclass(frozen=True)
+class NoCheckpointing(Checkpointing):
+    name: ClassVar[str] = "none"
+
+    def block_modes(self, num_blocks: int, device_type: str) -> tuple[Checkpointing, ...]:
+        return (self,) * num_blocks
+
+
+@CHECKPOINTING.register
+@dataclass(frozen=True)
+class FullCheckpointing(Checkpointing):
+    """Every block recomputes its forward in backward; forward keeps only the blocks' inputs."""
+
+    name: ClassVar[str] = "full"
+    recompute: ClassVar[str] = "forward"
+
+    def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
+        return (True,) * num_blocks
+
+    def block_modes(self, num_blocks: int, device_type: str) -> tuple[Checkpointing, ...]:
+        return (self,) * num_blocks
+
+
+@CHECKPOINTING.register
+@dataclass(frozen=True)
+class FractionCheckpointing(Checkpointing):
+    """The first round(fraction * L) blocks recompute (see the module docstring for why the first)."""
+
+    name: ClassVar[str] = "fraction"
+    recompute: ClassVar[str] = "forward"
+    fraction: float = 0.5
+
+    def check(self, facts: DeviceFacts) -> None:
+        if not 0.0 < self.fraction <= 1.0:
+            raise Unsupported(
+                f"strategies.checkpointing_fraction: must be in (0, 1], got {self.fraction}; "
+                "use e.g. 0.5, or strategies.checkpointing=none / full"
+            )
+
+    def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
+        count = math.floor(self.fraction * num_blocks + 0.5)  # round half up, unlike round()
+        return tuple(i < count for i in range(num_blocks))
+
+    def describe(self) -> str:
+        return f"fraction({self.fraction:g})"
+
+    def search_variants(self, fractions: tuple[float, ...], pinned: bool) -> tuple[Checkpointing, ...]:
+        """`strategies.checkpointing_fraction` when pinned, else each of `planner.checkpointing_fractions`."""
+        return (self,) if pinned else tuple(FractionCheckpointing(f) for f in fractions)
+
+    def apply(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        self.check(DeviceFacts("cpu"))
+        super().apply(model, blocks)
+
+
+@CHECKPOINTING.register
+@dataclass(frozen=True)
+class SelectiveCheckpointing(Checkpointing):
+    """Op-level: every block keeps its matmul outputs and recomputes the rest."""
+
+    name: ClassVar[str] = "selective"
+    recompute: ClassVar[str] = "elementwise"
+
+    def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
+        return (True,) * num_blocks
+
+    def block_modes(self, num_blocks: int, device_type: str) -> tuple[Checkpointing, ...]:
+        return (self,) * num_blocks
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        return _selective_contexts
+
+    def kept_bytes(self, profile: ActivationProfile, block: int, recomputed: bool) -> int:
+        return profile.block_inputs[block] + profile.matmul_outputs[block]
+
+
+@CHECKPOINTING.register
+@dataclass(frozen=True)
+class OffloadCheckpointing(Checkpointing):
+    """Nothing recomputes; saved tensors go to pinned host memory and come back for backward."""
+
+    name: ClassVar[str] = "offload"
+    offloads_activations: ClassVar[bool] = True
+
+    def check(self, facts: DeviceFacts) -> None:
+        """`offload` copies to pinned host memory on a CUDA side stream. On a CPU the host *is* the device:
+        the same code path runs, moves nothing and saves nothing, which is allowed so that every path runs
+        in CPU tests. Other accelerators have no offload path here."""
+        if facts.device_type not in ("cuda", "cpu"):
+            raise Unsupported(
+                f"strategies.checkpointing: offload is implemented for CUDA devices, not {facts.device_type}; "
+                "use full or selective"
+            )
+
+    def block_modes(self, num_blocks: int, device_type: str) -> tuple[Checkpointing, ...]:
+        """On a CPU offload keeps saved tensors where they are: `none` there. On CUDA the planner derives
+        its segments from the `none` and `full` traces."""
+        return (NoCheckpointing(),) * num_blocks if device_type != "cuda" else (self,) * num_blocks
+
+    def traced_modes(self, device_type: str) -> tuple[Checkpointing, ...]:
+        return (NoCheckpointing(), FullCheckpointing()) if device_type == "cuda" else (NoCheckpointing(),)
+
+    def apply(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        _check_wrappable(model, blocks)
+        streams: dict[torch.device, torch.cuda.Stream] = {}
+        for block in blocks:
+            _replace_forward(block, functools.partial(_offloaded, block, streams), self.name)
+
+    def kept_bytes(self, profile: ActivationProfile, block: int, recomputed: bool) -> int:
+        return profile.block_inputs[0] if block == 0 else 0
+
+
+def _check_wrappable(model: nn.Module, blocks: list[nn.Module]) -> None:
+    owned = {id(m) for m in model.modules()}
+    for block in blocks:
+        if id(block) not in owned:
+            raise ValueError(
+                f"strategies.checkpointing: {type(block).__name__} is not a submodule of the model"
+            )
+        if getattr(block, _WRAPPED, None) is not None:
+            raise ValueError(
+                f"strategies.checkpointing: a {type(block).__name__} is already wrapped "
+                f"({getattr(block, _WRAPPED)}); apply checkpointing once"
+            )
+        if getattr(block, "gradient_checkpointing", False):
+            raise ValueError(
+                "strategies.checkpointing: transformers' gradient checkpointing is enabled on the model; "
+                "call model.gradient_checkpointing_disable() and let memtrain checkpoint it"
+            )
 
 
 def _replace_forward(block: nn.Module, forward: Callable[..., Any], mode: str) -> None:

@@ -29,15 +29,15 @@ import importlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 from torch.optim.optimizer import ParamsT
 
-from memtrain.errors import Unsupported, did_you_mean
-from memtrain.footprint import Footprint, ModelShape
+from memtrain.errors import Unsupported
+from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.strategies.lowbit_adamw import BF16StateAdamW, local_tensor
-
-OPTIMIZER_STATE_NAMES = ("fp32", "bf16", "8bit", "paged-8bit")
+from memtrain.strategies.registry import DeviceFacts, Registry, Strategy
 
 BNB_MIN_8BIT_SIZE = 4096  # tensors with fewer elements keep fp32 states (passed to bitsandbytes by `build`)
 BNB_BLOCK_SIZE = 256  # elements per fp32 absmax, hard-coded in bitsandbytes' init_state
@@ -46,55 +46,116 @@ STEP_TENSOR_BYTES = 4  # torch AdamW's per-parameter 0-dim float32 `step`
 
 
 @dataclass(frozen=True)
-class OptimizerStates:
-    name: str
+class OptimizerStates(Strategy):
+    """`fp32`: torch AdamW. Subclasses store the moments differently.
 
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZER_STATE_NAMES:
-            raise ValueError(
-                f"strategies.optimizer_states: unknown name {self.name!r}{did_you_mean(self.name, OPTIMIZER_STATE_NAMES)}; "
-                f"choose one of {', '.join(OPTIMIZER_STATE_NAMES)}"
-            )
+    Facts the planner reads: `per_tensor_temporaries` / `foreach_temporaries` (fp32 copies of the largest
+    tensor, or of all parameters, that the step holds: measured with the tracker, tests in
+    tests/planner/test_memory_model.py) and `relative_step_cost` (seconds per byte streamed relative to
+    fp32 AdamW, per device class; measured on this CPU, estimated for CUDA).
+    """
 
-    def check(self, device: torch.device) -> None:
-        if self.name in ("8bit", "paged-8bit"):
-            _bitsandbytes(self.name)
-        if self.name == "paged-8bit" and device.type != "cuda":
-            raise Unsupported(
-                f"strategies.optimizer_states: paged-8bit needs CUDA (found device {device.type}); "
-                "use 8bit or fp32 (strategies.optimizer_states)"
-            )
+    kind: ClassVar[str] = "optimizer_states"
+    name: ClassVar[str] = "fp32"
+    per_tensor_temporaries: ClassVar[int] = 2
+    foreach_temporaries: ClassVar[int | None] = 1  # None: no multi-tensor path
+    per_tensor_step_bytes: ClassVar[int] = STEP_TENSOR_BYTES  # the 0-dim `step` tensor per parameter tensor
+    relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.0, "cpu": 1.0}
 
     def build(
         self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
     ) -> torch.optim.Optimizer:
-        if self.name == "fp32":
-            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        if self.name == "bf16":
-            return BF16StateAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        optim = _bitsandbytes(self.name).optim
-        cls = optim.PagedAdamW8bit if self.name == "paged-8bit" else optim.AdamW8bit
-        return cls(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_8bit_size=BNB_MIN_8BIT_SIZE
-        )
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def state_bytes(self, shape: ModelShape, param_bytes: int) -> int:
+        """Bytes of the states of the (trainable) parameters in `shape` after the first step."""
+        return 2 * shape.numel * param_bytes + STEP_TENSOR_BYTES * len(shape.params)
 
     def estimate(self, shape: ModelShape, footprint: Footprint, param_bytes: int = 4) -> Footprint:
         """`footprint` with the bytes this optimizer holds after its first step added to `optimizer_states`
         (added, because a precision may already have put its fp32 master copy there).
 
         `param_bytes` is the element size of the parameters the optimizer is given; only `fp32`
-        (torch AdamW, moments in the parameter dtype) depends on it. Every parameter in `shape` is
-        assumed to receive a gradient (parameters that never do get no state).
+        (torch AdamW, moments in the parameter dtype) depends on it. Only trainable parameters get states
+        (the trainer builds the optimizer over them; a parameter that never receives a gradient has none).
         """
-        if self.name == "fp32":
-            states = 2 * shape.numel * param_bytes + STEP_TENSOR_BYTES * len(shape.params)
-        elif self.name == "bf16":
-            states = 2 * shape.numel * 2
-        else:
-            states = sum(_bnb_tensor_bytes(p.numel) for p in shape.params)
-            if any(p.numel >= BNB_MIN_8BIT_SIZE for p in shape.params):
-                states += BNB_QMAP_BYTES
+        states = self.state_bytes(shape.trainable, param_bytes)
         return footprint.with_(optimizer_states=footprint.optimizer_states + states)
+
+
+OPTIMIZER_STATES: Registry[OptimizerStates] = Registry("optimizer_states", OptimizerStates)
+OPTIMIZER_STATES.register(OptimizerStates)
+
+
+@OPTIMIZER_STATES.register
+@dataclass(frozen=True)
+class BF16States(OptimizerStates):
+    """`BF16StateAdamW`: fp32 update rule, moments stored in bf16 with stochastic rounding."""
+
+    name: ClassVar[str] = "bf16"
+    per_tensor_temporaries: ClassVar[int] = 6
+    foreach_temporaries: ClassVar[int | None] = None
+    per_tensor_step_bytes: ClassVar[int] = 0
+    relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.6, "cpu": 3.2}
+
+    def build(
+        self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> torch.optim.Optimizer:
+        return BF16StateAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def state_bytes(self, shape: ModelShape, param_bytes: int) -> int:
+        return 2 * shape.numel * 2
+
+
+@OPTIMIZER_STATES.register
+@dataclass(frozen=True)
+class EightBitStates(OptimizerStates):
+    """bitsandbytes `AdamW8bit`: blockwise-quantised uint8 moments."""
+
+    name: ClassVar[str] = "8bit"
+    per_tensor_temporaries: ClassVar[int] = 0
+    foreach_temporaries: ClassVar[int | None] = None
+    per_tensor_step_bytes: ClassVar[int] = 0
+    relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.2, "cpu": 6.6}
+
+    def check(self, facts: DeviceFacts) -> None:
+        _bitsandbytes(self.name)
+
+    def build(
+        self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> torch.optim.Optimizer:
+        return self._optimizer_class()(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_8bit_size=BNB_MIN_8BIT_SIZE
+        )
+
+    def _optimizer_class(self) -> Any:
+        return _bitsandbytes(self.name).optim.AdamW8bit
+
+    def state_bytes(self, shape: ModelShape, param_bytes: int) -> int:
+        states = sum(_bnb_tensor_bytes(p.numel) for p in shape.params)
+        if any(p.numel >= BNB_MIN_8BIT_SIZE for p in shape.params):
+            states += BNB_QMAP_BYTES
+        return states
+
+
+@OPTIMIZER_STATES.register
+@dataclass(frozen=True)
+class PagedEightBitStates(EightBitStates):
+    """The same in CUDA unified memory (`PagedAdamW8bit`): the driver may evict states to host RAM."""
+
+    name: ClassVar[str] = "paged-8bit"
+    relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.4, "cpu": 6.6}
+
+    def check(self, facts: DeviceFacts) -> None:
+        super().check(facts)
+        if facts.device_type != "cuda":
+            raise Unsupported(
+                f"strategies.optimizer_states: paged-8bit needs CUDA (found device {facts.device_type}); "
+                "use 8bit or fp32 (strategies.optimizer_states)"
+            )
+
+    def _optimizer_class(self) -> Any:
+        return _bitsandbytes(self.name).optim.PagedAdamW8bit
 
 
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -18,52 +18,157 @@ import contextlib
 import importlib.util
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from memtrain.errors import Unsupported
-from memtrain.footprint import Footprint, ModelShape
+from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
-
-AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "fp8": torch.bfloat16}
+from memtrain.strategies.registry import DeviceFacts, Registry, Strategy, option
 
 
 @dataclass(frozen=True)
-class Precision:
-    name: str
-    fp8_emulate: bool = False  # torchao's emulated float8 (for CPU and debugging; slow, same numerics)
+class Precision(Strategy):
+    """fp32: everything in fp32. Subclasses change what they name in their class attributes.
 
-    def check(self, device: torch.device) -> None:
-        if self.name in ("bf16-mixed", "bf16-master", "fp8") and device.type == "cuda" \
-                and not torch.cuda.is_bf16_supported():
+    Facts the planner reads: `autocast_dtype` (the forward's compute dtype, None without autocast),
+    `stored_dtype` (parameters and gradients), `master_weights` (fp32 copies kept by the optimizer),
+    `compute` (the matmul rate class the step-time model uses) and `needs_bf16`.
+    """
+
+    kind: ClassVar[str] = "precision"
+    name: ClassVar[str] = "fp32"
+    autocast_dtype: ClassVar[torch.dtype | None] = None
+    stored_dtype: ClassVar[torch.dtype] = torch.float32
+    master_weights: ClassVar[bool] = False
+    compute: ClassVar[str] = "fp32"
+    needs_bf16: ClassVar[bool] = False
+    preserves_numerics: ClassVar[bool] = True  # trains numerically like fp32 (what `auto` may choose)
+
+    def check(self, facts: DeviceFacts) -> None:
+        if self.needs_bf16 and facts.device_type == "cuda" and not facts.bf16:
             raise Unsupported(
                 f"strategies.precision: {self.name} needs a GPU with bf16 (compute capability >= 8.0); "
                 "use fp16-mixed or fp32"
             )
-        if self.name == "fp8":
-            if importlib.util.find_spec("torchao") is None:
-                raise Unsupported("strategies.precision: fp8 needs torchao; pip install 'memtrain[fp8]'")
-            if self.fp8_emulate:
-                return
-            if device.type != "cuda":
-                raise Unsupported(
-                    "strategies.precision: fp8 needs a CUDA GPU with compute capability >= 8.9 (H100, L4, "
-                    "RTX 4090); found none. Use bf16-mixed, or strategies.fp8_emulate=true to emulate"
-                )
-            major, minor = torch.cuda.get_device_capability(device)
-            if (major, minor) < (8, 9):
-                raise Unsupported(
-                    f"strategies.precision: fp8 needs compute capability >= 8.9; found {major}.{minor}. "
-                    "Use bf16-mixed"
-                )
 
     # ------------------------------------------------------------------ application (setup order)
 
     def swap_modules(self, model: nn.Module, blocks: list[nn.Module]) -> None:
-        """fp8: replace the blocks' nn.Linear layers by torchao Float8Linear (first in the order)."""
-        if self.name != "fp8":
+        """Module swaps that must come first in the order (fp8's float8 linears)."""
+
+    def build_optimizer(self, model: nn.Module,
+                        build: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """The optimizer over the trainable parameters (master-weight precisions wrap it)."""
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if self.master_weights:
+            return MasterWeightOptimizer(trainable, build)
+        return build(trainable)
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        return None
+
+    @contextlib.contextmanager
+    def autocast(self, device: torch.device) -> Iterator[None]:
+        """The context the forward pass and the loss run in."""
+        if self.autocast_dtype is None:
+            yield
             return
+        with torch.autocast(device_type=device.type, dtype=self.autocast_dtype):
+            yield
+
+    # ------------------------------------------------------------------ bytes
+
+    def estimate(self, shape: ModelShape, footprint: Footprint) -> Footprint:
+        """The most bytes each model-state component reaches in a step, by precision.
+
+        Every parameter is stored at `stored_dtype`; only trainable ones get gradients. With master
+        weights (bf16-master) the gradients peak at 4 B per trainable parameter when the bf16 gradients
+        become fp32 master gradients for the optimizer step, and the fp32 master copy (4 B per trainable
+        parameter) is added to the optimizer states (the optimizer-state strategy adds its moments on top).
+        Autocast precisions keep fp32 weights and gradients (autocast casts per op: activations).
+        """
+        stored = torch.empty((), dtype=self.stored_dtype).element_size()
+        trainable = shape.trainable_numel
+        if self.master_weights:
+            return footprint.with_(weights=stored * shape.numel, gradients=4 * trainable,
+                                   optimizer_states=footprint.optimizer_states + 4 * trainable)
+        return footprint.with_(weights=stored * shape.numel, gradients=stored * trainable)
+
+
+PRECISION: Registry[Precision] = Registry("precision", Precision)
+PRECISION.register(Precision)
+
+
+@PRECISION.register
+@dataclass(frozen=True)
+class BF16Mixed(Precision):
+    """fp32 weights, gradients and optimizer; the forward under bf16 autocast."""
+
+    name: ClassVar[str] = "bf16-mixed"
+    autocast_dtype: ClassVar[torch.dtype | None] = torch.bfloat16
+    compute: ClassVar[str] = "bf16"
+    needs_bf16: ClassVar[bool] = True
+
+
+@PRECISION.register
+@dataclass(frozen=True)
+class BF16Master(Precision):
+    """bf16 parameters and gradients; the optimizer steps fp32 master copies."""
+
+    name: ClassVar[str] = "bf16-master"
+    stored_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    master_weights: ClassVar[bool] = True
+    compute: ClassVar[str] = "bf16"
+    needs_bf16: ClassVar[bool] = True
+    preserves_numerics: ClassVar[bool] = False
+
+
+@PRECISION.register
+@dataclass(frozen=True)
+class FP16Mixed(Precision):
+    """fp16 autocast with dynamic loss scaling; steps with non-finite gradients are skipped."""
+
+    name: ClassVar[str] = "fp16-mixed"
+    autocast_dtype: ClassVar[torch.dtype | None] = torch.float16
+    compute: ClassVar[str] = "fp16"
+    preserves_numerics: ClassVar[bool] = False
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(device.type)
+
+
+@PRECISION.register
+@dataclass(frozen=True)
+class FP8(Precision):
+    """torchao float8 training for the blocks' linears; bf16 autocast elsewhere."""
+
+    name: ClassVar[str] = "fp8"
+    autocast_dtype: ClassVar[torch.dtype | None] = torch.bfloat16
+    compute: ClassVar[str] = "fp8"
+    needs_bf16: ClassVar[bool] = True
+    preserves_numerics: ClassVar[bool] = False
+    emulate: bool = option(False, recipe_key="fp8_emulate")  # torchao's emulation (CPU, debugging)
+
+    def check(self, facts: DeviceFacts) -> None:
+        super().check(facts)
+        if importlib.util.find_spec("torchao") is None:
+            raise Unsupported("strategies.precision: fp8 needs torchao; pip install 'memtrain[fp8]'")
+        if self.emulate:
+            return
+        if facts.device_type != "cuda":
+            raise Unsupported(
+                "strategies.precision: fp8 needs a CUDA GPU with compute capability >= 8.9 (H100, L4, "
+                "RTX 4090); found none. Use bf16-mixed, or strategies.fp8_emulate=true to emulate"
+            )
+        if not facts.fp8:
+            raise Unsupported("strategies.precision: fp8 needs compute capability >= 8.9 (H100, L4, RTX 4090); "
+                              "use bf16-mixed")
+
+    def swap_modules(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        """Replace the blocks' nn.Linear layers by torchao Float8Linear (first in the order)."""
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         block_ids = {id(b) for b in blocks}
@@ -73,44 +178,5 @@ class Precision:
             dims_ok = isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
             return dims_ok and any(fqn.startswith(prefix + ".") for prefix in inside)
 
-        config = Float8LinearConfig(emulate=self.fp8_emulate)
+        config = Float8LinearConfig(emulate=self.emulate)
         convert_to_float8_training(model, module_filter_fn=in_a_block, config=config)
-
-    def cast_model(self, model: nn.Module) -> nn.Module:
-        return model.to(torch.bfloat16) if self.name == "bf16-master" else model
-
-    def build_optimizer(self, model: nn.Module,
-                        build: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
-        """The optimizer; bf16-master builds the user's optimizer on fp32 master copies."""
-        if self.name == "bf16-master":
-            return MasterWeightOptimizer(model.parameters(), build)
-        return build(model.parameters())
-
-    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
-        return torch.amp.GradScaler(device.type) if self.name == "fp16-mixed" else None
-
-    @contextlib.contextmanager
-    def autocast(self, device: torch.device) -> Iterator[None]:
-        """The context the forward pass and the loss run in."""
-        dtype = AUTOCAST_DTYPE.get(self.name)
-        if dtype is None:
-            yield
-            return
-        with torch.autocast(device_type=device.type, dtype=dtype):
-            yield
-
-    # ------------------------------------------------------------------ bytes
-
-    def estimate(self, shape: ModelShape, footprint: Footprint) -> Footprint:
-        """The most bytes each model-state component reaches in a step, by precision.
-
-        bf16-master: bf16 weights (2 B/param); gradients peak at 4 B/param when the bf16 gradients become
-        fp32 master gradients for the optimizer step; the fp32 master copy (4 B/param) is added to the
-        optimizer states (the optimizer-state strategy adds its moments, sized for fp32, on top).
-        The others keep fp32 weights and gradients (autocast casts per op, counted as activations).
-        """
-        numel = shape.numel
-        if self.name == "bf16-master":
-            return footprint.with_(weights=2 * numel, gradients=4 * numel,
-                                   optimizer_states=footprint.optimizer_states + 4 * numel)
-        return footprint.with_(weights=4 * numel, gradients=4 * numel)

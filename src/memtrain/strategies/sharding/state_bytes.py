@@ -39,7 +39,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from memtrain.footprint import Footprint, ModelShape, ParamInfo
+from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 
 STEP_BYTES = 4  # torch AdamW's 0-dim float32 `step` per parameter tensor
 
@@ -111,14 +111,14 @@ class StateBytes:
 
 
 def replicated_bytes(shape: ModelShape, precision: str, optimizer: OptimizerCost, ddp: bool) -> StateBytes:
-    """`none` and `ddp`: every rank holds everything; DDP adds its gradient buckets."""
+    """`none` and `ddp`: every rank holds everything; DDP adds its gradient buckets (trainable only)."""
     kinds = dtypes(precision)
-    numel = shape.numel
-    grads = numel * kinds.grad
+    trainable = shape.trainable
+    grads = trainable.numel * kinds.grad
     return StateBytes(
-        weights=numel * kinds.param,
+        weights=shape.numel * kinds.param,
         gradients=grads,
-        optimizer_states=optimizer.bytes(numel, len(shape.params)),
+        optimizer_states=optimizer.bytes(trainable.numel, len(trainable.params)),
         buffers=grads if ddp else 0,
     )
 
@@ -141,10 +141,11 @@ def zero1_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: O
                 rank: int | None = None) -> StateBytes:
     """zero1 (fsdp2 backend): DDP with ZeroRedundancyOptimizer; only the optimizer is partitioned."""
     full = replicated_bytes(shape, precision, optimizer, ddp=True)
-    parts = zero_redundancy_partition((p.numel for p in shape.params), world_size)
+    trainable = shape.trainable.params
+    parts = zero_redundancy_partition((p.numel for p in trainable), world_size)
 
     def states(r: int) -> int:
-        return optimizer.bytes(sum(shape.params[i].numel for i in parts[r]), len(parts[r]))
+        return optimizer.bytes(sum(trainable[i].numel for i in parts[r]), len(parts[r]))
 
     mine = states(rank) if rank is not None else max(states(r) for r in range(world_size))
     return StateBytes(weights=full.weights, gradients=full.gradients, optimizer_states=mine,
@@ -192,7 +193,9 @@ def fsdp2_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: O
         return math.ceil(rows / world_size) * per_row, fsdp2_rows(rows, world_size, r) * per_row
 
     padded = sum(shard(p, rank)[0] for p in shape.params)
-    local = sum(shard(p, rank)[1] for p in shape.params)
+    trainable = shape.trainable.params
+    padded_trainable = sum(shard(p, rank)[0] for p in trainable)
+    local_trainable = sum(shard(p, rank)[1] for p in trainable)
     groups = _groups(shape)
 
     def gathered_group(params: list[ParamInfo]) -> int:
@@ -203,13 +206,13 @@ def fsdp2_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: O
     everything = sum(gathered_group(v) for v in groups.values())
     states = StateBytes(
         weights=padded * kinds.param,
-        gradients=padded * kinds.grad,
-        optimizer_states=optimizer.bytes(local, len(shape.params)),
+        gradients=padded_trainable * kinds.grad,
+        optimizer_states=optimizer.bytes(local_trainable, len(trainable)),
     )
     gathered = root if reshard_after_forward else everything
     # zero3 re-gathers the block in backward and prefetches the next one: two blocks at once.
     prefetch = 2 * largest_block if reshard_after_forward else 0
-    copies = shape.numel * 4 if accumulation_steps > 1 else 0  # fp32 unsharded accumulated grads
+    copies = shape.trainable_numel * 4 if accumulation_steps > 1 else 0  # fp32 unsharded accumulated grads
     if offload:
         return StateBytes(gathered=gathered, prefetch=prefetch, gradient_copies=copies,
                           host=states.weights + states.gradients + states.optimizer_states)
@@ -242,12 +245,17 @@ def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimize
     `max_reuse_distance` elements: at the end of forward, the parameters whose backward use comes
     within that distance (about twice the elements that run after them) stay gathered - with the
     defaults (1e9), every weight of a model under 500M parameters, as with FSDP2's zero2.
+
+    Frozen parameters are outside the optimizer's flat groups: counted whole as weights on every rank
+    (an upper bound for ZeRO-3, which may partition them too), with no gradient or state.
     """
     if rank is None:
         per_rank = [deepspeed_bytes(shape, world_size, precision, optimizer, stage=stage, offload=offload,
                                     knobs=knobs, rank=r) for r in range(world_size)]
         return max(per_rank, key=lambda b: (b.peak, b.host))
     element = 2 if precision == "bf16-mixed" else 4
+    frozen = (shape.numel - shape.trainable_numel) * element
+    shape = shape.trainable
     if stage == 3:
         partition = sum(math.ceil(p.numel / world_size) for p in shape.params)
         kept, after = 0, 0
@@ -260,7 +268,7 @@ def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimize
         weights = partition * element
         host = states + (weights if offload == "params" else 0) if offload != "none" else 0
         return StateBytes(
-            weights=0 if offload == "params" else weights,
+            weights=frozen + (0 if offload == "params" else weights),
             gradients=partition * element,  # the flat gradient partition, allocated at initialisation
             optimizer_states=0 if offload != "none" else states,
             gathered=kept * element,
@@ -283,7 +291,7 @@ def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimize
     # partition to a fresh fp32 flat gradient inside the optimizer step.
     full_grads = shape.numel * element if stage == 1 else 0
     return StateBytes(
-        weights=flat * element,
+        weights=frozen + flat * element,
         gradients=overlapping * element,
         optimizer_states=0 if offload != "none" else states,
         gradient_copies=full_grads + partition * 4,

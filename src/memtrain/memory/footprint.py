@@ -38,6 +38,7 @@ class ParamInfo:
     name: str
     numel: int
     block: int | None  # index of the transformer block holding it; None for embeddings, head, norms
+    trainable: bool = True  # requires_grad: only trainable parameters get gradients and optimizer states
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,15 @@ class ModelShape:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+    @property
+    def trainable(self) -> ModelShape:
+        """The shape of the trainable parameters alone (what gradients and optimizer states cover)."""
+        return ModelShape(tuple(p for p in self.params if p.trainable), self.num_blocks)
 
     def block_numel(self, block: int) -> int:
         return sum(p.numel for p in self.params if p.block == block)
@@ -60,7 +70,7 @@ class ModelShape:
 @dataclass(frozen=True)
 class ActivationProfile:
     """Activation bytes of one micro-batch, measured by a trace without checkpointing
-    (`memtrain.activation_profile.profile_activations`).
+    (`memtrain.memory.activation_profile.profile_activations`).
 
     per_block: bytes autograd keeps for each block. block_inputs: bytes of each block's input (what full
     checkpointing keeps instead). matmul_outputs: every matmul output of each block, saved or not (what

@@ -71,7 +71,7 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         return
     # The templates say what to read; get_state_dict gives the optimizer its (empty) states first.
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     try:
         dcp.load(state, checkpoint_id=str(path / DCP_DIR))
     except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException

@@ -64,6 +64,7 @@ class Target:
     budget: MemoryBudget
     bf16: bool
     fp8: bool
+    what_if: bool = False  # described by a GPU profile or a size, not present in this process
 
 
 def load_gpu(name: str) -> GpuProfile:
@@ -103,7 +104,7 @@ def what_if_target(world_size: int, gpu: GpuProfile | None, memory_bytes: int | 
     budget = budget_from(total, total - context, reserve, safety_for("cuda", safety),
                          f"what-if: {world_size} x {label}, {total / 2**30:.2f} GiB each, less the CUDA context")
     return Target("cuda", world_size, budget, bf16=gpu.bf16 if gpu is not None else True,
-                  fp8=gpu.fp8 if gpu is not None else False)
+                  fp8=gpu.fp8 if gpu is not None else False, what_if=True)
 
 
 def measured_target(env: DistEnv, simulated_budget: int | None, safety: float | None,

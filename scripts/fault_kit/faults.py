@@ -1,6 +1,6 @@
 """A `CausalLMTrainer` that breaks itself on purpose, and a launcher that runs `memtrain`'s command line
-with it: `python -m memtrain.testing.faults [--fault JSON ...] train RECIPE [overrides] [--resume auto]`
-(also as `torchrun ... -m memtrain.testing.faults ...`).
+with it: `python -m fault_kit.faults [--fault JSON ...] train RECIPE [overrides] [--resume auto]`
+(also as `torchrun ... -m fault_kit.faults ...`).
 
 Why: the faults worth proving — kill -9 in the middle of a step or of a checkpoint file, an out-of-memory
 error in a chosen micro-step's forward or backward, NaN/inf in the loss or a gradient, a rank that dies
@@ -45,10 +45,13 @@ import torch
 from torch import nn
 
 from memtrain import checkpoint as ckpt
-from memtrain import cli, models
-from memtrain.models import CausalLMTrainer
+from memtrain import cli
+from memtrain.causal_lm import trainer as models
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.planner import PlanResult
 from memtrain.recipe import Recipe
-from memtrain.trainer import Batch, FitResult
+from memtrain.strategies.micro_batching import MicroBatching
+from memtrain.training.trainer import Batch, FitResult
 
 KINDS = ("kill", "oom", "nan", "inf", "inf_grad", "hang", "delay")
 PHASES = ("forward", "backward", "save", "prune")
@@ -146,12 +149,17 @@ class FaultTrainer(CausalLMTrainer):
         self.harness = harness or Harness()
         self.first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.ledger: dict[int, StepRecord] = {}
-        self.initial_micro = self.plan.micro_batch_size
+        self.initial_micro: int | None = None  # the planned micro-batch size (set by choose_plan)
         self._fired: set[Fault] = set()
         self._step = 0  # the step number in flight, 0 outside train_step
         self._micro = 0
         self._forward_fault: Fault | None = None
         self._backward_fault: Fault | None = None
+
+    def choose_plan(self, free_bytes: int | None = None) -> PlanResult:
+        result = super().choose_plan(free_bytes)
+        self.initial_micro = result.plan.micro_batch_size
+        return result
 
     # ------------------------------------------------------------------------------ fault points
 
@@ -181,7 +189,7 @@ class FaultTrainer(CausalLMTrainer):
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "oom":
             raise torch.OutOfMemoryError(
-                f"injected by memtrain.testing.faults: out of memory at step {fault.step}, micro-step "
+                f"injected by fault_kit.faults: out of memory at step {fault.step}, micro-step "
                 f"{fault.micro} ({fault.phase}) on rank {self.env.rank}"
             )
         elif fault.kind in ("hang", "delay"):
@@ -231,9 +239,7 @@ class FaultTrainer(CausalLMTrainer):
         if size is None and self.harness.reset_micro:
             size = self.initial_micro
         if size is not None and size != self.plan.micro_batch_size:
-            self.plan = dataclasses.replace(
-                self.plan, micro_batch_size=size, accumulation_steps=self.per_rank_batch_size // size
-            )
+            self.plan = self.plan.replace(micro_batching=MicroBatching(size, self.per_rank_batch_size // size))
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
         parts = super().split_batch(batch, micro_size)
@@ -357,7 +363,7 @@ def read_ledger(run_dir: Path, rank: int = 0) -> dict[int, StepRecord]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m memtrain.testing.faults",
+        prog="python -m fault_kit.faults",
         description="memtrain's command line with a fault-injecting trainer (test only).",
     )
     parser.add_argument("--fault", action="append", type=Fault.parse, default=[], metavar="JSON",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from memtrain.footprint import ModelShape, ParamInfo
+from memtrain.memory.footprint import ModelShape, ParamInfo
 
 
 def discover_blocks(model: nn.Module) -> list[nn.Module]:
@@ -28,11 +28,12 @@ def discover_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def model_shape(model: nn.Module, blocks: list[nn.Module]) -> ModelShape:
-    """Every parameter tensor's size and block index (shared tensors, e.g. tied embeddings, once).
+    """Every parameter tensor's size, block index and whether it trains (shared tensors, e.g. tied embeddings, once).
     Works on a meta-device model, so a 70B shape costs no memory."""
     owner: dict[int, int] = {}
     for index, block in enumerate(blocks):
         for p in block.parameters():
             owner.setdefault(id(p), index)
-    params = tuple(ParamInfo(name, p.numel(), owner.get(id(p))) for name, p in model.named_parameters())
+    params = tuple(ParamInfo(name, p.numel(), owner.get(id(p)), p.requires_grad)
+                   for name, p in model.named_parameters())
     return ModelShape(params=params, num_blocks=len(blocks))

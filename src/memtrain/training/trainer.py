@@ -16,12 +16,17 @@ Hooks (override in a subclass):
     count_tokens(micro_batch)         -> int                     (default: labels != -100)
     split_batch(batch, micro_size)    -> list of micro-batches   (default: slices along dim 0)
     eval_batches()                    -> iterable of batches     (default: none)
+    blocks(model)                     -> the repeated blocks strategies wrap (default: discovered)
+
+The planner predicts the job these hooks describe (`model_spec()`): it calls `build_model` on the meta
+device and under fake tensors, `loss` on micro-batches shaped like `planning_batch(rows)` (default: rows
+of `step_batch(0)`), and counts `host_data_bytes()`. Planning happens in `setup()` (or an explicit
+`choose_plan()`), once the subclass is fully constructed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import json
 import math
@@ -37,21 +42,19 @@ import torch
 from torch import nn
 
 from memtrain import checkpoint as ckpt
-from memtrain.blocks import discover_blocks
 from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
 from memtrain.errors import MemtrainError, PlanError, TrainingStopped
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
-from memtrain.metrics import MetricsLog, make_progress
-from memtrain.micro_batching import pack_by_tokens
-from memtrain.plan import Plan, build_sharding, make_plan
-from memtrain.planner import PlanResult, calibration
-from memtrain.preemption import PreemptionFlag
+from memtrain.plan import Plan
+from memtrain.planner import ModelSpec, PlanResult, calibration, make_plan
 from memtrain.recipe import Recipe
-from memtrain.schedule import lr_at
-from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.apply import apply_strategies
+from memtrain.strategies.blocks import discover_blocks, model_shape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
-from memtrain.strategies.optimizer import OptimizerStates
-from memtrain.strategies.precision import Precision
+from memtrain.strategies.sharding.base import ShardingBackend
+from memtrain.training.metrics import MetricsLog, make_progress
+from memtrain.training.preemption import PreemptionFlag
+from memtrain.training.schedule import lr_at
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
@@ -82,12 +85,10 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.env: DistEnv = init_distributed()
-        self.plan_result: PlanResult = make_plan(recipe, self.env)
-        self.plan: Plan = self.plan_result.plan
+        self.plan_result: PlanResult | None = None  # set by choose_plan() (setup() calls it)
+        self._plan: Plan | None = None
+        self.sharding: ShardingBackend | None = None
         self.calibration: list[dict[str, Any]] = []  # the first steps: predicted against measured
-        self.precision = Precision(self.plan.precision, fp8_emulate=recipe.strategies.fp8_emulate)
-        self.sharding = build_sharding(recipe, self.plan)
-        self.checkpointing = Checkpointing(self.plan.checkpointing, self.plan.checkpointing_fraction)
         self.run_dir = recipe.output_path()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -106,9 +107,10 @@ class Trainer:
         raise NotImplementedError("subclass Trainer and implement build_model()")
 
     def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        """AdamW with `train:` settings, its states stored as the plan's `optimizer_states` says."""
+        """AdamW with `train:` settings over the trainable parameters, its states stored as the plan's
+        `optimizer_states` says."""
         t = self.recipe.train
-        return OptimizerStates(self.plan.optimizer_states).build(
+        return self.plan.optimizer_states.build(
             params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
         )
 
@@ -124,9 +126,9 @@ class Trainer:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
-        """Slices of `micro_size` rows, or, when the plan has a token budget, rows packed under it."""
-        if self.plan.micro_batch_tokens is not None:
-            groups = pack_by_tokens(self.row_tokens(batch), self.plan.micro_batch_tokens)
+        """Slices of `micro_size` rows, or the row groups of the plan's micro-batching (a token budget)."""
+        groups = self.plan.micro_batching.split(batch, self.row_tokens)
+        if groups is not None:
             return [{k: v[torch.tensor(rows)] for k, v in batch.items()} for rows in groups]
         rows = next(iter(batch.values())).shape[0]
         return [{k: v[i : i + micro_size] for k, v in batch.items()} for i in range(0, rows, micro_size)]
@@ -140,6 +142,75 @@ class Trainer:
     def eval_batches(self) -> Iterable[Batch]:
         return []
 
+    # ------------------------------------------------------------------------------------ planning
+
+    def planning_batch(self, rows: int) -> Batch:
+        """A micro-batch of `rows` rows shaped like the largest this trainer feeds: by default the rows of
+        `step_batch(0)`, repeated or cut to `rows` (tensors without a row dimension are kept as they are).
+        Override when later steps carry longer rows than step 0."""
+        batch = self.step_batch(0)
+        count = max((v.shape[0] for v in batch.values() if v.dim()), default=1)
+        index = torch.arange(rows) % count
+        return {k: v[index] if v.dim() and v.shape[0] == count else v for k, v in batch.items()}
+
+    def build_model_clone(self, num_blocks: int) -> nn.Module | None:
+        """The same model with `num_blocks` blocks, or None. The planner traces three blocks of such a clone
+        instead of the whole model (faster for deep models; the built-in causal-LM trainer builds one)."""
+        return None
+
+    def host_data_bytes(self) -> int:
+        """Bytes of training data this trainer keeps in host memory (on a CPU, host memory is the device)."""
+        return 0
+
+    def trace_context(self) -> contextlib.AbstractContextManager[Any]:
+        """A context the planner's fake-tensor trace of this trainer's model runs in."""
+        return contextlib.nullcontext()
+
+    def model_spec(self) -> ModelSpec:
+        """The job the planner predicts: this trainer's own hooks."""
+        clone = self.build_model_clone
+        overridden = type(self).build_model_clone is not Trainer.build_model_clone
+        return ModelSpec(
+            build_model=self.build_model, blocks=self.blocks, micro_batch=self.planning_batch, loss=self.loss,
+            build_clone=clone if overridden else None,  # type: ignore[arg-type]
+            host_bytes=self.host_data_bytes, trace_context=self.trace_context,
+            name=f"{type(self).__name__}.build_model()",
+        )
+
+    def describe_model(self) -> str:
+        """A line for `memtrain validate`: the model as the planner will see it (built on the meta device),
+        after checking that `planning_batch` works."""
+        with torch.device("meta"):
+            model = self.build_model()
+        shape = model_shape(model, self.blocks(model))
+        self.planning_batch(1)
+        return (f"{type(self).__name__}: {shape.numel:,} parameters ({shape.trainable_numel:,} trainable), "
+                f"{shape.num_blocks} blocks")
+
+    def choose_plan(self, free_bytes: int | None = None) -> PlanResult:
+        """Plan the run (collective on several ranks when the recipe leaves choices open): the planner
+        predicts this trainer's job; a recipe that pins every choice gets those strategies, checked.
+        `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom)."""
+        self.plan_result = make_plan(self.recipe, self.env, self.model_spec(), free_bytes=free_bytes)
+        self._plan = self.plan_result.plan
+        self.sharding = self._plan.sharding_backend(self.recipe.train.grad_clip)
+        return self.plan_result
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            raise MemtrainError("the trainer has no plan yet: call setup() (or choose_plan()) first")
+        return self._plan
+
+    @plan.setter
+    def plan(self, value: Plan) -> None:
+        self._plan = value
+
+    @property
+    def _sharding(self) -> ShardingBackend:
+        assert self.sharding is not None, "setup() builds the sharding backend"
+        return self.sharding
+
     # ------------------------------------------------------------------------------------ the loop
 
     @property
@@ -151,27 +222,22 @@ class Trainer:
         return discover_blocks(model)
 
     def setup(self) -> None:
-        """Build the model and optimizer with every strategy applied, in the one fixed order:
-        precision module swaps (fp8) -> activation checkpointing -> low-precision cast -> device ->
-        sharding -> optimizer (built on what this rank steps)."""
+        """Plan (unless `choose_plan()` ran), then build the model and optimizer with every strategy
+        applied by `apply_strategies`, in its one fixed order."""
+        if self._plan is None:
+            self.choose_plan()
+        plan, sharding = self.plan, self.sharding
+        assert sharding is not None
         seed_everything(self.recipe.run.seed)
-        self.precision.check(self.env.device)
-        self.checkpointing.check(self.env.device)
-        OptimizerStates(self.plan.optimizer_states).check(self.env.device)
-        self.sharding.check(self.env)
+        sharding.check(self.env)
         model = self.build_model()
-        blocks = self.blocks(model)
-        self.precision.swap_modules(model, blocks)
-        self.checkpointing.apply(model, blocks)
-        model = self.precision.cast_model(model).to(self.env.device)
-        self.model, self.optimizer = self.sharding.prepare(
-            model, blocks, self.env, lambda m: self.precision.build_optimizer(m, self.build_optimizer)
-        )
-        self.scaler = self.precision.grad_scaler(self.env.device)
+        applied = apply_strategies(model, self.blocks(model), plan.precision, plan.checkpointing,
+                                   sharding=sharding, env=self.env, build_optimizer=self.build_optimizer)
+        self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         memory = self.recipe.memory
         if memory.track or memory.budget is not None:
             self.tracker = MemoryTracker(
-                self.sharding.unwrap(self.model), self.optimizer,
+                sharding.unwrap(self.model), self.optimizer,
                 budget_bytes=int(memory.budget) if memory.budget is not None else None, device=self.env.device,
             )
 
@@ -284,14 +350,14 @@ class Trainer:
 
     def _clip_and_step(self) -> tuple[float, bool]:
         assert self.model is not None and self.optimizer is not None
-        stepped = self.sharding.engine_step(self.model)  # DeepSpeed: its engine clips and steps
+        stepped = self._sharding.engine_step(self.model)  # DeepSpeed: its engine clips and steps
         if stepped is not None:
             self.skipped_steps += int(stepped[1])
             return stepped
         if isinstance(self.optimizer, MasterWeightOptimizer):
             params = self.optimizer.gradients_to_master()
         else:
-            params = [p for p in self.sharding.unwrap(self.model).parameters() if p.grad is not None]
+            params = [p for p in self._sharding.unwrap(self.model).parameters() if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.recipe.train.grad_clip
@@ -338,7 +404,7 @@ class Trainer:
         micro_batches = [self._to_device(mb) for mb in self.split_batch(batch, self.plan.micro_batch_size)]
         counts = [self.count_tokens(mb) for mb in micro_batches]
         global_tokens = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
-        scale = self.sharding.grad_sync_scale(self.env) / max(global_tokens, 1)
+        scale = self._sharding.grad_sync_scale(self.env) / max(global_tokens, 1)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         self.model.train()
         failed = False
@@ -364,14 +430,14 @@ class Trainer:
         """Forward and backward of one micro-batch; returns its summed loss (detached, float64). Its
         tensors live only in this frame, so an exception here releases them."""
         assert self.model is not None
-        with self.sharding.micro_step(self.model, last):
-            with self._phase("forward"), self.precision.autocast(self.env.device):
+        with self._sharding.micro_step(self.model, last):
+            with self._phase("forward"), self.plan.precision.autocast(self.env.device):
                 loss_sum, num_tokens = self.loss(self.model, micro_batch)
             if expected_tokens is not None:
                 self._check_token_count(num_tokens, expected_tokens)
             with self._phase("backward"):
                 scaled = loss_sum * scale
-                self.sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
+                self._sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
         return loss_sum.detach().double()
 
     def _unagreeable_oom(self, step: int) -> PlanError:
@@ -396,17 +462,19 @@ class Trainer:
         The measurement is the tracker's report when it runs (all components), else the allocator's
         peak on CUDA; on a CPU without the tracker, RSS is no per-tensor figure and only the budget
         check is skipped."""
+        result = self.plan_result
+        assert result is not None
         report = self.memory_reports[-1] if self.tracker is not None and self.memory_reports else None
         if report is not None:
-            entry = calibration(self.plan_result, report)
+            entry = calibration(result, report)
             measured_peak: int | None = report.peak_bytes
         else:
-            predicted = self.plan_result.predicted
+            predicted = result.predicted
             measured_peak = row["peak_memory_bytes"] if self.env.device.type == "cuda" else None
             entry = {"predicted": predicted.to_dict() if predicted is not None else None,
                      "measured": {"peak": measured_peak} if measured_peak is not None else None}
         self.calibration.append({"step": step + 1, **entry})
-        budget = self.plan_result.budget
+        budget = result.budget
         over = budget is not None and measured_peak is not None and measured_peak > budget.usable
         if self.env.is_main:
             self._write_plan_json()
@@ -416,8 +484,9 @@ class Trainer:
 
     def _write_plan_json(self) -> None:
         result = self.plan_result
+        assert result is not None
         self._write_json(self.run_dir / "plan.json", {
-            "plan": self.plan.to_dict(), "backend": result.backend, "offload": result.offload,
+            "plan": self.plan.to_dict(), "summary": self.plan.summary(),
             "predicted": result.predicted.to_dict() if result.predicted is not None else None,
             "budget": result.budget.to_dict() if result.budget is not None else None,
             "calibration": self.calibration,
@@ -428,32 +497,22 @@ class Trainer:
         assert self.model is not None and self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        self.sharding.discard_step(self.model)
+        self._sharding.discard_step(self.model)
         gc.collect()
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()
-        tokens = self.plan.micro_batch_tokens
-        if tokens is not None:
-            if tokens <= 1:
-                raise PlanError(f"out of memory at step {step + 1} even at one token per micro-batch")
-            self.plan = dataclasses.replace(self.plan, micro_batch_tokens=tokens // 2)
-            if self.env.is_main:
-                print(f"[memtrain] {reason} at step {step + 1} with {tokens} tokens per micro-batch: "
-                      f"redoing the same batch at {tokens // 2}", flush=True)
-            return
-        current = self.plan.micro_batch_size
-        smaller = next((d for d in range(current // 2, 0, -1) if self.per_rank_batch_size % d == 0), None)
+        current = self.plan.micro_batching
+        smaller = current.smaller()
         if smaller is None:
+            unit = "token" if self.plan.micro_batch_tokens is not None else "sequence"
             raise PlanError(
-                f"out of memory at step {step + 1} even with one sequence per micro-batch; enable "
+                f"out of memory at step {step + 1} even with one {unit} per micro-batch; enable "
                 "strategies.checkpointing (full), lower data.seq_len, or add memory (strategies.sharding)"
             )
-        self.plan = dataclasses.replace(
-            self.plan, micro_batch_size=smaller, accumulation_steps=self.per_rank_batch_size // smaller
-        )
+        self.plan = self.plan.replace(micro_batching=smaller)
         if self.env.is_main:
-            print(f"[memtrain] {reason} at step {step + 1} with micro-batch {current}: continuing with "
-                  f"{self.plan.accumulation_steps} x {smaller}", flush=True)
+            print(f"[memtrain] {reason} at step {step + 1} with micro-batches of {current.describe()}: redoing "
+                  f"the same batch with {smaller.describe()}", flush=True)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -463,8 +522,8 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         for batch in self.eval_batches():
             for micro_batch in self.split_batch(self._to_device(batch), self.plan.micro_batch_size):
-                with self.precision.autocast(self.env.device):
-                    loss_sum, num_tokens = self.loss(self.sharding.unwrap(self.model), micro_batch)
+                with self.plan.precision.autocast(self.env.device):
+                    loss_sum, num_tokens = self.loss(self._sharding.unwrap(self.model), micro_batch)
                 totals[0] += loss_sum.double()
                 totals[1] += float(num_tokens)
         self.model.train()
@@ -485,7 +544,7 @@ class Trainer:
         if self.env.is_main:
             ckpt.begin_save(root, step)
         barrier(self.env)
-        self.sharding.save(staging, self.model, self.optimizer, self.env)
+        self._sharding.save(staging, self.model, self.optimizer, self.env)
         if self.env.is_main and self.scaler is not None:
             ckpt.save_tensor_file(staging / "grad_scaler.pt", self.scaler.state_dict())
         ckpt.save_tensor_file(staging / f"rng_rank{self.env.rank}.pt", ckpt.rng_state())
@@ -543,11 +602,11 @@ class Trainer:
             )
         optimizer_file = found.path / "optimizer.pt"
         try:
-            self.sharding.load(found.path, self.model, self.optimizer, self.env)
+            self._sharding.load(found.path, self.model, self.optimizer, self.env)
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # e.g. another optimizer's state
             where = optimizer_file if optimizer_file.is_file() else found.path
             raise ckpt.CheckpointError(f"{where}: does not fit this run ({type(exc).__name__}: {exc})") from None
-        if optimizer_file.is_file() and self.plan.sharding in ("none", "ddp"):
+        if optimizer_file.is_file() and self.plan.sharding.replicated:
             self._check_optimizer_shapes(optimizer_file)
         if self.scaler is not None:
             self.scaler.load_state_dict(ckpt.load_tensor_file(found.path / "grad_scaler.pt"))
@@ -573,13 +632,15 @@ class Trainer:
                         )
 
     def _adopt_saved_micro_batch(self, saved: dict[str, Any]) -> None:
-        """Keep a micro-batch size that an out-of-memory recovery lowered before the checkpoint."""
-        micro = saved.get("micro_batch_size")
-        if (saved.get("world_size") == self.env.world_size and isinstance(micro, int)
-                and 0 < micro < self.plan.micro_batch_size and self.per_rank_batch_size % micro == 0):
-            self.plan = dataclasses.replace(
-                self.plan, micro_batch_size=micro, accumulation_steps=self.per_rank_batch_size // micro
-            )
+        """Keep micro-batches that an out-of-memory recovery made smaller before the checkpoint."""
+        try:
+            micro = Plan.from_dict(saved).micro_batching
+        except ValueError:
+            return  # an older layout of plan metadata: keep this run's plan
+        current = self.plan.micro_batching
+        if (saved.get("world_size") == self.env.world_size and type(micro) is type(current)
+                and micro.rows == current.rows and micro.tokens(1) < current.tokens(1)):
+            self.plan = self.plan.replace(micro_batching=micro)
 
     def _fresh_run_dir(self) -> int:
         existing = ckpt.list_checkpoints(self.checkpoint_root)

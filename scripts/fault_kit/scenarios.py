@@ -6,7 +6,7 @@ injects one kind of fault at points drawn from a seed, checks the recovery the w
 `Outcome`: trials, passes, figures for the table, and one line per failure with what reproduces it.
 
 kill -9, SIGTERM and a dead rank only mean something across a process boundary, so those runs are real
-`memtrain train` / `torchrun` processes (`memtrain.testing.faults` is the launcher with faults). The
+`memtrain train` / `torchrun` processes (`fault_kit.faults` is the launcher with faults). The
 out-of-memory, NaN and corrupt-checkpoint checks that need no process boundary run in this process,
 for speed. Every run is a tiny llama on the CPU in fp32 with one thread, so "equal" means bit for bit:
 a resumed or recovered run is compared with an uninterrupted one by its metrics.jsonl rows and by the
@@ -40,10 +40,11 @@ import yaml
 
 import memtrain
 from memtrain import checkpoint as ckpt
-from memtrain.metrics import read_metrics
 from memtrain.recipe import recipe_from_dict
-from memtrain.testing import faults
-from memtrain.testing.faults import Fault, FaultTrainer, Harness, StepRecord, digest
+from memtrain.training.metrics import read_metrics
+
+from fault_kit import faults
+from fault_kit.faults import Fault, FaultTrainer, Harness, StepRecord, digest
 
 TINY_LLAMA: dict[str, Any] = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -113,7 +114,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
                "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith("TORCHELASTIC")}
     src = str(Path(memtrain.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    kit = str(Path(__file__).resolve().parents[1])  # scripts/, which holds this fault kit
+    env["PYTHONPATH"] = os.pathsep.join((src, kit, env.get("PYTHONPATH", "")))
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
     return env
@@ -141,8 +143,8 @@ def launch(cmd: list[str], extra_env: dict[str, str] | None = None, timeout: flo
 
 def train_cmd(recipe: Path, *overrides: str, harness: Harness | None = None, resume: bool = False,
               ranks: int = 1, restarts: int = 0) -> list[str]:
-    """`memtrain train` (with faults: through `memtrain.testing.faults`), under torchrun for ranks > 1."""
-    module = ["-m", "memtrain.testing.faults", *harness.to_args()] if harness is not None else ["-m", "memtrain"]
+    """`memtrain train` (with faults: through `fault_kit.faults`), under torchrun for ranks > 1."""
+    module = ["-m", "fault_kit.faults", *harness.to_args()] if harness is not None else ["-m", "memtrain"]
     args = [*module, "train", str(recipe), *overrides, "--no-progress", *(["--resume", "auto"] if resume else [])]
     if ranks == 1:
         return [sys.executable, *args]

@@ -28,7 +28,8 @@ from pydantic import BaseModel, ByteSize
 import memtrain
 from memtrain import cli
 from memtrain.recipe import Recipe
-from memtrain.testing.scenarios import TINY_LLAMA, Outcome, in_process, timed
+
+from fault_kit.scenarios import TINY_LLAMA, Outcome, in_process, timed
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from memtrain.models import CausalLMTrainer
-from memtrain.strategies.deepspeed_backend import DeepSpeedBackend
-from memtrain.strategies.fsdp2 import FSDP2Backend
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.strategies.optimizer import measured_state_bytes
-from memtrain.strategies.sharding import ShardingBackend
-from memtrain.strategies.sharding_bytes import StateBytes
-from memtrain.trainer import Batch
+from memtrain.strategies.sharding.base import ShardingBackend
+from memtrain.strategies.sharding.deepspeed_backend import DeepSpeedBackend
+from memtrain.strategies.sharding.fsdp2 import FSDP2Backend
+from memtrain.strategies.sharding.state_bytes import StateBytes
+from memtrain.training.trainer import Batch
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -39,19 +39,19 @@ from typing import Any
 import torch
 from torch import nn
 
+import memtrain.strategies.sharding.deepspeed_config as dsc
+import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 from memtrain import checkpoint as ckpt
-from memtrain import sharded_checkpoint
 from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, Unsupported
-from memtrain.footprint import ModelShape
-from memtrain.strategies import deepspeed_config as dsc
-from memtrain.strategies.sharding import (
+from memtrain.memory.footprint import ModelShape
+from memtrain.strategies.sharding.base import (
     OptimizerFactory,
     ShardingBackend,
     ensure_process_group,
     warn_one_rank,
 )
-from memtrain.strategies.sharding_bytes import (
+from memtrain.strategies.sharding.state_bytes import (
     ADAMW,
     DeepSpeedZero3Knobs,
     OptimizerCost,

@@ -18,6 +18,7 @@ parameters and the transposed views of them that matmuls save, buffers, token id
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.footprint import ActivationProfile
 from memtrain.memory._torch_private import TorchDispatchMode, tree_leaves
+from memtrain.memory.footprint import ActivationProfile
 
 _MATMUL_NAMES = (
     "mm",
@@ -76,7 +77,7 @@ def profile_activations(
     - outside_blocks: what the forward holds beyond the blocks' saved bytes once the blocks have run, at
       its peak: the last block's output, the head's and loss's saved tensors, and transients alive with
       them (the logits while the loss runs);
-    - block_peaks, recompute_peaks: see `memtrain.footprint.ActivationProfile`.
+    - block_peaks, recompute_peaks: see `memtrain.memory.footprint.ActivationProfile`.
 
     After measuring, the loss is backpropagated (gradients accumulate in `.grad`, as in any step) and the
     graph is freed.
@@ -183,7 +184,7 @@ class _Probe(TorchDispatchMode):
                 continue
             made = _Made(storage.nbytes(), self._block, is_matmul(func))
             self._made[key] = made
-            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
+            self._refs[key] = weakref.ref(storage, functools.partial(self._forget_ref, key))
             self._live += made.nbytes
             if made.block is not None:
                 self._live_in[made.block] += made.nbytes
@@ -195,6 +196,9 @@ class _Probe(TorchDispatchMode):
         elif self._blocks_seen:
             self._outside = max(self._outside, self._live - self._live_saved_in_blocks)
         return out
+
+    def _forget_ref(self, key: int, _ref: object) -> None:
+        self._forget(key)
 
     def _forget(self, key: int) -> None:
         made = self._made.pop(key, None)

@@ -49,17 +49,17 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from memtrain import sharded_checkpoint
+import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, Unsupported
-from memtrain.footprint import ModelShape
-from memtrain.strategies.sharding import (
+from memtrain.memory.footprint import ModelShape
+from memtrain.strategies.sharding.base import (
     OptimizerFactory,
     ShardingBackend,
     ensure_process_group,
     warn_one_rank,
 )
-from memtrain.strategies.sharding_bytes import ADAMW, OptimizerCost, StateBytes, fsdp2_bytes
+from memtrain.strategies.sharding.state_bytes import ADAMW, OptimizerCost, StateBytes, fsdp2_bytes
 
 REFUSED_PRECISIONS = {
     "bf16-master": "FSDP2's bf16-mixed already keeps sharded fp32 master weights and computes in bf16; "
@@ -142,7 +142,7 @@ class FSDP2Backend(ShardingBackend):
                         fsdp_param.unsharded_accumulated_grad = None
                         if hasattr(fsdp_param, "_unsharded_param"):
                             fsdp_param._unsharded_param.grad = None
-        model.reset_iter_state()
+        model.reset_iter_state()  # type: ignore[operator]
 
     def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
                     dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:

@@ -8,23 +8,30 @@ size), and the sequence length is checked against the model's maximum.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memtrain import data as data_lib
+from memtrain.causal_lm import data as data_lib
 from memtrain.errors import RecipeError, did_you_mean
 from memtrain.jsonfile import read_json_object
 from memtrain.recipe import Recipe
-from memtrain.trainer import Batch, Trainer
+from memtrain.training.trainer import Batch, Trainer
 
 
 def config_dict(recipe: Recipe) -> tuple[dict[str, Any], str]:
     """The raw config mapping and the recipe key it came from."""
+    if recipe.model.config is None and recipe.model.config_path is None:
+        raise RecipeError(["model: give model.config (inline, with model_type) or model.config_path "
+                           "(or train your own Trainer subclass: memtrain train RECIPE --trainer FILE.py:Class)"])
+    if recipe.model.config is not None and recipe.model.config_path is not None:
+        raise RecipeError(["model: give only one of model.config and model.config_path"])
     if recipe.model.config is not None:
         return dict(recipe.model.config), "model.config"
     assert recipe.model.config_path is not None
@@ -129,25 +136,72 @@ class CausalLMTrainer(Trainer):
         check_model_recipe(recipe)
         super().__init__(recipe)
         self.model_config = build_config(recipe)
-        vocab = int(self.model_config.vocab_size)
-        splits = data_lib.build_splits(recipe.data, vocab, recipe.run.seed)
-        self.train_samples = splits.train
-        self.eval_samples = splits.eval
-        if len(self.train_samples) < recipe.batch.global_size:
-            raise RecipeError(
-                [
-                    f"batch.global_size: {recipe.batch.global_size} exceeds the {len(self.train_samples)} "
+        self._data: data_lib.Splits | None = None
+        self._sampler: data_lib.StepSampler | None = None
+
+    @property
+    def data(self) -> data_lib.Splits:
+        """The tokenized train and eval samples, built on first use (planning a what-if needs none)."""
+        if self._data is None:
+            recipe = self.recipe
+            self._data = data_lib.build_splits(recipe.data, int(self.model_config.vocab_size), recipe.run.seed)
+            if len(self._data.train) < recipe.batch.global_size:
+                raise RecipeError([
+                    f"batch.global_size: {recipe.batch.global_size} exceeds the {len(self._data.train)} "
                     "training samples of data (lower it, or use more data / a shorter data.seq_len)"
-                ]
-            )
-        self.sampler = data_lib.StepSampler(len(self.train_samples), recipe.batch.global_size, recipe.run.seed)
+                ])
+        return self._data
+
+    def setup(self) -> None:
+        _ = self.data  # tokenize before the model and the tracker exist (what `host_data_bytes` counts)
+        super().setup()
+
+    @property
+    def train_samples(self) -> list[torch.Tensor]:
+        return self.data.train
+
+    @property
+    def eval_samples(self) -> list[torch.Tensor]:
+        return self.data.eval
+
+    @property
+    def sampler(self) -> data_lib.StepSampler:
+        if self._sampler is None:
+            self._sampler = data_lib.StepSampler(len(self.train_samples), self.recipe.batch.global_size,
+                                                 self.recipe.run.seed)
+        return self._sampler
 
     def build_model(self) -> nn.Module:
+        return self._from_config(self.model_config)
+
+    def build_model_clone(self, num_blocks: int) -> nn.Module:
+        """The model with `num_blocks` blocks (per-layer lists cut to match), for the planner's traces."""
+        clone = copy.deepcopy(self.model_config)
+        clone.num_hidden_layers = num_blocks
+        layer_types = getattr(clone, "layer_types", None)
+        if isinstance(layer_types, list):
+            clone.layer_types = layer_types[:num_blocks]
+        return self._from_config(clone)
+
+    def _from_config(self, config: Any) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(
-            self.model_config, attn_implementation=self.recipe.model.attn_implementation
-        )
+        return AutoModelForCausalLM.from_config(config, attn_implementation=self.recipe.model.attn_implementation)
+
+    def planning_batch(self, rows: int) -> Batch:
+        """Rows of the full sequence length (the longest any step can feed), as `collate` lays them out."""
+        vocab = int(self.model_config.vocab_size)
+        generator = torch.Generator().manual_seed(0)
+        samples = [torch.randint(0, vocab, (self.recipe.data.seq_len + 1,), generator=generator) for _ in range(rows)]
+        return data_lib.collate(samples, list(range(rows)))
+
+    def host_data_bytes(self) -> int:
+        """The token storage of the training samples (the storages behind them, each once)."""
+        storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in self.train_samples}
+        return sum(storages.values())
+
+    def trace_context(self) -> contextlib.AbstractContextManager[Any]:
+        return one_sequence_per_row()
 
     def step_batch(self, step: int) -> Batch:
         indices = self.sampler.indices(step)
@@ -179,3 +233,30 @@ class CausalLMTrainer(Trainer):
             mine = rows[rank::world][:share]
             if mine:
                 yield data_lib.collate([self.eval_samples[i] for i in mine], mine)
+
+
+@contextlib.contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """What transformers finds on real tensors, told to it under the planner's fake ones.
+
+    This trainer passes neither position ids nor a padding mask, so every row is one sequence and
+    transformers' SDPA path relies on `is_causal` without building a mask. To find that out it reads the
+    position ids (`masking_utils.find_packed_sequence_indices`); a fake tensor cannot be read, so it assumes
+    packed sequences, builds a B x 1 x s x s mask and selects another attention kernel, which keeps other
+    tensors for backward. During the planner's trace (and only then: the context restores it) the lookup
+    answers what it answers on real tensors here: no packing.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original

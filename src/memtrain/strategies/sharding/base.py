@@ -2,8 +2,8 @@
 
 The trainer talks to every layout through `ShardingBackend`. A backend wraps the model, may wrap the
 optimizer, decides when gradients are synchronised across micro-steps, runs backward, and saves and
-loads its own checkpoint files. `none` and `ddp` live here. The ZeRO stages live in their own modules
-and are registered in `make_sharding`.
+loads its own checkpoint files. `none` and `ddp` live here. The ZeRO stages live in their own modules;
+the strategies that build them, and their registry, are in `memtrain.strategies.sharding`.
 
 `ddp` keeps a full replica on each rank and all-reduces (averages) gradients after the last micro-step
 of each step. Earlier micro-steps run under `no_sync`, so accumulation costs one all-reduce per step.
@@ -23,19 +23,18 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import memtrain.strategies.sharding.ddp_hooks as ddp_hooks
 from memtrain import checkpoint as ckpt
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
-from memtrain.footprint import Footprint, ModelShape
-from memtrain.strategies import ddp_hooks
-from memtrain.strategies.sharding_bytes import ADAMW, OptimizerCost, StateBytes, replicated_bytes
+from memtrain.memory.footprint import Footprint, ModelShape
+from memtrain.strategies.sharding.state_bytes import ADAMW, OptimizerCost, StateBytes, replicated_bytes
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -128,7 +127,7 @@ class ShardingBackend:
             ckpt.save_tensor_file(staging / "optimizer.pt", optimizer.state_dict())
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
-        from memtrain import sharded_checkpoint
+        import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 
         if sharded_checkpoint.detect_format(path) != "replicated":
             sharded_checkpoint.load_sharded(path, self.unwrap(model), optimizer)
@@ -191,26 +190,3 @@ def ensure_process_group(env: DistEnv) -> None:
     if not dist.is_initialized():
         backend = "nccl" if env.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def make_sharding(name: str, **options: Any) -> ShardingBackend:
-    """The backend for a sharding name (the recipe's `strategies.sharding`); `options` are the fields
-    of `ShardingOptions`."""
-    opts = ShardingOptions(**options)
-    if name == "none":
-        return ShardingBackend(name, opts)
-    if name == "ddp":
-        return DDPBackend(name, opts)
-    if name in ("zero1", "zero2", "zero3"):
-        if opts.backend == "deepspeed":
-            from memtrain.strategies.deepspeed_backend import DeepSpeedBackend
-
-            return DeepSpeedBackend(name, opts)
-        if name == "zero1":
-            from memtrain.strategies.zero1 import Zero1Backend
-
-            return Zero1Backend(name, opts)
-        from memtrain.strategies.fsdp2 import FSDP2Backend
-
-        return FSDP2Backend(name, opts)
-    raise Unsupported(f"strategies.sharding: {name!r} is not a sharding name (none, ddp, zero1, zero2, zero3)")

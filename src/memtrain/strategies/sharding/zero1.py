@@ -26,14 +26,20 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+import memtrain.strategies.sharding.ddp_hooks as ddp_hooks
+import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 from memtrain import checkpoint as ckpt
-from memtrain import sharded_checkpoint
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
-from memtrain.footprint import ModelShape
-from memtrain.strategies import ddp_hooks
-from memtrain.strategies.sharding import DDPBackend, OptimizerFactory, warn_one_rank
-from memtrain.strategies.sharding_bytes import ADAMW, OptimizerCost, StateBytes, replicated_bytes, zero1_bytes
+from memtrain.memory.footprint import ModelShape
+from memtrain.strategies.sharding.base import DDPBackend, OptimizerFactory, warn_one_rank
+from memtrain.strategies.sharding.state_bytes import (
+    ADAMW,
+    OptimizerCost,
+    StateBytes,
+    replicated_bytes,
+    zero1_bytes,
+)
 
 
 @dataclass(frozen=True)

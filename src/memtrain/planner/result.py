@@ -1,0 +1,65 @@
+"""What a search returns: each candidate scored (`Scored`), and the plan chosen with its runners-up
+(`PlanResult`), which `explain` turns into the table and the JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from memtrain.memory.footprint import Footprint
+from memtrain.memory.headroom import MemoryBudget
+from memtrain.plan import Plan
+from memtrain.planner.cost import StepCost
+from memtrain.planner.memory_model import Prediction, StateLevels
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A candidate plan with its predicted peak and step time."""
+
+    plan: Plan
+    prediction: Prediction
+    cost: StepCost
+    states: StateLevels
+
+    def short(self, usable: int) -> int:
+        """Bytes over `usable` (0 when it fits)."""
+        return max(0, self.prediction.peak - usable)
+
+    def order(self) -> tuple[Any, ...]:
+        """Faster first; then smaller; then the plan's strategies, so that the order is total."""
+        return (round(self.cost.total, 12), self.prediction.peak, self.plan.key())
+
+    def to_dict(self, usable: int) -> dict[str, Any]:
+        return {**self.plan.summary(), "predicted_peak": self.prediction.peak,
+                "predicted_peak_is_lower_bound": self.prediction.lower_bound,
+                "predicted_step_seconds": self.cost.total, "fits": self.short(usable) == 0,
+                "short_bytes": self.short(usable)}
+
+
+def rank(scored: Sequence[Scored], usable: int) -> tuple[tuple[Scored, ...], tuple[Scored, ...]]:
+    """(the plans that fit in `usable` bytes, those that do not), each fastest first."""
+    fits = tuple(sorted((s for s in scored if s.prediction.peak <= usable), key=Scored.order))
+    misfits = tuple(sorted((s for s in scored if s.prediction.peak > usable), key=Scored.order))
+    return fits, misfits
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The plan a run trains with and, when the planner chose it, what it predicted and why."""
+
+    plan: Plan
+    budget: MemoryBudget | None = None
+    chosen: Scored | None = None
+    ranked: tuple[Scored, ...] = ()  # plans that fit, fastest first (the chosen one first)
+    infeasible: tuple[Scored, ...] = ()  # plans that do not fit, fastest first
+    excluded: tuple[tuple[str, str], ...] = ()  # (option, why it cannot run here)
+
+    @property
+    def predicted(self) -> Footprint | None:
+        return self.chosen.prediction.at_peak if self.chosen is not None else None
+
+    @property
+    def cheapest_infeasible(self) -> Scored | None:
+        return self.infeasible[0] if self.infeasible else None

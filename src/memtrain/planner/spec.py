@@ -1,0 +1,48 @@
+"""`ModelSpec`: what the planner knows of the job the trainer will run, as the trainer's own functions.
+
+Why functions and not a config: the prediction must be of the job the user actually runs — their
+`Trainer` subclass's model, batches and loss. The trainer hands the planner its hooks (`build_model`,
+`blocks`, a micro-batch of the shape it will feed, `loss`), and the planner calls them on the meta device
+or under fake tensors. The planner therefore never imports a trainer or a model library; the built-in
+causal-LM trainer is one subclass among others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The trainer's job as the planner sees it.
+
+    build_model: the trainer's `build_model` (called on the meta device and under fake tensors).
+    blocks: the trainer's `blocks(model)`, the repeated blocks strategies wrap.
+    micro_batch: `rows` -> a micro-batch of that many rows, of the largest shape the trainer feeds (real
+        CPU tensors; the planner makes fake copies).
+    loss: the trainer's `loss(model, micro_batch)`.
+    build_clone: `depth` -> the same model with `depth` blocks, when the trainer can build one (traces of a
+        deep model then cost three blocks); None: the planner traces the whole model.
+    host_bytes: -> bytes of data the trainer keeps in host memory (asked only when the device is a CPU,
+        where host memory is the device).
+    trace_context: a context the trace runs in (what a model library must be told under fake tensors).
+    name: what to call the model in progress lines and errors.
+    """
+
+    build_model: Callable[[], nn.Module]
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    micro_batch: Callable[[int], Batch]
+    loss: LossFn
+    build_clone: Callable[[int], nn.Module] | None = None
+    host_bytes: Callable[[], int] = lambda: 0
+    trace_context: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    name: str = "model"

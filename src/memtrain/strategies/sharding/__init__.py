@@ -1,0 +1,139 @@
+"""Sharding strategies: how the model and its states are laid out over the data-parallel ranks.
+
+Each strategy is a recipe name (`strategies.sharding`) with the recipe's sharding options as its fields
+(`sharding_backend`, `sharding_offload`, `comm_hook`, `deepspeed_config`). It builds the backend that
+does the work (`base.ShardingBackend`: none/ddp here, FSDP2, ZeroRedundancyOptimizer, DeepSpeed in their
+own modules) once the plan's facts the backend needs are known: precision, micro-batching and clipping.
+
+Facts the planner reads: `replicated` (every rank holds every state, so a trace's gradients are this
+rank's), `multi_rank` (offered by `auto` on several ranks) and `hands_bf16_weights(precision)` (the
+forward reads bf16 weights the backend gathered, instead of autocasting fp32 ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from memtrain.distributed import DistEnv
+from memtrain.strategies.precision import Precision
+from memtrain.strategies.registry import Registry, Strategy, option
+from memtrain.strategies.sharding.base import DDPBackend, ShardingBackend, ShardingOptions
+from memtrain.strategies.sharding.deepspeed_backend import DeepSpeedBackend
+from memtrain.strategies.sharding.fsdp2 import FSDP2Backend
+from memtrain.strategies.sharding.zero1 import Zero1Backend
+
+
+@dataclass(frozen=True)
+class Sharding(Strategy):
+    """`none`: one rank holds everything."""
+
+    kind: ClassVar[str] = "sharding"
+    name: ClassVar[str] = "none"
+    replicated: ClassVar[bool] = True
+    multi_rank: ClassVar[bool] = False
+    gradient_sync: ClassVar[str] = "none"  # "all-reduce" | "reduce-scatter" | "none", per step
+    parameter_gathers: ClassVar[tuple[int, int]] = (0, 0)  # all-gathers of the weights per step, per micro-step
+    backend: str = option("fsdp2", recipe_key="sharding_backend")
+    offload: str = option("none", recipe_key="sharding_offload")
+    comm_hook: str = option("none", recipe_key="comm_hook")
+    deepspeed_config: str | None = option(None, recipe_key="deepspeed_config")
+
+    def build(self, precision: Precision | str = "fp32", micro_batch_size: int = 1, accumulation_steps: int = 1,
+              grad_clip: float | None = None) -> ShardingBackend:
+        """The backend for this layout, with the plan's facts it needs."""
+        options = ShardingOptions(
+            backend=self.backend, offload=self.offload, comm_hook=self.comm_hook,
+            deepspeed_config=self.deepspeed_config, precision=_name(precision),
+            micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, grad_clip=grad_clip,
+        )
+        return self.backend_class()(self.name, options)
+
+    def backend_class(self) -> type[ShardingBackend]:
+        return ShardingBackend
+
+    def check_with(self, env: DistEnv, precision: Precision | str) -> None:
+        """`Unsupported` when this layout cannot run on `env` with `precision` (the backend's checks)."""
+        self.build(precision).check(env)
+
+    def hands_bf16_weights(self, precision: Precision) -> bool:
+        return False
+
+
+SHARDING: Registry[Sharding] = Registry("sharding", Sharding)
+SHARDING.register(Sharding)
+
+
+@SHARDING.register
+@dataclass(frozen=True)
+class DDP(Sharding):
+    """A full replica per rank; gradients all-reduced after the last micro-step."""
+
+    name: ClassVar[str] = "ddp"
+    multi_rank: ClassVar[bool] = True
+    gradient_sync: ClassVar[str] = "all-reduce"
+
+    def backend_class(self) -> type[ShardingBackend]:
+        return DDPBackend
+
+
+@dataclass(frozen=True)
+class _Zero(Sharding):
+    replicated: ClassVar[bool] = False
+    multi_rank: ClassVar[bool] = True
+
+    def backend_class(self) -> type[ShardingBackend]:
+        return DeepSpeedBackend if self.backend == "deepspeed" else FSDP2Backend
+
+    def hands_bf16_weights(self, precision: Precision) -> bool:
+        """bf16-mixed on FSDP2's zero2/zero3 mixed-precision policy, or on any DeepSpeed stage's bf16 mode."""
+        return precision.name == "bf16-mixed"
+
+
+@SHARDING.register
+@dataclass(frozen=True)
+class Zero1(_Zero):
+    """Optimizer states sharded (FSDP2 backend: ZeroRedundancyOptimizer over DDP)."""
+
+    name: ClassVar[str] = "zero1"
+    gradient_sync: ClassVar[str] = "all-reduce"
+    parameter_gathers: ClassVar[tuple[int, int]] = (1, 0)  # the updated shards, once per step
+
+    def backend_class(self) -> type[ShardingBackend]:
+        return DeepSpeedBackend if self.backend == "deepspeed" else Zero1Backend
+
+    def hands_bf16_weights(self, precision: Precision) -> bool:
+        return self.backend == "deepspeed" and super().hands_bf16_weights(precision)
+
+
+@SHARDING.register
+@dataclass(frozen=True)
+class Zero2(_Zero):
+    """Optimizer states and gradients sharded."""
+
+    name: ClassVar[str] = "zero2"
+    gradient_sync: ClassVar[str] = "reduce-scatter"
+    parameter_gathers: ClassVar[tuple[int, int]] = (0, 1)
+
+
+@SHARDING.register
+@dataclass(frozen=True)
+class Zero3(_Zero):
+    """Optimizer states, gradients and parameters sharded."""
+
+    name: ClassVar[str] = "zero3"
+    gradient_sync: ClassVar[str] = "reduce-scatter"
+    parameter_gathers: ClassVar[tuple[int, int]] = (0, 2)  # forward, and again for backward
+
+
+def make_sharding(name: str, **options: Any) -> ShardingBackend:
+    """The backend of sharding `name` built from `ShardingOptions` fields (tests and measurements)."""
+    layout = {k: options.pop(k) for k in ("backend", "offload", "comm_hook", "deepspeed_config") if k in options}
+    return SHARDING.get(name)(**layout).build(
+        options.pop("precision", "fp32"), options.pop("micro_batch_size", 1), options.pop("accumulation_steps", 1),
+        options.pop("grad_clip", None),
+    )
+
+
+def _name(precision: Precision | str) -> str:
+    return precision if isinstance(precision, str) else precision.name

@@ -1,0 +1,88 @@
+"""examples/own_model: a Trainer subclass (plain PyTorch, tied weights, a frozen module, padded batches, its
+own loss; no transformers, no `model:` section) planned by `memtrain plan --json` and measured by
+`memtrain profile --json`, through the CLI as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtrain.cli import main
+
+from helpers import REPO
+
+RECIPE = str(REPO / "examples/own_model/recipe.yaml")
+TRAINER = str(REPO / "examples/own_model/trainer.py") + ":TinyTrainer"
+PINNED = ["strategies.sharding=none", "strategies.optimizer_states=fp32", "strategies.checkpointing=none",
+          "batch.micro_size=8"]
+PLANS = {  # the six plans of the acceptance list, each as overrides on top of PINNED
+    "fp32": [],
+    "bf16-mixed": ["strategies.precision=bf16-mixed"],
+    "full": ["strategies.checkpointing=full"],
+    "fraction": ["strategies.checkpointing=fraction", "strategies.checkpointing_fraction=0.5"],
+    "8bit": ["strategies.optimizer_states=8bit"],
+    "accumulation": ["batch.micro_size=2"],
+}
+TOLERANCE = 0.02
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _tiny_model():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(REPO / "examples/own_model"))
+    from trainer import TinyLM  # the example's own module
+
+    return TinyLM(max_len=64)
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_plan_predicts_the_profiled_peak(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = [*PINNED, *PLANS[name], f"run.output_dir={tmp_path}"]
+    planned = _json(capsys, "plan", RECIPE, *overrides, "--trainer", TRAINER, "--json")
+    profiled = _json(capsys, "profile", RECIPE, *overrides, "--trainer", TRAINER, "--json", "--steps", "3")
+    predicted, measured = planned["predicted"]["peak"], profiled["steady_peak_bytes"]
+    assert abs(predicted - measured) / measured <= TOLERANCE, (name, predicted, measured)
+
+    model = _tiny_model()
+    weights = sum(p.numel() * 4 for p in model.parameters())  # the tied tensor once
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable_bytes = sum(p.numel() * 4 for p in trainable)
+    assert weights > trainable_bytes, "the example has a frozen module"
+    states = planned["model_states"]
+    assert states["weights"] == weights, "predicted weights are the subclass's parameter bytes, exactly"
+    assert states["gradients"] == trainable_bytes, "frozen parameters carry no gradient bytes"
+    assert profiled["at_peak"]["weights"] == weights
+    assert profiled["at_peak"]["gradients"] <= trainable_bytes
+    if name in ("fp32", "accumulation"):  # torch AdamW: two fp32 moments and a step per trainable tensor
+        assert states["optimizer_states"] == 2 * trainable_bytes + 4 * len(trainable), "none for frozen ones"
+        assert profiled["at_peak"]["optimizer_states"] in (0, states["optimizer_states"])
+
+
+def test_subclass_recipe_needs_no_model_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = Path(RECIPE).read_text()
+    assert "\nmodel:" not in text
+    assert main(["validate", RECIPE, "--trainer", TRAINER]) == 0
+    assert "TinyTrainer:" in capsys.readouterr().out
+    assert main(["train", RECIPE, "train.steps=3", f"run.output_dir={tmp_path}", "--trainer", TRAINER,
+                 "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["predicted"]["peak"] > 0, "the open recipe was planned from the subclass's own model"
+
+
+def test_built_in_trainer_still_needs_a_model_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", RECIPE]) == 2
+    assert "model: give model.config" in capsys.readouterr().err
+
+
+def test_bad_trainer_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("nowhere.py:X", str(REPO / "examples/own_model/trainer.py") + ":Missing", "no_colon"):
+        assert main(["validate", RECIPE, "--trainer", bad]) == 2
+        assert "--trainer" in capsys.readouterr().err
