@@ -57,13 +57,25 @@ RESULT = "fit-result: "  # prefix of the worker's JSON lines (HF Trainer prints 
 MODELS: dict[str, dict[str, Any]] = {
     # TinyLlama-1.1B's shape: 1.10B parameters.
     "llama-1.1b": {
-        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
     },
     # --cpu-smoke: every code path on the CPU in seconds (no budget, no OOM), for tests.
     "tiny": {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 4096,
     },
 }
 TOOLS = ("hf", "accelerate", "memtrain")
@@ -148,7 +160,9 @@ def build_model(probe: Probe) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(build_config(memtrain_recipe(probe, 1, Path(tempfile.gettempdir()))))
+    return AutoModelForCausalLM.from_config(
+        build_config(memtrain_recipe(probe, 1, Path(tempfile.gettempdir())))
+    )
 
 
 # ------------------------------------------------------------------------------------------ the tools
@@ -171,14 +185,31 @@ def fit_hf(probe: Probe, model: nn.Module, start: int, result: Fit) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=start, gradient_accumulation_steps=1,
-            auto_find_batch_size=True, gradient_checkpointing=True, bf16=torch.cuda.is_available(),
-            use_cpu=not torch.cuda.is_available(), max_steps=probe.steps, learning_rate=probe.lr,
-            max_grad_norm=probe.grad_clip, weight_decay=0.0, lr_scheduler_type="constant", optim="adamw_torch",
-            eval_strategy="no", save_strategy="no", report_to=[], logging_strategy="no", disable_tqdm=True,
-            train_sampling_strategy="sequential", dataloader_pin_memory=False, seed=0)
-        trainer = Trainer(model=model, args=args, train_dataset=random_rows(probe, start * probe.steps),
-                          callbacks=[Clock()])
+            output_dir=tmp,
+            per_device_train_batch_size=start,
+            gradient_accumulation_steps=1,
+            auto_find_batch_size=True,
+            gradient_checkpointing=True,
+            bf16=torch.cuda.is_available(),
+            use_cpu=not torch.cuda.is_available(),
+            max_steps=probe.steps,
+            learning_rate=probe.lr,
+            max_grad_norm=probe.grad_clip,
+            weight_decay=0.0,
+            lr_scheduler_type="constant",
+            optim="adamw_torch",
+            eval_strategy="no",
+            save_strategy="no",
+            report_to=[],
+            logging_strategy="no",
+            disable_tqdm=True,
+            train_sampling_strategy="sequential",
+            dataloader_pin_memory=False,
+            seed=0,
+        )
+        trainer = Trainer(
+            model=model, args=args, train_dataset=random_rows(probe, start * probe.steps), callbacks=[Clock()]
+        )
         trainer.train()
         result.batch = int(trainer.state.train_batch_size or start)
         result.plan = PEER_PLAN
@@ -225,21 +256,39 @@ def fit_accelerate(probe: Probe, accelerator: Any, model: nn.Module, start: int,
 
 def memtrain_recipe(probe: Probe, batch: int, out: Path) -> Recipe:
     """The user's recipe: a global batch in one micro-batch, every strategy left to memtrain."""
-    return recipe_from_dict({
-        "run": {"name": "fit", "output_dir": str(out), "seed": 0},
-        "model": {"config": MODELS[probe.model]},
-        "data": {"source": "synthetic", "seq_len": probe.seq_len, "synthetic": {"num_samples": 2 * batch + 16}},
-        "batch": {"global_size": batch, "micro_size": batch},
-        "train": {"steps": probe.steps, "lr": probe.lr, "weight_decay": 0.0, "min_lr_ratio": 1.0,
-                  "grad_clip": probe.grad_clip, "eval_every": 0},
-        "checkpoint": {"every": 0, "at_end": False},
-        "output": {"progress": "off"},
-        "strategies": {"precision": "auto", "checkpointing": "auto", "optimizer_states": "auto", "sharding": "auto"},
-    })
+    return recipe_from_dict(
+        {
+            "run": {"name": "fit", "output_dir": str(out), "seed": 0},
+            "model": {"config": MODELS[probe.model]},
+            "data": {
+                "source": "synthetic",
+                "seq_len": probe.seq_len,
+                "synthetic": {"num_samples": 2 * batch + 16},
+            },
+            "batch": {"global_size": batch, "micro_size": batch},
+            "train": {
+                "steps": probe.steps,
+                "lr": probe.lr,
+                "weight_decay": 0.0,
+                "min_lr_ratio": 1.0,
+                "grad_clip": probe.grad_clip,
+                "eval_every": 0,
+            },
+            "checkpoint": {"every": 0, "at_end": False},
+            "output": {"progress": "off"},
+            "strategies": {
+                "precision": "auto",
+                "checkpointing": "auto",
+                "optimizer_states": "auto",
+                "sharding": "auto",
+            },
+        }
+    )
 
 
 def fit_memtrain(probe: Probe, start: int, result: Fit) -> None:
     """Binary search by planning (no memory used), then train the largest planned batch."""
+
     def plans(batch: int) -> bool:
         with tempfile.TemporaryDirectory() as tmp:
             try:
@@ -327,40 +376,66 @@ def run_worker(tool: str, probe: Probe, budgets: list[int], deadline: float) -> 
 
 
 def spawn(tool: str, probe: Probe, budgets: list[int], deadline: float, cpu_smoke: bool) -> list[Fit]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", tool, "--model", probe.model,
-               "--seq-len", str(probe.seq_len), "--steps", str(probe.steps),
-               "--budgets", ",".join(map(str, budgets)), "--deadline", str(deadline)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        tool,
+        "--model",
+        probe.model,
+        "--seq-len",
+        str(probe.seq_len),
+        "--steps",
+        str(probe.steps),
+        "--budgets",
+        ",".join(map(str, budgets)),
+        "--deadline",
+        str(deadline),
+    ]
     if cpu_smoke:
         command.append("--cpu-smoke")
     timeout = max(30.0, deadline - time.time() + 60)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-        stdout, note = done.stdout, "" if done.returncode == 0 else f"worker exit {done.returncode}: {done.stderr[-300:]}"
+        stdout, note = (
+            done.stdout,
+            "" if done.returncode == 0 else f"worker exit {done.returncode}: {done.stderr[-300:]}",
+        )
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
         note = "worker killed at the time box"
-    fits = [Fit(**json.loads(line[len(RESULT):])) for line in stdout.splitlines() if line.startswith(RESULT)]
+    fits = [Fit(**json.loads(line[len(RESULT) :])) for line in stdout.splitlines() if line.startswith(RESULT)]
     known = {f.budget_gib for f in fits}
     fits += [Fit(tool=tool, budget_gib=gib, note=note or "no result") for gib in budgets if gib not in known]
     return sorted(fits, key=lambda f: f.budget_gib)
 
 
 def table(results: dict[str, list[Fit]], budgets: list[int], seq_len: int) -> list[str]:
-    lines = ["| budget | tool | batch x seq | tokens/step | tokens/s | plan | note |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| budget | tool | batch x seq | tokens/step | tokens/s | plan | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for gib in budgets:
         for tool in TOOLS:
             f = next(x for x in results[tool] if x.budget_gib == gib)
-            lines.append(f"| {gib} GiB | {LABELS[tool]} | {f.batch} x {seq_len} | {f.tokens_per_step} | "
-                         f"{f.tokens_per_s:.0f} | {f.plan} | {f.note} |")
-    lines += ["", "| budget | memtrain tokens/step ÷ best peer | memtrain tokens/s ÷ that peer's | goal |",
-              "|---|---|---|---|"]
+            lines.append(
+                f"| {gib} GiB | {LABELS[tool]} | {f.batch} x {seq_len} | {f.tokens_per_step} | "
+                f"{f.tokens_per_s:.0f} | {f.plan} | {f.note} |"
+            )
+    lines += [
+        "",
+        "| budget | memtrain tokens/step ÷ best peer | memtrain tokens/s ÷ that peer's | goal |",
+        "|---|---|---|---|",
+    ]
     for gib in budgets:
         ours = next(x for x in results["memtrain"] if x.budget_gib == gib)
         peers = [next(x for x in results[t] if x.budget_gib == gib) for t in ("hf", "accelerate")]
         best = max(peers, key=lambda f: (f.tokens_per_step, f.tokens_per_s))
         if best.tokens_per_step and ours.tokens_per_step:
-            lines.append(f"| {gib} GiB | {ours.tokens_per_step / best.tokens_per_step:.2f} | "
-                         f"{ours.tokens_per_s / best.tokens_per_s:.2f} | >= 1.5 at >= 1.0 |")
+            lines.append(
+                f"| {gib} GiB | {ours.tokens_per_step / best.tokens_per_step:.2f} | "
+                f"{ours.tokens_per_s / best.tokens_per_s:.2f} | >= 1.5 at >= 1.0 |"
+            )
         else:
             lines.append(f"| {gib} GiB | n/a | n/a | >= 1.5 at >= 1.0 |")
     return lines
@@ -375,8 +450,11 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=240.0, help="seconds for all probes together")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="run every code path on the CPU with no budget (tests; the figures mean nothing)")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run every code path on the CPU with no budget (tests; the figures mean nothing)",
+    )
     parser.add_argument("--worker", choices=TOOLS, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -397,11 +475,15 @@ def main() -> None:
         share = (deadline - time.time()) * SHARES[tool] / sum(SHARES[t] for t in order[index:])
         results[tool] = spawn(tool, probe, budgets, time.time() + share, args.cpu_smoke)
         for f in results[tool]:
-            print(f"{LABELS[tool]} at {f.budget_gib} GiB: batch {f.batch}, {f.tokens_per_s:.0f} tokens/s "
-                  f"{f.note}", flush=True)
+            print(
+                f"{LABELS[tool]} at {f.budget_gib} GiB: batch {f.batch}, {f.tokens_per_s:.0f} tokens/s "
+                f"{f.note}",
+                flush=True,
+            )
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke run, no budget)"
     lines = table(results, budgets, probe.seq_len) + [
-        "", f"- Model {probe.model}, sequences of {probe.seq_len} tokens, {probe.steps} steps per probe, on {device}, "
+        "",
+        f"- Model {probe.model}, sequences of {probe.seq_len} tokens, {probe.steps} steps per probe, on {device}, "
         f"torch {torch.__version__}; wall time {time.perf_counter() - started:.0f} s.",
         "- batch: sequences per optimizer step in one micro-batch (no gradient accumulation).",
     ]
@@ -411,10 +493,17 @@ def main() -> None:
         args.markdown.write_text("\n".join(lines) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "probe": dataclasses.asdict(probe), "device": device, "budgets_gib": budgets,
-            "results": {t: [dataclasses.asdict(f) for f in fs] for t, fs in results.items()},
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "probe": dataclasses.asdict(probe),
+                    "device": device,
+                    "budgets_gib": budgets,
+                    "results": {t: [dataclasses.asdict(f) for f in fs] for t, fs in results.items()},
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,14 @@ REPO = Path(__file__).resolve().parent.parent
 def memtrain_seconds_per_step(steps: int, out: Path) -> float:
     recipe = load_recipe(
         REPO / "recipes/default.yaml",
-        [f"train.steps={steps}", f"run.output_dir={out}", "checkpoint.at_end=false", "checkpoint.every=0",
-         "train.eval_every=0", "output.progress=off"],
+        [
+            f"train.steps={steps}",
+            f"run.output_dir={out}",
+            "checkpoint.at_end=false",
+            "checkpoint.every=0",
+            "train.eval_every=0",
+            "output.progress=off",
+        ],
     )
     trainer = CausalLMTrainer(recipe)
     trainer.setup()
@@ -50,7 +56,9 @@ def hand_loop_seconds_per_step(steps: int, out: Path) -> float:
     torch.manual_seed(recipe.run.seed)
     model = data.build_model()
     t = recipe.train
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+    )
     start = time.perf_counter()
     for step in range(steps):
         batch = data.step_batch(step)
@@ -68,8 +76,18 @@ def always_on_metrics_seconds(repeats: int = 2000) -> float:
     """Per-step cost of what `train` always records: the step peak (allocator peak on CUDA, per-step
     peak RSS on CPU) and one JSONL row."""
     peak = StepPeak(torch.device("cpu"))
-    row = {"step": 1, "loss": 1.0, "lr": 1e-3, "tokens": 2048, "tokens_per_s": 1.0, "step_time_s": 0.1,
-           "grad_norm": 1.0, "skipped": False, "micro_batches": 1, "peak_memory_bytes": 1}
+    row = {
+        "step": 1,
+        "loss": 1.0,
+        "lr": 1e-3,
+        "tokens": 2048,
+        "tokens_per_s": 1.0,
+        "step_time_s": 0.1,
+        "grad_norm": 1.0,
+        "skipped": False,
+        "micro_batches": 1,
+        "peak_memory_bytes": 1,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         log = MetricsLog(Path(tmp) / "m.jsonl", None)
         start = time.perf_counter()
@@ -86,8 +104,15 @@ def tracked_seconds_per_step(steps: int, out: Path) -> float:
     """The full tracker (`memtrain profile`, `memory.track`), for comparison: not on by default."""
     recipe = load_recipe(
         REPO / "recipes/default.yaml",
-        [f"train.steps={steps}", f"run.output_dir={out}", "checkpoint.at_end=false", "checkpoint.every=0",
-         "train.eval_every=0", "output.progress=off", "memory.track=true"],
+        [
+            f"train.steps={steps}",
+            f"run.output_dir={out}",
+            "checkpoint.at_end=false",
+            "checkpoint.every=0",
+            "train.eval_every=0",
+            "output.progress=off",
+            "memory.track=true",
+        ],
     )
     trainer = CausalLMTrainer(recipe)
     trainer.setup()
@@ -115,7 +140,9 @@ def main() -> None:
             ours.append(a)
             theirs.append(b)
             ratios.append(a / b)
-            print(f"round {r + 1}: memtrain {a * 1000:.1f} ms/step, hand loop {b * 1000:.1f} ms/step, ratio {a / b:.3f}")
+            print(
+                f"round {r + 1}: memtrain {a * 1000:.1f} ms/step, hand loop {b * 1000:.1f} ms/step, ratio {a / b:.3f}"
+            )
         tracked = tracked_seconds_per_step(max(args.steps // 3, 3), Path(tmp) / "tracked")
     metrics_cost = always_on_metrics_seconds()
     result = {

@@ -28,10 +28,23 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 256}
-PAPER_KNOBS = {"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                     "stage3_prefetch_bucket_size": 0}}
+MODEL = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 2048,
+    "max_position_embeddings": 256,
+}
+PAPER_KNOBS = {
+    "zero_optimization": {
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    }
+}
 MODES: list[tuple[str, dict[str, Any]]] = [
     ("ddp", {"sharding": "ddp"}),
     ("zero1 (fsdp2: ZeroRedundancyOptimizer)", {"sharding": "zero1"}),
@@ -40,7 +53,10 @@ MODES: list[tuple[str, dict[str, Any]]] = [
     ("zero1 (deepspeed)", {"sharding": "zero1", "sharding_backend": "deepspeed"}),
     ("zero2 (deepspeed)", {"sharding": "zero2", "sharding_backend": "deepspeed"}),
     ("zero3 (deepspeed, defaults)", {"sharding": "zero3", "sharding_backend": "deepspeed"}),
-    ("zero3 (deepspeed, paper knobs)", {"sharding": "zero3", "sharding_backend": "deepspeed", "deepspeed_config": "PAPER"}),
+    (
+        "zero3 (deepspeed, paper knobs)",
+        {"sharding": "zero3", "sharding_backend": "deepspeed", "deepspeed_config": "PAPER"},
+    ),
 ]
 PRECISIONS = ("fp32", "bf16-mixed")
 MEASURED = ("weights", "gradients", "optimizer_states", "buffers", "gathered")
@@ -76,16 +92,18 @@ def worker(steps: int, out: Path, scratch: Path) -> None:
             if strategies.get("deepspeed_config") == "PAPER":
                 strategies["deepspeed_config"] = str(paper_json)
             run = scratch / f"{len(rows)}"
-            recipe = recipe_from_dict({
-                "run": {"name": "bench", "output_dir": str(run), "seed": 0},
-                "model": {"config": MODEL},
-                "data": {"source": "synthetic", "seq_len": 128, "synthetic": {"num_samples": 512}},
-                "batch": {"global_size": 8, "micro_size": 2},
-                "train": {"steps": steps, "lr": 1e-3},
-                "checkpoint": {"at_end": False},
-                "output": {"progress": "off"},
-                "strategies": strategies,
-            })
+            recipe = recipe_from_dict(
+                {
+                    "run": {"name": "bench", "output_dir": str(run), "seed": 0},
+                    "model": {"config": MODEL},
+                    "data": {"source": "synthetic", "seq_len": 128, "synthetic": {"num_samples": 512}},
+                    "batch": {"global_size": 8, "micro_size": 2},
+                    "train": {"steps": steps, "lr": 1e-3},
+                    "checkpoint": {"at_end": False},
+                    "output": {"progress": "off"},
+                    "strategies": strategies,
+                }
+            )
             trainer = CensusTrainer(recipe)
             trainer.fit()
             census: list[Any] = [None] * trainer.env.world_size
@@ -94,12 +112,21 @@ def worker(steps: int, out: Path, scratch: Path) -> None:
             shape = model_shape(model, trainer.blocks(model))
             dim0 = {n: p.shape[0] for n, p in model.named_parameters() if p.dim() > 0}
             estimate = trainer.sharding.state_bytes(shape, trainer.env.world_size, dim0=dim0)
-            times = [json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-            rows.append({"mode": label, "precision": precision, "numel": shape.numel,
-                         "measured": {k: max(c[k] for c in census) for k in MEASURED},
-                         "estimate": dataclasses.asdict(estimate), "estimate_peak": estimate.peak,
-                         "paper": paper_bytes(label, shape.numel, trainer.env.world_size, precision),
-                         "step_s": statistics.median(times[1:])})
+            times = [
+                json.loads(line)["step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            ]
+            rows.append(
+                {
+                    "mode": label,
+                    "precision": precision,
+                    "numel": shape.numel,
+                    "measured": {k: max(c[k] for c in census) for k in MEASURED},
+                    "estimate": dataclasses.asdict(estimate),
+                    "estimate_peak": estimate.peak,
+                    "paper": paper_bytes(label, shape.numel, trainer.env.world_size, precision),
+                    "step_s": statistics.median(times[1:]),
+                }
+            )
     if dist.get_rank() == 0:
         out.write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()
@@ -110,20 +137,26 @@ def mib(n: int) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| mode | precision | weights | grads | optimizer | DDP buckets | gathered (fwd end) | measured total | "
-            "= estimate | estimate (peak) | paper formula | step (s) |")
+    head = (
+        "| mode | precision | weights | grads | optimizer | DDP buckets | gathered (fwd end) | measured total | "
+        "= estimate | estimate (peak) | paper formula | step (s) |"
+    )
     lines = [head, "|" + "---|" * 12]
     for r in rows:
         m = r["measured"]
         exact = "yes" if all(m[k] == r["estimate"][k] for k in MEASURED) else "no"
-        lines.append(f"| {r['mode']} | {r['precision']} | {mib(m['weights'])} | {mib(m['gradients'])} | "
-                     f"{mib(m['optimizer_states'])} | {mib(m['buffers'])} | {mib(m['gathered'])} | "
-                     f"{mib(sum(m.values()))} | {exact} | {mib(r['estimate_peak'])} | {mib(r['paper'])} | "
-                     f"{r['step_s']:.3f} |")
+        lines.append(
+            f"| {r['mode']} | {r['precision']} | {mib(m['weights'])} | {mib(m['gradients'])} | "
+            f"{mib(m['optimizer_states'])} | {mib(m['buffers'])} | {mib(m['gathered'])} | "
+            f"{mib(sum(m.values()))} | {exact} | {mib(r['estimate_peak'])} | {mib(r['paper'])} | "
+            f"{r['step_s']:.3f} |"
+        )
     numel = rows[0]["numel"]
-    return (f"Per-rank MiB, max over 2 CPU ranks (gloo), {numel / 1e6:.2f}M parameters. '= estimate': every "
-            "measured component equals `state_bytes` to the byte; the estimate's peak adds the modelled transients "
-            "(backward prefetch, gradient copies).\n\n" + "\n".join(lines))
+    return (
+        f"Per-rank MiB, max over 2 CPU ranks (gloo), {numel / 1e6:.2f}M parameters. '= estimate': every "
+        "measured component equals `state_bytes` to the byte; the estimate's peak adds the modelled transients "
+        "(backward prefetch, gradient copies).\n\n" + "\n".join(lines)
+    )
 
 
 def main() -> None:
@@ -137,10 +170,29 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "rows.json"
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1",
-               "TORCH_EXTENSIONS_DIR": str(REPO / ".cache/torch_extensions")}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        __file__, "--steps", str(args.steps), "--worker", str(out)], env=env, check=True, cwd=REPO)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "src"),
+            "OMP_NUM_THREADS": "1",
+            "TORCH_EXTENSIONS_DIR": str(REPO / ".cache/torch_extensions"),
+        }
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                __file__,
+                "--steps",
+                str(args.steps),
+                "--worker",
+                str(out),
+            ],
+            env=env,
+            check=True,
+            cwd=REPO,
+        )
         rows = json.loads(out.read_text())
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))

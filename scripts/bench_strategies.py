@@ -24,12 +24,25 @@ from memtrain.recipe import recipe_from_dict
 
 MODELS: dict[str, dict[str, Any]] = {
     "gpt2-like (12 x 256, 13M)": {
-        "model_type": "gpt2", "n_embd": 256, "n_layer": 12, "n_head": 8, "n_positions": 512, "vocab_size": 8192,
-        "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "model_type": "gpt2",
+        "n_embd": 256,
+        "n_layer": 12,
+        "n_head": 8,
+        "n_positions": 512,
+        "vocab_size": 8192,
+        "attn_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
     },
     "llama-like (12 x 256, 12M)": {
-        "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 12,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 512,
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 8192,
+        "max_position_embeddings": 512,
     },
 }
 
@@ -46,17 +59,19 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 
 
 def recipe(model: dict[str, Any], strategies: dict[str, Any], steps: int, out: Path, track: bool) -> Any:
-    return recipe_from_dict({
-        "run": {"name": "bench", "output_dir": str(out), "seed": 0},
-        "model": {"config": model},
-        "data": {"source": "synthetic", "seq_len": 256, "synthetic": {"num_samples": 256}},
-        "batch": {"global_size": 4, "micro_size": 4},
-        "train": {"steps": steps, "lr": 1e-3, "eval_every": 0},
-        "checkpoint": {"every": 0, "at_end": False},
-        "output": {"progress": "off"},
-        "memory": {"track": track},
-        "strategies": {"precision": "fp32", "sharding": "none", **strategies},
-    })
+    return recipe_from_dict(
+        {
+            "run": {"name": "bench", "output_dir": str(out), "seed": 0},
+            "model": {"config": model},
+            "data": {"source": "synthetic", "seq_len": 256, "synthetic": {"num_samples": 256}},
+            "batch": {"global_size": 4, "micro_size": 4},
+            "train": {"steps": steps, "lr": 1e-3, "eval_every": 0},
+            "checkpoint": {"every": 0, "at_end": False},
+            "output": {"progress": "off"},
+            "memory": {"track": track},
+            "strategies": {"precision": "fp32", "sharding": "none", **strategies},
+        }
+    )
 
 
 def measure(model: dict[str, Any], strategies: dict[str, Any], steps: int, tmp: Path) -> dict[str, Any]:

@@ -69,18 +69,36 @@ TOOLS: dict[str, str] = {
 MODELS: dict[str, dict[str, Any]] = {
     # ~58M parameters: the issue's 50-100M class.
     "llama-58m": {
-        "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 1024,
+        "model_type": "llama",
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 1024,
     },
     # ~17M parameters: --quick, so the whole comparison fits in a few minutes on a 2-core CPU.
     "llama-17m": {
-        "model_type": "llama", "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
-        "num_attention_heads": 6, "num_key_value_heads": 6, "vocab_size": 8192, "max_position_embeddings": 1024,
+        "model_type": "llama",
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
+        "vocab_size": 8192,
+        "max_position_embeddings": 1024,
     },
     # ~0.1M parameters: the smoke test (tests/test_benchmark_scripts.py), seconds per run.
     "tiny": {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 1024,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 256,
+        "max_position_embeddings": 1024,
     },
 }
 
@@ -114,23 +132,44 @@ class Setup:
         """The memtrain recipe of these settings: the pinned plan, or every choice `auto`."""
         strategies: dict[str, Any] = (
             {"precision": "auto", "checkpointing": "auto", "optimizer_states": "auto", "sharding": "auto"}
-            if auto else
-            {"precision": self.precision, "checkpointing": "none", "optimizer_states": "fp32", "sharding": "none"}
+            if auto
+            else {
+                "precision": self.precision,
+                "checkpointing": "none",
+                "optimizer_states": "fp32",
+                "sharding": "none",
+            }
         )
-        return recipe_from_dict({
-            "run": {"name": "peers", "output_dir": str(out_dir), "seed": self.seed},
-            "model": {"config": MODELS[self.model]},
-            "data": {"source": "synthetic", "seq_len": self.seq_len,
-                     "synthetic": {"num_samples": max(64, 2 * self.global_batch * self.steps)}},
-            "batch": {"global_size": self.global_batch, "micro_size": "auto" if auto else self.micro_batch},
-            "train": {"steps": steps or self.steps, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-                      "weight_decay": 0.0, "warmup_steps": 0, "min_lr_ratio": 1.0, "grad_clip": self.grad_clip,
-                      "eval_every": 0},
-            "checkpoint": {"every": 0, "at_end": False},
-            "output": {"progress": "off"},
-            "memory": {"track": track},
-            "strategies": strategies,
-        })
+        return recipe_from_dict(
+            {
+                "run": {"name": "peers", "output_dir": str(out_dir), "seed": self.seed},
+                "model": {"config": MODELS[self.model]},
+                "data": {
+                    "source": "synthetic",
+                    "seq_len": self.seq_len,
+                    "synthetic": {"num_samples": max(64, 2 * self.global_batch * self.steps)},
+                },
+                "batch": {
+                    "global_size": self.global_batch,
+                    "micro_size": "auto" if auto else self.micro_batch,
+                },
+                "train": {
+                    "steps": steps or self.steps,
+                    "lr": self.lr,
+                    "betas": list(self.betas),
+                    "eps": self.eps,
+                    "weight_decay": 0.0,
+                    "warmup_steps": 0,
+                    "min_lr_ratio": 1.0,
+                    "grad_clip": self.grad_clip,
+                    "eval_every": 0,
+                },
+                "checkpoint": {"every": 0, "at_end": False},
+                "output": {"progress": "off"},
+                "memory": {"track": track},
+                "strategies": strategies,
+            }
+        )
 
 
 @dataclass
@@ -171,7 +210,9 @@ def step_batches(setup: Setup, steps: int) -> list[Batch]:
 
 
 def micro_batches(batch: Batch, micro: int) -> list[Batch]:
-    return [{k: v[i : i + micro] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], micro)]
+    return [
+        {k: v[i : i + micro] for k, v in batch.items()} for i in range(0, batch["input_ids"].shape[0], micro)
+    ]
 
 
 def build_model(setup: Setup, model_config: dict[str, Any] | None = None) -> nn.Module:
@@ -186,7 +227,9 @@ def build_model(setup: Setup, model_config: dict[str, Any] | None = None) -> nn.
 
 
 def adamw(model: nn.Module, setup: Setup) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=setup.lr, betas=setup.betas, eps=setup.eps, weight_decay=0.0)
+    return torch.optim.AdamW(
+        model.parameters(), lr=setup.lr, betas=setup.betas, eps=setup.eps, weight_decay=0.0
+    )
 
 
 def mean_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -223,7 +266,7 @@ class StepClock:
     def step_seconds(self, warmup: int, cpu: bool = False) -> list[float]:
         ends = self.cpu_ends if cpu else self.ends
         gaps = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]  # gap i: step i + 2
-        return gaps[max(warmup - 1, 0):]
+        return gaps[max(warmup - 1, 0) :]
 
 
 class Probe:
@@ -247,7 +290,9 @@ class Probe:
         self.clock.tick()
 
 
-def tracking(model: nn.Module, optimizer: torch.optim.Optimizer, track: bool) -> contextlib.AbstractContextManager[Any]:
+def tracking(
+    model: nn.Module, optimizer: torch.optim.Optimizer, track: bool
+) -> contextlib.AbstractContextManager[Any]:
     """The memtrain tracker around any loop (or nothing)."""
     return MemoryTracker(model, optimizer) if track else contextlib.nullcontext()
 
@@ -255,8 +300,9 @@ def tracking(model: nn.Module, optimizer: torch.optim.Optimizer, track: bool) ->
 # ------------------------------------------------------------------------------------------ the tools
 
 
-def run_hand(setup: Setup, batches: list[Batch], probe_for: Callable[[MemoryTracker | None], Probe],
-             track: bool) -> str:
+def run_hand(
+    setup: Setup, batches: list[Batch], probe_for: Callable[[MemoryTracker | None], Probe], track: bool
+) -> str:
     """(a) What a user writes by hand: mean loss per micro-batch / accumulation steps, backward, clip, step."""
     model = build_model(setup).to(device())
     optimizer = adamw(model, setup)
@@ -301,14 +347,28 @@ def hf_arguments(setup: Setup, out_dir: Path, steps: int, **overrides: Any) -> A
     from transformers import TrainingArguments
 
     settings: dict[str, Any] = {
-        "output_dir": str(out_dir), "per_device_train_batch_size": setup.micro_batch,
-        "gradient_accumulation_steps": setup.accumulation, "max_steps": steps, "learning_rate": setup.lr,
-        "adam_beta1": setup.betas[0], "adam_beta2": setup.betas[1], "adam_epsilon": setup.eps,
-        "weight_decay": 0.0, "max_grad_norm": setup.grad_clip, "lr_scheduler_type": "constant",
-        "optim": "adamw_torch", "eval_strategy": "no", "save_strategy": "no", "report_to": [],
-        "logging_strategy": "no", "disable_tqdm": True, "train_sampling_strategy": "sequential",
-        "use_cpu": device().type == "cpu", "bf16": setup.precision == "bf16-mixed",
-        "dataloader_pin_memory": device().type == "cuda", "seed": setup.seed,
+        "output_dir": str(out_dir),
+        "per_device_train_batch_size": setup.micro_batch,
+        "gradient_accumulation_steps": setup.accumulation,
+        "max_steps": steps,
+        "learning_rate": setup.lr,
+        "adam_beta1": setup.betas[0],
+        "adam_beta2": setup.betas[1],
+        "adam_epsilon": setup.eps,
+        "weight_decay": 0.0,
+        "max_grad_norm": setup.grad_clip,
+        "lr_scheduler_type": "constant",
+        "optim": "adamw_torch",
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "report_to": [],
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "train_sampling_strategy": "sequential",
+        "use_cpu": device().type == "cpu",
+        "bf16": setup.precision == "bf16-mixed",
+        "dataloader_pin_memory": device().type == "cuda",
+        "seed": setup.seed,
     }
     settings.update(overrides)
     return TrainingArguments(**settings)
@@ -323,8 +383,15 @@ def hf_callback(probe_for: Callable[[MemoryTracker | None], Probe], track: bool)
             self.tracker: MemoryTracker | None = None
             self.probe: Probe | None = None
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
-                           optimizer: Any = None, **kwargs: Any) -> None:
+        def on_train_begin(
+            self,
+            args: Any,
+            state: Any,
+            control: Any,
+            model: nn.Module | None = None,
+            optimizer: Any = None,
+            **kwargs: Any,
+        ) -> None:
             if track:
                 assert model is not None and optimizer is not None
                 self.tracker = MemoryTracker(model, getattr(optimizer, "optimizer", optimizer))
@@ -346,31 +413,40 @@ def hf_callback(probe_for: Callable[[MemoryTracker | None], Probe], track: bool)
     return Steps()
 
 
-def run_hf(setup: Setup, batches: list[Batch], probe_for: Callable[[MemoryTracker | None], Probe],
-           track: bool) -> str:
+def run_hf(
+    setup: Setup, batches: list[Batch], probe_for: Callable[[MemoryTracker | None], Probe], track: bool
+) -> str:
     """(b) HF Trainer. Labels are the inputs (the model shifts them), as the causal-LM docs do: the same
     forward size as the other tools, one target fewer per row."""
     from transformers import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(model=build_model(setup), args=hf_arguments(setup, Path(tmp), len(batches)),
-                          train_dataset=RowsDataset(batches, labels_are_inputs=True),
-                          callbacks=[hf_callback(probe_for, track)])
+        trainer = Trainer(
+            model=build_model(setup),
+            args=hf_arguments(setup, Path(tmp), len(batches)),
+            train_dataset=RowsDataset(batches, labels_are_inputs=True),
+            callbacks=[hf_callback(probe_for, track)],
+        )
         trainer.train()
     return f"{setup.precision}, micro {setup.micro_batch} x {setup.accumulation}"
 
 
-def run_accelerate(setup: Setup, batches: list[Batch], probe_for: Callable[[MemoryTracker | None], Probe],
-                   track: bool) -> str:
+def run_accelerate(
+    setup: Setup, batches: list[Batch], probe_for: Callable[[MemoryTracker | None], Probe], track: bool
+) -> str:
     """(c) The accelerate loop of its gradient-accumulation guide: `accumulate`, `backward`, `clip_grad_norm_`."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(gradient_accumulation_steps=setup.accumulation, cpu=device().type == "cpu",
-                              mixed_precision="bf16" if setup.precision == "bf16-mixed" else "no")
+    accelerator = Accelerator(
+        gradient_accumulation_steps=setup.accumulation,
+        cpu=device().type == "cpu",
+        mixed_precision="bf16" if setup.precision == "bf16-mixed" else "no",
+    )
     model = build_model(setup)
     optimizer = adamw(model, setup)
-    loader = torch.utils.data.DataLoader(RowsDataset(batches, labels_are_inputs=False),
-                                         batch_size=setup.micro_batch, shuffle=False)
+    loader = torch.utils.data.DataLoader(
+        RowsDataset(batches, labels_are_inputs=False), batch_size=setup.micro_batch, shuffle=False
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     with tracking(accelerator.unwrap_model(model), optimizer.optimizer, track) as tracker:
         probe = probe_for(tracker)
@@ -410,8 +486,9 @@ class TimedTrainer(CausalLMTrainer):
         return row
 
 
-def run_memtrain(setup: Setup, probe_for: Callable[[MemoryTracker | None], Probe], track: bool, *,
-                 auto: bool, steps: int) -> str:
+def run_memtrain(
+    setup: Setup, probe_for: Callable[[MemoryTracker | None], Probe], track: bool, *, auto: bool, steps: int
+) -> str:
     """(d)/(e) memtrain's own loop (`fit()`), its tracker switched on by `memory.track` when tracking."""
     clock_probe = probe_for(None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -449,9 +526,13 @@ def run_tool(tool: str, setup: Setup, track: bool) -> RunResult:
         plan = run_accelerate(setup, batches, probe_for, track)
     else:
         plan = run_memtrain(setup, probe_for, track, auto=tool == "memtrain-auto", steps=steps)
-    result = RunResult(tool=tool, plan=plan, step_seconds=clock.step_seconds(setup.warmup),
-                       step_cpu_seconds=clock.step_seconds(setup.warmup, cpu=True),
-                       rss_above_start_bytes=process_peak_rss_bytes() - start_rss)
+    result = RunResult(
+        tool=tool,
+        plan=plan,
+        step_seconds=clock.step_seconds(setup.warmup),
+        step_cpu_seconds=clock.step_seconds(setup.warmup, cpu=True),
+        rss_above_start_bytes=process_peak_rss_bytes() - start_rss,
+    )
     if device().type == "cuda":
         result.cuda_peak_allocated_bytes = int(torch.cuda.max_memory_allocated())
         result.cuda_peak_reserved_bytes = int(torch.cuda.max_memory_reserved())
@@ -464,13 +545,19 @@ def run_tool(tool: str, setup: Setup, track: bool) -> RunResult:
 
 def spawn(tool: str, setup: Setup, track: bool) -> RunResult:
     """Run `tool` in a fresh Python process (this script with --worker) and read its JSON answer."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", tool,
-               "--setup", json.dumps(dataclasses.asdict(setup))] + (["--track"] if track else [])
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        tool,
+        "--setup",
+        json.dumps(dataclasses.asdict(setup)),
+    ] + (["--track"] if track else [])
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"worker {tool} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return RunResult(**json.loads(lines[-1][len(RESULT):]))
+    return RunResult(**json.loads(lines[-1][len(RESULT) :]))
 
 
 def quiet() -> None:
@@ -523,21 +610,30 @@ def summarise(setup: Setup, timed: dict[str, list[RunResult]], tracked: dict[str
     for tool, runs in timed.items():
         medians, cpu = per_run(runs, cpu=False), per_run(runs, cpu=True)
         step = statistics.median(medians)
-        rows.append(Row(
-            tool=tool, plan=runs[0].plan, step_ms=step * 1000, step_ratio=paired(medians, hand),
-            cpu_ms=statistics.median(cpu) * 1000, cpu_ratio=paired(cpu, hand_cpu),
-            tokens_per_s=setup.tokens_per_step / step, tracked=tracked[tool],
-            rss_above_start_bytes=int(statistics.median(r.rss_above_start_bytes for r in runs)),
-            cuda_allocated_bytes=median_of([r.cuda_peak_allocated_bytes for r in runs]),
-            cuda_reserved_bytes=median_of([r.cuda_peak_reserved_bytes for r in runs]),
-        ))
+        rows.append(
+            Row(
+                tool=tool,
+                plan=runs[0].plan,
+                step_ms=step * 1000,
+                step_ratio=paired(medians, hand),
+                cpu_ms=statistics.median(cpu) * 1000,
+                cpu_ratio=paired(cpu, hand_cpu),
+                tokens_per_s=setup.tokens_per_step / step,
+                tracked=tracked[tool],
+                rss_above_start_bytes=int(statistics.median(r.rss_above_start_bytes for r in runs)),
+                cuda_allocated_bytes=median_of([r.cuda_peak_allocated_bytes for r in runs]),
+                cuda_reserved_bytes=median_of([r.cuda_peak_reserved_bytes for r in runs]),
+            )
+        )
     return rows
 
 
 def table(rows: list[Row], cuda: bool) -> list[str]:
     base = next(r for r in rows if r.tool == "hand")
-    header = ("| tool | plan | ms/step | step time × (a) | tokens/s | tokens/s × (a) | tracker peak MiB | × (a) | "
-              "peak RSS above start MiB | × (a) |")
+    header = (
+        "| tool | plan | ms/step | step time × (a) | tokens/s | tokens/s × (a) | tracker peak MiB | × (a) | "
+        "peak RSS above start MiB | × (a) |"
+    )
     rule = "|---|---|---|---|---|---|---|---|---|---|"
     if not cuda:
         header += " CPU ms/step | CPU time × (a) |"
@@ -547,15 +643,19 @@ def table(rows: list[Row], cuda: bool) -> list[str]:
         rule += "---|---|---|---|"
     lines = [header, rule]
     for r in rows:
-        line = (f"| {TOOLS[r.tool]} | {r.plan} | {r.step_ms:.0f} | {r.step_ratio:.3f} | {r.tokens_per_s:.0f} | "
-                f"{r.tokens_per_s / base.tokens_per_s:.2f} | {mib(r.tracked.tracker_peak_bytes)} | "
-                f"{ratio(r.tracked.tracker_peak_bytes, base.tracked.tracker_peak_bytes)} | "
-                f"{mib(r.rss_above_start_bytes)} | {ratio(r.rss_above_start_bytes, base.rss_above_start_bytes)} |")
+        line = (
+            f"| {TOOLS[r.tool]} | {r.plan} | {r.step_ms:.0f} | {r.step_ratio:.3f} | {r.tokens_per_s:.0f} | "
+            f"{r.tokens_per_s / base.tokens_per_s:.2f} | {mib(r.tracked.tracker_peak_bytes)} | "
+            f"{ratio(r.tracked.tracker_peak_bytes, base.tracked.tracker_peak_bytes)} | "
+            f"{mib(r.rss_above_start_bytes)} | {ratio(r.rss_above_start_bytes, base.rss_above_start_bytes)} |"
+        )
         if not cuda:
             line += f" {r.cpu_ms:.0f} | {r.cpu_ratio:.3f} |"
         if cuda:
-            line += (f" {mib(r.cuda_allocated_bytes)} | {ratio(r.cuda_allocated_bytes, base.cuda_allocated_bytes)} | "
-                     f"{mib(r.cuda_reserved_bytes)} | {ratio(r.cuda_reserved_bytes, base.cuda_reserved_bytes)} |")
+            line += (
+                f" {mib(r.cuda_allocated_bytes)} | {ratio(r.cuda_allocated_bytes, base.cuda_allocated_bytes)} | "
+                f"{mib(r.cuda_reserved_bytes)} | {ratio(r.cuda_reserved_bytes, base.cuda_reserved_bytes)} |"
+            )
         lines.append(line)
     return lines
 
@@ -566,8 +666,11 @@ def components(rows: list[Row]) -> list[str]:
     lines = ["| tool | peak MiB | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for r in rows:
         at = r.tracked.tracker_at_peak
-        lines.append(f"| {TOOLS[r.tool]} | {mib(r.tracked.tracker_peak_bytes)} | "
-                     + " | ".join(mib(at.get(n, 0)) for n in names) + " |")
+        lines.append(
+            f"| {TOOLS[r.tool]} | {mib(r.tracked.tracker_peak_bytes)} | "
+            + " | ".join(mib(at.get(n, 0)) for n in names)
+            + " |"
+        )
     return lines
 
 
@@ -594,16 +697,33 @@ def notes(setup: Setup, params: int, reps: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="~17M model, 3 repetitions of 5 steps (CPU: minutes)")
-    parser.add_argument("--model", choices=tuple(MODELS), default=None,
-                        help="default: llama-58m, with --quick llama-17m (tiny: the smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="~17M model, 3 repetitions of 5 steps (CPU: minutes)"
+    )
+    parser.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default=None,
+        help="default: llama-58m, with --quick llama-17m (tiny: the smoke test)",
+    )
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 5, quick 3)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run, the first dropped (default 6, quick 5)")
-    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default=None,
-                        help="default: fp32 on CPU, bf16-mixed on CUDA")
-    parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS))
-    parser.add_argument("--no-track", action="store_true",
-                        help="skip the tracked runs (tracker columns n/a): for a tight time box")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per run, the first dropped (default 6, quick 5)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16-mixed"),
+        default=None,
+        help="default: fp32 on CPU, bf16-mixed on CUDA",
+    )
+    parser.add_argument(
+        "--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS)
+    )
+    parser.add_argument(
+        "--no-track",
+        action="store_true",
+        help="skip the tracked runs (tracker columns n/a): for a tight time box",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     parser.add_argument("--worker", choices=tuple(TOOLS), help=argparse.SUPPRESS)
@@ -617,9 +737,11 @@ def main() -> None:
         print(RESULT + json.dumps(dataclasses.asdict(run_tool(args.worker, setup, args.track))), flush=True)
         return
 
-    setup = Setup(model=args.model or ("llama-17m" if args.quick else "llama-58m"),
-                  steps=args.steps or (5 if args.quick else 6),
-                  precision=args.precision or ("bf16-mixed" if device().type == "cuda" else "fp32"))
+    setup = Setup(
+        model=args.model or ("llama-17m" if args.quick else "llama-58m"),
+        steps=args.steps or (5 if args.quick else 6),
+        precision=args.precision or ("bf16-mixed" if device().type == "cuda" else "fp32"),
+    )
     reps = args.reps or (3 if args.quick else 5)
     tools = [t for t in args.tools.split(",") if t]
     if "hand" not in tools or any(t not in TOOLS for t in tools):
@@ -630,9 +752,12 @@ def main() -> None:
         for tool in tools if rep % 2 == 0 else list(reversed(tools)):
             result = spawn(tool, setup, track=False)
             timed[tool].append(result)
-            print(f"rep {rep + 1}/{reps} {tool}: {statistics.median(result.step_seconds) * 1000:.0f} ms/step, "
-                  f"CPU {statistics.median(result.step_cpu_seconds) * 1000:.0f} ms/step, "
-                  f"RSS +{mib(result.rss_above_start_bytes)} MiB", flush=True)
+            print(
+                f"rep {rep + 1}/{reps} {tool}: {statistics.median(result.step_seconds) * 1000:.0f} ms/step, "
+                f"CPU {statistics.median(result.step_cpu_seconds) * 1000:.0f} ms/step, "
+                f"RSS +{mib(result.rss_above_start_bytes)} MiB",
+                flush=True,
+            )
     tracked = {tool: RunResult(tool=tool, plan=timed[tool][0].plan) for tool in tools}
     for tool in [] if args.no_track else tools:
         tracked[tool] = spawn(tool, setup, track=True)
@@ -640,26 +765,50 @@ def main() -> None:
     rows = summarise(setup, timed, tracked)
     params = sum(p.numel() for p in build_model(setup).parameters())
     elapsed = time.perf_counter() - started
-    lines = (table(rows, device().type == "cuda") + ["", "Tracker breakdown at each tool's peak (MiB):", ""]
-             + components(rows) + [""] + [f"- {n}" for n in notes(setup, params, reps)]
-             + [f"- Wall time of this benchmark: {elapsed:.0f} s."])
+    lines = (
+        table(rows, device().type == "cuda")
+        + ["", "Tracker breakdown at each tool's peak (MiB):", ""]
+        + components(rows)
+        + [""]
+        + [f"- {n}" for n in notes(setup, params, reps)]
+        + [f"- Wall time of this benchmark: {elapsed:.0f} s."]
+    )
     print("\n".join(lines))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text("\n".join(lines) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "setup": dataclasses.asdict(setup), "reps": reps, "device": device().type, "params": params,
-            "seconds": elapsed, "timed": {t: [dataclasses.asdict(r) for r in rs] for t, rs in timed.items()},
-            "tracked": {t: dataclasses.asdict(r) for t, r in tracked.items()},
-            "rows": [{"tool": r.tool, "plan": r.plan, "step_ms": r.step_ms, "step_ratio": r.step_ratio,
-                      "cpu_ms": r.cpu_ms, "cpu_ratio": r.cpu_ratio,
-                      "tokens_per_s": r.tokens_per_s, "rss_above_start_bytes": r.rss_above_start_bytes,
-                      "tracker_peak_bytes": r.tracked.tracker_peak_bytes,
-                      "cuda_allocated_bytes": r.cuda_allocated_bytes, "cuda_reserved_bytes": r.cuda_reserved_bytes}
-                     for r in rows],
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "setup": dataclasses.asdict(setup),
+                    "reps": reps,
+                    "device": device().type,
+                    "params": params,
+                    "seconds": elapsed,
+                    "timed": {t: [dataclasses.asdict(r) for r in rs] for t, rs in timed.items()},
+                    "tracked": {t: dataclasses.asdict(r) for t, r in tracked.items()},
+                    "rows": [
+                        {
+                            "tool": r.tool,
+                            "plan": r.plan,
+                            "step_ms": r.step_ms,
+                            "step_ratio": r.step_ratio,
+                            "cpu_ms": r.cpu_ms,
+                            "cpu_ratio": r.cpu_ratio,
+                            "tokens_per_s": r.tokens_per_s,
+                            "rss_above_start_bytes": r.rss_above_start_bytes,
+                            "tracker_peak_bytes": r.tracked.tracker_peak_bytes,
+                            "cuda_allocated_bytes": r.cuda_allocated_bytes,
+                            "cuda_reserved_bytes": r.cuda_reserved_bytes,
+                        }
+                        for r in rows
+                    ],
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

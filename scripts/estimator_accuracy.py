@@ -61,18 +61,36 @@ from memtrain.strategies.precision import PRECISION
 MODELS: dict[str, dict[str, Any]] = {
     # The Llama-like model of scripts/bench_strategies.py: 12 x 256, vocab 8192, 12M parameters (CPU).
     "llama-12m": {
-        "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 12,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 8192,
+        "max_position_embeddings": 4096,
     },
     # ~134M parameters (GPU): large enough that kernel workspaces are a small share of the peak.
     "llama-134m": {
-        "model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
-        "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "model_type": "llama",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
     },
     # The smoke test's model (tests/test_benchmark_scripts.py).
     "tiny": {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
     },
 }
 
@@ -109,8 +127,14 @@ def plan_label(plan: tuple[str, str, float, str]) -> str:
     return f"{precision} / ckpt {mode} / states {states}"
 
 
-def recipe_for(settings: Settings, plan: tuple[str, str, float, str], out: Path, *, track: bool,
-               open_choices: bool = False) -> Recipe:
+def recipe_for(
+    settings: Settings,
+    plan: tuple[str, str, float, str],
+    out: Path,
+    *,
+    track: bool,
+    open_choices: bool = False,
+) -> Recipe:
     """The recipe of one plan. `open_choices`: each choice as a one-entry list, which sends the recipe
     through the planner (a recipe that pins everything skips it) with exactly this plan to predict."""
     precision, checkpointing, fraction, states = plan
@@ -119,20 +143,26 @@ def recipe_for(settings: Settings, plan: tuple[str, str, float, str], out: Path,
         return [value] if open_choices else value
 
     planner = {"checkpointing_fractions": [fraction]} if open_choices else {}
-    return recipe_from_dict({
-        "run": {"name": "accuracy", "output_dir": str(out), "seed": 0},
-        "model": {"config": MODELS[settings.model]},
-        "data": {"source": "synthetic", "seq_len": settings.seq_len, "synthetic": {"num_samples": 64}},
-        "batch": {"global_size": settings.global_batch, "micro_size": settings.micro_batch},
-        "train": {"steps": settings.steps, "lr": 1e-4, "eval_every": 0},
-        "checkpoint": {"every": 0, "at_end": False},
-        "output": {"progress": "off"},
-        "memory": {"track": track},
-        "strategies": {"precision": choice(precision), "checkpointing": choice(checkpointing),
-                       "checkpointing_fraction": fraction, "optimizer_states": choice(states),
-                       "sharding": "none"},
-        "planner": planner,
-    })
+    return recipe_from_dict(
+        {
+            "run": {"name": "accuracy", "output_dir": str(out), "seed": 0},
+            "model": {"config": MODELS[settings.model]},
+            "data": {"source": "synthetic", "seq_len": settings.seq_len, "synthetic": {"num_samples": 64}},
+            "batch": {"global_size": settings.global_batch, "micro_size": settings.micro_batch},
+            "train": {"steps": settings.steps, "lr": 1e-4, "eval_every": 0},
+            "checkpoint": {"every": 0, "at_end": False},
+            "output": {"progress": "off"},
+            "memory": {"track": track},
+            "strategies": {
+                "precision": choice(precision),
+                "checkpointing": choice(checkpointing),
+                "checkpointing_fraction": fraction,
+                "optimizer_states": choice(states),
+                "sharding": "none",
+            },
+            "planner": planner,
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------ measured
@@ -173,7 +203,9 @@ def _release() -> None:
 # ------------------------------------------------------------------------------------------ memtrain
 
 
-def planner_prediction(settings: Settings, plan: tuple[str, str, float, str]) -> tuple[dict[str, int] | None, str]:
+def planner_prediction(
+    settings: Settings, plan: tuple[str, str, float, str]
+) -> tuple[dict[str, int] | None, str]:
     """The planner's predicted peak and breakdown for exactly this plan, or None and why not (this checkout
     has no planner entry point `memtrain.planner.plan_for_run`, or it planned something else)."""
     try:
@@ -189,15 +221,20 @@ def planner_prediction(settings: Settings, plan: tuple[str, str, float, str]) ->
         spec = CausalLMTrainer(recipe).model_spec()
     result = plan_for_run(recipe, init_distributed(), spec, free_bytes=2**60, progress=lambda _line: None)
     p = result.plan
-    chosen = (p.precision.name, p.checkpointing.name, getattr(p.checkpointing, "fraction", 1.0),
-              p.optimizer_states.name)
+    chosen = (
+        p.precision.name,
+        p.checkpointing.name,
+        getattr(p.checkpointing, "fraction", 1.0),
+        p.optimizer_states.name,
+    )
     if result.chosen is None or chosen != plan:
         return None, f"the planner planned {plan_label(chosen)} instead"
     return result.chosen.prediction.at_peak.to_dict(), ""
 
 
-def strategies_sum(settings: Settings, plan: tuple[str, str, float, str],
-                   profiles: dict[str, ActivationProfile]) -> dict[str, int]:
+def strategies_sum(
+    settings: Settings, plan: tuple[str, str, float, str], profiles: dict[str, ActivationProfile]
+) -> dict[str, int]:
     """Weights, gradients and optimizer states by the strategies' own arithmetic, plus the checkpointing
     estimate over a traced activation profile (one real micro-batch, no checkpointing), summed."""
     precision, checkpointing, fraction, states = plan
@@ -210,11 +247,15 @@ def strategies_sum(settings: Settings, plan: tuple[str, str, float, str],
         meta = AutoModelForCausalLM.from_config(config)
     shape = model_shape(meta, discover_blocks(meta))
     footprint = PRECISION.create(precision).estimate(shape, Footprint())
-    footprint = OPTIMIZER_STATES.create(states).estimate(shape, footprint)  # bf16-master: states of fp32 masters
+    footprint = OPTIMIZER_STATES.create(states).estimate(
+        shape, footprint
+    )  # bf16-master: states of fp32 masters
     if precision not in profiles:
         profiles[precision] = activation_profile(recipe, precision, settings)
     if checkpointing == "offload" and not torch.cuda.is_available():
-        checkpointing = "none"  # host and device are one memory: offload keeps every byte (Checkpointing.estimate)
+        checkpointing = (
+            "none"  # host and device are one memory: offload keeps every byte (Checkpointing.estimate)
+        )
     mode = CHECKPOINTING.create(checkpointing, {"checkpointing_fraction": fraction})
     footprint = mode.estimate(profiles[precision], footprint)
     return footprint.to_dict()
@@ -281,8 +322,11 @@ def peer_estimates(settings: Settings) -> PeerEstimates:
             from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
         total, largest = parameter_counts(config)
         zero2 = int(estimate_zero2_model_states_mem_needs(total, 1, 1, cpu_offload=False)[1])
-        zero3 = int(estimate_zero3_model_states_mem_needs(total, largest, 1, 1, cpu_offload=False,
-                                                          cpu_offload_params=False, zero_init=True)[1])
+        zero3 = int(
+            estimate_zero3_model_states_mem_needs(
+                total, largest, 1, 1, cpu_offload=False, cpu_offload_params=False, zero_init=True
+            )[1]
+        )
     except ImportError as exc:
         notes.append(f"DeepSpeed's estimators unavailable: {exc}")
     return PeerEstimates(fp32, mixed, zero2, zero3, tuple(notes))
@@ -347,8 +391,10 @@ def table(rows: list[Row], cuda: bool) -> list[str]:
     if cuda:
         header += " err vs reserved |"
         rule += "---|"
-    header += (" strategies' sum MiB | err | accelerate estimate-memory MiB | err | DeepSpeed ZeRO-2 MiB | err |"
-               " DeepSpeed ZeRO-3 MiB | err |")
+    header += (
+        " strategies' sum MiB | err | accelerate estimate-memory MiB | err | DeepSpeed ZeRO-2 MiB | err |"
+        " DeepSpeed ZeRO-3 MiB | err |"
+    )
     rule += "---|---|---|---|---|---|---|---|"
     lines = [header, rule]
     for r in rows:
@@ -359,26 +405,33 @@ def table(rows: list[Row], cuda: bool) -> list[str]:
         line += f" {mib(peak)} | {err(peak, r.measured.peak)} |"
         if cuda:
             line += f" {err(peak, r.measured.reserved)} |"
-        line += (f" {mib(r.strategies['peak'])} | {err(r.strategies['peak'], r.measured.peak)} |"
-                 f" {mib(r.accelerate)} | {err(r.accelerate, r.measured.peak)} |"
-                 f" {mib(r.deepspeed_zero2)} | {err(r.deepspeed_zero2, r.measured.peak)} |"
-                 f" {mib(r.deepspeed_zero3)} | {err(r.deepspeed_zero3, r.measured.peak)} |")
+        line += (
+            f" {mib(r.strategies['peak'])} | {err(r.strategies['peak'], r.measured.peak)} |"
+            f" {mib(r.accelerate)} | {err(r.accelerate, r.measured.peak)} |"
+            f" {mib(r.deepspeed_zero2)} | {err(r.deepspeed_zero2, r.measured.peak)} |"
+            f" {mib(r.deepspeed_zero3)} | {err(r.deepspeed_zero3, r.measured.peak)} |"
+        )
         lines.append(line)
     return lines
 
 
 def summary(rows: list[Row]) -> list[str]:
     """Mean and worst absolute error of each estimator over the plans."""
+
     def stats(name: str, pairs: list[tuple[int | None, int]]) -> str:
         errors = [abs(e - m) / m for e, m in pairs if e is not None and m]
         if not errors:
             return f"- {name}: n/a"
         within = sum(e <= 0.05 for e in errors)
-        return (f"- {name}: mean |error| {sum(errors) / len(errors):.2%}, worst {max(errors):.2%}, "
-                f"{within} of {len(errors)} plans within 5%")
+        return (
+            f"- {name}: mean |error| {sum(errors) / len(errors):.2%}, worst {max(errors):.2%}, "
+            f"{within} of {len(errors)} plans within 5%"
+        )
 
     return [
-        stats("memtrain planner", [(r.planner["peak"] if r.planner else None, r.measured.peak) for r in rows]),
+        stats(
+            "memtrain planner", [(r.planner["peak"] if r.planner else None, r.measured.peak) for r in rows]
+        ),
         stats("strategies' sum", [(r.strategies["peak"], r.measured.peak) for r in rows]),
         stats("accelerate estimate-memory", [(r.accelerate, r.measured.peak) for r in rows]),
         stats("DeepSpeed ZeRO-2 model states", [(r.deepspeed_zero2, r.measured.peak) for r in rows]),
@@ -388,23 +441,37 @@ def summary(rows: list[Row]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=tuple(MODELS), default=None,
-                        help="default: llama-12m on CPU, llama-134m on CUDA")
+    parser.add_argument(
+        "--model", choices=tuple(MODELS), default=None, help="default: llama-12m on CPU, llama-134m on CUDA"
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="default: 256 on CPU, 2048 on CUDA")
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
-    parser.add_argument("--micro", type=int, default=None, help="micro-batch (default: batch / 2 on CUDA, batch on CPU)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per plan (default 2 on CPU, 3 on CUDA)")
-    parser.add_argument("--plans", type=int, default=len(PLANS), help=f"the first N of the {len(PLANS)} plans")
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds: start no further plan after this (the table keeps the plans done)")
+    parser.add_argument(
+        "--micro", type=int, default=None, help="micro-batch (default: batch / 2 on CUDA, batch on CPU)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per plan (default 2 on CPU, 3 on CUDA)"
+    )
+    parser.add_argument(
+        "--plans", type=int, default=len(PLANS), help=f"the first N of the {len(PLANS)} plans"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: start no further plan after this (the table keeps the plans done)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    settings = Settings(model=args.model or ("llama-134m" if cuda else "llama-12m"),
-                        seq_len=args.seq_len or (2048 if cuda else 256), global_batch=args.batch,
-                        micro_batch=args.micro or (max(args.batch // 2, 1) if cuda else args.batch),
-                        steps=args.steps or (3 if cuda else 2))
+    settings = Settings(
+        model=args.model or ("llama-134m" if cuda else "llama-12m"),
+        seq_len=args.seq_len or (2048 if cuda else 256),
+        global_batch=args.batch,
+        micro_batch=args.micro or (max(args.batch // 2, 1) if cuda else args.batch),
+        steps=args.steps or (3 if cuda else 2),
+    )
     logging.getLogger("transformers").setLevel(logging.ERROR)
     started = time.perf_counter()
     peers = peer_estimates(settings)
@@ -428,36 +495,64 @@ def main() -> None:
         planner_used = planner_used or predicted is not None
         if why_not:
             skipped.append(f"{label}: memtrain planner column n/a: {why_not}")
-        row = Row(plan=label, measured=measured, planner=predicted,
-                  strategies=strategies_sum(settings, plan, profiles), accelerate=peers.accelerate(plan[0]),
-                  deepspeed_zero2=peers.deepspeed_zero2, deepspeed_zero3=peers.deepspeed_zero3,
-                  seconds=time.perf_counter() - t0)
+        row = Row(
+            plan=label,
+            measured=measured,
+            planner=predicted,
+            strategies=strategies_sum(settings, plan, profiles),
+            accelerate=peers.accelerate(plan[0]),
+            deepspeed_zero2=peers.deepspeed_zero2,
+            deepspeed_zero3=peers.deepspeed_zero3,
+            seconds=time.perf_counter() - t0,
+        )
         rows.append(row)
         print(table([row], cuda)[-1], flush=True)
     device = torch.cuda.get_device_name() if cuda else "CPU"
-    lines = table(rows, cuda) + [""] + summary(rows) + [""] + [
-        f"- Model {settings.model}, {settings.global_batch} x {settings.seq_len} tokens per step in micro-batches "
-        f"of {settings.micro_batch}, {settings.steps} steps per plan, on {device}, torch {torch.__version__}.",
-        "- memtrain planner: " + ("`memtrain.planner.plan_for_run` on a recipe that allows only the row's plan."
-                                  if planner_used else "not available in this checkout (column n/a)."),
-        "- strategies' sum: `Precision.estimate` + `OptimizerStates.estimate` + `Checkpointing.estimate` over "
-        "an activation profile traced from one real micro-batch, added up (no composition over time).",
-        "- accelerate: the \"Training using Adam\" figure of `accelerate estimate-memory` (float32 for fp32 "
-        "plans, its mixed-precision figure otherwise): model states only, no activations, no plan knobs.",
-        "- DeepSpeed: `estimate_zero{2,3}_model_states_mem_needs` GPU bytes for 1 GPU, no offload: model "
-        "states of its fp16/bf16 mixed-precision engine, no activations.",
-    ] + [f"- {n}" for n in peers.notes] + [f"- skipped {s}" for s in skipped] + [
-        f"- Wall time: {time.perf_counter() - started:.0f} s."]
+    lines = (
+        table(rows, cuda)
+        + [""]
+        + summary(rows)
+        + [""]
+        + [
+            f"- Model {settings.model}, {settings.global_batch} x {settings.seq_len} tokens per step in micro-batches "
+            f"of {settings.micro_batch}, {settings.steps} steps per plan, on {device}, torch {torch.__version__}.",
+            "- memtrain planner: "
+            + (
+                "`memtrain.planner.plan_for_run` on a recipe that allows only the row's plan."
+                if planner_used
+                else "not available in this checkout (column n/a)."
+            ),
+            "- strategies' sum: `Precision.estimate` + `OptimizerStates.estimate` + `Checkpointing.estimate` over "
+            "an activation profile traced from one real micro-batch, added up (no composition over time).",
+            '- accelerate: the "Training using Adam" figure of `accelerate estimate-memory` (float32 for fp32 '
+            "plans, its mixed-precision figure otherwise): model states only, no activations, no plan knobs.",
+            "- DeepSpeed: `estimate_zero{2,3}_model_states_mem_needs` GPU bytes for 1 GPU, no offload: model "
+            "states of its fp16/bf16 mixed-precision engine, no activations.",
+        ]
+        + [f"- {n}" for n in peers.notes]
+        + [f"- skipped {s}" for s in skipped]
+        + [f"- Wall time: {time.perf_counter() - started:.0f} s."]
+    )
     print("\n".join(lines))
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text("\n".join(lines) + "\n")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "settings": asdict(settings), "device": device, "cuda": cuda, "planner_used": planner_used,
-            "rows": [asdict(r) for r in rows], "skipped": skipped, "peer_notes": list(peers.notes),
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "settings": asdict(settings),
+                    "device": device,
+                    "cuda": cuda,
+                    "planner_used": planner_used,
+                    "rows": [asdict(r) for r in rows],
+                    "skipped": skipped,
+                    "peer_notes": list(peers.notes),
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

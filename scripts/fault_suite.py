@@ -41,6 +41,7 @@ Scenario = Callable[[Path, int, int], Outcome]  # (work dir, seed, jobs) -> outc
 
 def plan(quick: bool) -> list[tuple[str, Scenario]]:
     """The scenarios and their sizes: the full run, or a quick one."""
+
     def n(full: int, fast: int) -> int:
         return fast if quick else full
 
@@ -68,18 +69,24 @@ def figures_text(figures: dict[str, object]) -> str:
 
 
 def table(outcomes: list[Outcome]) -> str:
-    lines = ["| Fault | Injected | Trials | Recovered as required | Figures | Time (s) |",
-             "|---|---|---:|---:|---|---:|"]
+    lines = [
+        "| Fault | Injected | Trials | Recovered as required | Figures | Time (s) |",
+        "|---|---|---:|---:|---|---:|",
+    ]
     for o in outcomes:
-        lines.append(f"| {o.name} | {o.injected} | {o.trials} | {o.passed}/{o.trials} | "
-                     f"{figures_text(o.figures)} | {o.seconds} |")
+        lines.append(
+            f"| {o.name} | {o.injected} | {o.trials} | {o.passed}/{o.trials} | "
+            f"{figures_text(o.figures)} | {o.seconds} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer trials (under 3 minutes)")
-    parser.add_argument("--out", type=Path, default=Path("results/faults"), help="where fault_suite.json goes")
+    parser.add_argument(
+        "--out", type=Path, default=Path("results/faults"), help="where fault_suite.json goes"
+    )
     parser.add_argument("--seed", type=int, default=0, help="draws every fault point")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel kill -9 trials")
     parser.add_argument("--only", nargs="*", default=None, metavar="NAME", help="run only these scenarios")
@@ -98,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         outcome = run(work / name, args.seed, args.jobs)
         outcomes.append(outcome)
         status = "ok" if outcome.ok else f"{len(outcome.failures)} FAILED"
-        print(f"[faults] {name}: {outcome.passed}/{outcome.trials} {status} in {outcome.seconds} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[faults] {name}: {outcome.passed}/{outcome.trials} {status} in {outcome.seconds} s",
+            file=sys.stderr,
+            flush=True,
+        )
     total = round(time.perf_counter() - started, 1)
 
     report = {

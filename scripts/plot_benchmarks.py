@@ -38,8 +38,11 @@ def plot_peers(data: dict[str, Any], path: Path) -> None:
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     ax.set_ylabel("MiB at the tracked peak")
     setup = data["setup"]
-    ax.set_title(f"Memory by component, {setup['model']}, {setup['global_batch']} x {setup['seq_len']} tokens, "
-                 f"{setup['precision']} ({data['device']})", fontsize=9)
+    ax.set_title(
+        f"Memory by component, {setup['model']}, {setup['global_batch']} x {setup['seq_len']} tokens, "
+        f"{setup['precision']} ({data['device']})",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
@@ -68,8 +71,10 @@ def plot_accuracy(data: dict[str, Any], path: Path) -> None:
     which = "allocated" if data["cuda"] else "tracker"
     ax.set_xlabel(f"measured peak MiB ({which})")
     ax.set_ylabel("predicted peak MiB")
-    ax.set_title(f"Predicted vs measured, {data['settings']['model']}, {len(rows)} plans ({data['device']})",
-                 fontsize=9)
+    ax.set_title(
+        f"Predicted vs measured, {data['settings']['model']}, {len(rows)} plans ({data['device']})",
+        fontsize=9,
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
@@ -87,8 +92,10 @@ def plot_fit(data: dict[str, Any], path: Path) -> None:
     right.set_xlabel("budget GiB")
     right.set_ylabel("tokens/s")
     left.legend(fontsize=7)
-    fig.suptitle(f"Fit under a budget: {data['probe']['model']}, seq {data['probe']['seq_len']} "
-                 f"({data['device']})", fontsize=9)
+    fig.suptitle(
+        f"Fit under a budget: {data['probe']['model']}, seq {data['probe']['seq_len']} ({data['device']})",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -103,8 +110,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = ((args.peers, plot_peers, "peers_memory_components"), (args.accuracy, plot_accuracy, "estimator_accuracy"),
-            (args.fit, plot_fit, "fit_budget"))
+    jobs = (
+        (args.peers, plot_peers, "peers_memory_components"),
+        (args.accuracy, plot_accuracy, "estimator_accuracy"),
+        (args.fit, plot_fit, "fit_budget"),
+    )
     for source, plot, name in jobs:
         if source is not None:
             path = args.out / f"{name}_{args.suffix}.png"

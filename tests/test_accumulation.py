@@ -23,11 +23,15 @@ from helpers import tiny_recipe
 TOL = 1e-6
 
 
-def _grads_and_params(tmp_path: Path, micro: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+def _grads_and_params(
+    tmp_path: Path, micro: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
     # lr 1e-3: AdamW's first update is lr * g / (|g| + eps), so for gradients near eps (1e-8) a 1e-9
     # relative rounding difference in g moves the parameter by up to ~lr * 1e-4; at 1e-3 that stays
     # well inside the tolerance while any normalisation error (see the negative control) does not.
-    recipe = tiny_recipe(tmp_path / f"m{micro}", batch={"global_size": 8, "micro_size": micro}, train={"lr": 1e-3})
+    recipe = tiny_recipe(
+        tmp_path / f"m{micro}", batch={"global_size": 8, "micro_size": micro}, train={"lr": 1e-3}
+    )
     trainer = CausalLMTrainer(recipe)
     trainer.setup()
     assert trainer.plan.accumulation_steps == 8 // micro
@@ -56,7 +60,9 @@ def test_accumulation_matches_single_micro_batch(tmp_path: Path, micro: int) -> 
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, atol=TOL, rtol=0, msg=f"gradient of {name}")
     for name, ref in ref_params.items():
-        torch.testing.assert_close(params[name], ref, atol=TOL, rtol=0, msg=f"parameter {name} after one step")
+        torch.testing.assert_close(
+            params[name], ref, atol=TOL, rtol=0, msg=f"parameter {name} after one step"
+        )
 
 
 def test_dividing_by_micro_steps_is_detected(tmp_path: Path) -> None:
@@ -67,7 +73,9 @@ def test_dividing_by_micro_steps_is_detected(tmp_path: Path) -> None:
     micro_batches = trainer.split_batch(trainer.step_batch(0), 1)
     for mb in micro_batches:
         logits = trainer.model(input_ids=mb["input_ids"]).logits
-        mean = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), ignore_index=-100)
+        mean = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), mb["labels"].reshape(-1), ignore_index=-100
+        )
         (mean / len(micro_batches)).backward()
     worst = max((p.grad - ref_grads[n]).abs().max().item() for n, p in trainer.model.named_parameters())
     assert worst > 100 * TOL
@@ -76,8 +84,11 @@ def test_dividing_by_micro_steps_is_detected(tmp_path: Path) -> None:
 def test_token_budget_micro_batches_are_exact_and_within_budget(tmp_path: Path) -> None:
     """Packing by a token budget gives the same gradient as one micro-batch of the whole batch."""
     ref_grads, _, _ = _grads_and_params(tmp_path, 8)
-    recipe = tiny_recipe(tmp_path / "tokens", batch={"global_size": 8, "micro_size": "auto", "micro_tokens": 40},
-                         train={"lr": 1e-3})
+    recipe = tiny_recipe(
+        tmp_path / "tokens",
+        batch={"global_size": 8, "micro_size": "auto", "micro_tokens": 40},
+        train={"lr": 1e-3},
+    )
     trainer = CausalLMTrainer(recipe)
     trainer.setup()
     micro = trainer.split_batch(trainer.step_batch(0), trainer.plan.micro_batch_size)

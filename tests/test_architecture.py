@@ -35,7 +35,10 @@ def _graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1]
+                        + ([base] if base else [])
+                    )
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             else:
                 continue
@@ -59,13 +62,37 @@ def test_no_import_circles() -> None:
     assert not circles, f"modules on an import circle: {circles}"
 
 
-@pytest.mark.parametrize(("package", "forbidden"), [
-    ("memtrain.planner", ("memtrain.training", "memtrain.causal_lm", "memtrain.commands", "memtrain.cli")),
-    ("memtrain.strategies", ("memtrain.training", "memtrain.causal_lm", "memtrain.planner", "memtrain.commands",
-                             "memtrain.recipe", "memtrain.plan")),
-    ("memtrain.memory", ("memtrain.training", "memtrain.causal_lm", "memtrain.planner", "memtrain.strategies",
-                         "memtrain.recipe", "memtrain.plan")),
-])
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        (
+            "memtrain.planner",
+            ("memtrain.training", "memtrain.causal_lm", "memtrain.commands", "memtrain.cli"),
+        ),
+        (
+            "memtrain.strategies",
+            (
+                "memtrain.training",
+                "memtrain.causal_lm",
+                "memtrain.planner",
+                "memtrain.commands",
+                "memtrain.recipe",
+                "memtrain.plan",
+            ),
+        ),
+        (
+            "memtrain.memory",
+            (
+                "memtrain.training",
+                "memtrain.causal_lm",
+                "memtrain.planner",
+                "memtrain.strategies",
+                "memtrain.recipe",
+                "memtrain.plan",
+            ),
+        ),
+    ],
+)
 def test_one_way_arrows(package: str, forbidden: tuple[str, ...]) -> None:
     """The planner never reaches the trainer or the built-in model module; strategies never reach the
     trainer, the planner or the recipe; memory measurement reaches none of them."""

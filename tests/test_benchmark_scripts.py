@@ -23,8 +23,9 @@ SCALARS = 1024  # bytes of bookkeeping tensors one loop may hold beyond another'
 
 
 def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    return subprocess.run(
+        args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 @pytest.mark.parametrize("script", ["bench_vs_peers.py", "bench_fit_budget.py", "estimator_accuracy.py"])
@@ -58,8 +59,10 @@ def test_every_peer_trains_under_the_tracker_and_memtrain_holds_no_more(bench_vs
     # Equal settings, equal model states: the four loops at the pinned plan hold the same weights and
     # optimizer states at their peaks, and memtrain's peak is no higher than HF Trainer's but for a few
     # scalars and index tensors (its float64 loss sum, the step's token count, the batch's sample ids).
-    states = {tool: {k: results[tool].tracker_at_peak[k] for k in ("weights", "optimizer_states")}
-              for tool in ("hand", "hf", "accelerate", "memtrain")}
+    states = {
+        tool: {k: results[tool].tracker_at_peak[k] for k in ("weights", "optimizer_states")}
+        for tool in ("hand", "hf", "accelerate", "memtrain")
+    }
     assert len({json.dumps(s, sort_keys=True) for s in states.values()}) == 1, states
     assert results["memtrain"].tracker_peak_bytes <= results["hf"].tracker_peak_bytes + SCALARS
     assert "micro 4 x 2" in results["memtrain"].plan

@@ -18,7 +18,11 @@ from helpers import REPO, subprocess_env
 
 def _memtrain(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "memtrain", *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+        [sys.executable, "-m", "memtrain", *args],
+        cwd=cwd,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
         timeout=300,
     )
 
@@ -56,8 +60,9 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
-def test_bad_input_exits_2_with_named_key(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_input_exits_2_with_named_key(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     text, expected = BAD_INPUTS[case]
     path = tmp_path / "recipe.yaml"
     path.write_text(text + f"run:\n  output_dir: {tmp_path / 'run'}\noutput:\n  progress: 'off'\n")

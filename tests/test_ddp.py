@@ -34,9 +34,31 @@ def _final(run_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.mark.distributed
 def test_ddp_two_ranks_matches_single_process(tmp_path: Path) -> None:
     single, double = tmp_path / "single", tmp_path / "ddp"
-    _run([sys.executable, "-m", "memtrain", "train", RECIPE, f"run.output_dir={single}", "strategies.sharding=none"])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-          "-m", "memtrain", "train", RECIPE, f"run.output_dir={double}"])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "memtrain",
+            "train",
+            RECIPE,
+            f"run.output_dir={single}",
+            "strategies.sharding=none",
+        ]
+    )
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "memtrain",
+            "train",
+            RECIPE,
+            f"run.output_dir={double}",
+        ]
+    )
     assert '"world_size": 2' in (double / "plan.json").read_text()
     losses_1, state_1 = _final(single)
     losses_2, state_2 = _final(double)

@@ -17,8 +17,11 @@ from memtrain.training.trainer import Batch
 
 from helpers import tiny_recipe
 
-SECTIONS = {"train": {"steps": 6, "lr": 1e-3}, "batch": {"global_size": 8, "micro_size": 8},
-            "checkpoint": {"every": 3, "at_end": True}}
+SECTIONS = {
+    "train": {"steps": 6, "lr": 1e-3},
+    "batch": {"global_size": 8, "micro_size": 8},
+    "checkpoint": {"every": 3, "at_end": True},
+}
 
 
 class Ledger(CausalLMTrainer):
@@ -73,7 +76,9 @@ def test_injected_oom_at_a_random_micro_step_loses_nothing(tmp_path: Path) -> No
     for name, value in _params(reference).items():
         torch.testing.assert_close(_params(trainer)[name], value, atol=1e-6, rtol=0, msg=name)
     # the lowered micro-batch is saved with the checkpoint and reused on resume
-    resumed = CausalLMTrainer(tiny_recipe(tmp_path / "oom", **{**micro_two, "train": {"steps": 7, "lr": 1e-3}}))
+    resumed = CausalLMTrainer(
+        tiny_recipe(tmp_path / "oom", **{**micro_two, "train": {"steps": 7, "lr": 1e-3}})
+    )
     resumed.fit(resume=True)
     assert resumed.plan.micro_batch_size == 1
 
@@ -83,8 +88,13 @@ def test_simulated_budget_oom_is_recovered_by_smaller_micro_batches(tmp_path: Pa
     samples per micro-batch but not 8."""
     probe = {}
     for micro in (8, 4):
-        t = CausalLMTrainer(tiny_recipe(tmp_path / f"p{micro}", memory={"track": True},
-                                        **{**SECTIONS, "batch": {"global_size": 8, "micro_size": micro}}))
+        t = CausalLMTrainer(
+            tiny_recipe(
+                tmp_path / f"p{micro}",
+                memory={"track": True},
+                **{**SECTIONS, "batch": {"global_size": 8, "micro_size": micro}},
+            )
+        )
         t.fit()
         probe[micro] = max(r.peak_bytes for r in t.memory_reports)
     assert probe[4] < probe[8]

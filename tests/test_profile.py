@@ -15,8 +15,9 @@ from memtrain.memory import COMPONENTS
 from helpers import REPO, tiny_recipe
 
 
-def test_profile_writes_reports_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profile_writes_reports_and_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(REPO)
     out = tmp_path / "prof"
     assert main(["profile", "recipes/default.yaml", "--steps", "3", "--out", str(out), "--json"]) == 0
@@ -44,8 +45,9 @@ def test_profile_writes_reports_and_json(tmp_path: Path, capsys: pytest.CaptureF
         assert external not in html, "the page must not load anything from the network"
 
 
-def test_profile_table_names_components(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profile_table_names_components(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(REPO)
     assert main(["profile", "recipes/default.yaml", "--steps", "2", "--out", str(tmp_path / "p")]) == 0
     table = capsys.readouterr().out

@@ -42,7 +42,7 @@ def test_three_mistakes_three_messages(tmp_path: Path) -> None:
     joined = "\n".join(problems)
     assert "train.steps" in joined
     assert 'train.lrr: unknown key (did you mean "lr"?)' in joined
-    assert 'strategies.precision' in joined and 'did you mean "bf16-mixed"' in joined
+    assert "strategies.precision" in joined and 'did you mean "bf16-mixed"' in joined
 
 
 def test_unknown_section_gets_suggestion(tmp_path: Path) -> None:
@@ -61,7 +61,10 @@ def test_strategy_accepts_auto_name_or_list(tmp_path: Path) -> None:
 
 
 def test_overrides_parse_values_and_create_paths() -> None:
-    raw = apply_overrides({"train": {"steps": 5}}, ["train.steps=20", "strategies.precision=bf16-mixed", "train.betas=[0.9, 0.99]"])
+    raw = apply_overrides(
+        {"train": {"steps": 5}},
+        ["train.steps=20", "strategies.precision=bf16-mixed", "train.betas=[0.9, 0.99]"],
+    )
     assert raw == {"train": {"steps": 20, "betas": [0.9, 0.99]}, "strategies": {"precision": "bf16-mixed"}}
     with pytest.raises(RecipeError, match="expected key.path=value"):
         apply_overrides({}, ["train.steps"])
@@ -80,7 +83,9 @@ def test_model_config_mistakes(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r'model.config.model_type: unknown .* \(did you mean "llama"\?\)'):
         check_model_recipe(recipe_from_dict(raw))
     raw["model"]["config"] = {**TINY_LLAMA, "num_hiden_layers": 4}
-    with pytest.raises(RecipeError, match='model.config.num_hiden_layers: not a field .*did you mean "num_hidden_layers"'):
+    with pytest.raises(
+        RecipeError, match='model.config.num_hiden_layers: not a field .*did you mean "num_hidden_layers"'
+    ):
         check_model_recipe(recipe_from_dict(raw))
 
 

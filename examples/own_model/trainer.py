@@ -40,8 +40,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, dim // self.heads).unbind(2)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.out(attended.transpose(1, 2).reshape(batch, length, dim))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
@@ -69,14 +70,16 @@ class TinyTrainer(Trainer):
         return TinyLM(max_len=self.recipe.data.seq_len)
 
     def step_batch(self, step: int) -> dict[str, torch.Tensor]:
-        """This rank's rows of step `step`: documents of 8..seq_len tokens, a function of the step (so a
-        resume continues at the exact sample), right-padded to seq_len."""
-        length = self.recipe.data.seq_len
-        rows = self.per_rank_batch_size
-        generator = torch.Generator().manual_seed(self.recipe.run.seed * 1_000_003 + step * 997 + self.env.rank)
-        tokens = torch.randint(0, VOCAB, (rows, length + 1), generator=generator)
-        lengths = torch.randint(8, length + 1, (rows,), generator=generator)
-        real = torch.arange(length).expand(rows, length) < lengths[:, None]
+        """This rank's rows of step `step`'s global batch: documents of 8..seq_len tokens, right-padded to
+        seq_len. The global batch is a function of the step alone, so a resume continues at the exact
+        sample and any number of ranks trains on the same rows."""
+        length, size = self.recipe.data.seq_len, self.recipe.batch.global_size
+        generator = torch.Generator().manual_seed(self.recipe.run.seed * 1_000_003 + step)
+        tokens = torch.randint(0, VOCAB, (size, length + 1), generator=generator)
+        lengths = torch.randint(8, length + 1, (size,), generator=generator)
+        mine = slice(self.env.rank * self.per_rank_batch_size, (self.env.rank + 1) * self.per_rank_batch_size)
+        tokens, lengths = tokens[mine], lengths[mine]
+        real = torch.arange(length).expand(len(lengths), length) < lengths[:, None]
         ids = torch.where(real, tokens[:, :-1], 0)
         labels = torch.where(real, tokens[:, 1:], IGNORE)
         return {"ids": ids, "labels": labels}
@@ -84,6 +87,7 @@ class TinyTrainer(Trainer):
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(batch["ids"])
         labels = batch["labels"]
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
-                                   reduction="sum")
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
         return loss_sum, (labels != IGNORE).sum()

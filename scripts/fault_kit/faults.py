@@ -167,17 +167,29 @@ class FaultTrainer(CausalLMTrainer):
         """The unfired fault of `kind` at this rank's current step, attempt, micro-step and `phase`."""
         record = self.ledger.get(self._step)
         for fault in self.harness.faults:
-            if (fault.kind == kind and fault.phase == phase and fault.step == self._step
-                    and fault.rank in (self.env.rank, -1) and fault not in self._fired and record is not None
-                    and fault.attempt == len(record.attempts) and fault.micro == self._micro
-                    and (self.first_launch or kind not in ("kill", "hang"))):
+            if (
+                fault.kind == kind
+                and fault.phase == phase
+                and fault.step == self._step
+                and fault.rank in (self.env.rank, -1)
+                and fault not in self._fired
+                and record is not None
+                and fault.attempt == len(record.attempts)
+                and fault.micro == self._micro
+                and (self.first_launch or kind not in ("kill", "hang"))
+            ):
                 return fault
         return None
 
     def _pending_at_step(self, kind: str) -> Fault | None:
         for fault in self.harness.faults:
-            if (fault.kind == kind and fault.step in (self._step, 0) and fault.rank in (self.env.rank, -1)
-                    and fault not in self._fired and (self.first_launch or kind not in ("kill", "hang"))):
+            if (
+                fault.kind == kind
+                and fault.step in (self._step, 0)
+                and fault.rank in (self.env.rank, -1)
+                and fault not in self._fired
+                and (self.first_launch or kind not in ("kill", "hang"))
+            ):
                 return fault
         return None
 
@@ -239,7 +251,9 @@ class FaultTrainer(CausalLMTrainer):
         if size is None and self.harness.reset_micro:
             size = self.initial_micro
         if size is not None and size != self.plan.micro_batch_size:
-            self.plan = self.plan.replace(micro_batching=MicroBatching(size, self.per_rank_batch_size // size))
+            self.plan = self.plan.replace(
+                micro_batching=MicroBatching(size, self.per_rank_batch_size // size)
+            )
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
         parts = super().split_batch(batch, micro_size)
@@ -279,8 +293,13 @@ class FaultTrainer(CausalLMTrainer):
 
     def save_checkpoint(self, step: int) -> Path:
         for fault in self.harness.faults:
-            if (fault.kind == "kill" and fault.phase in ("save", "prune") and fault.step == step
-                    and fault.rank in (self.env.rank, -1) and self.first_launch):
+            if (
+                fault.kind == "kill"
+                and fault.phase in ("save", "prune")
+                and fault.step == step
+                and fault.rank in (self.env.rank, -1)
+                and self.first_launch
+            ):
                 with self._dying_in(fault):
                     return super().save_checkpoint(step)
         return super().save_checkpoint(step)
@@ -338,8 +357,9 @@ class FaultTrainer(CausalLMTrainer):
     def _optimizer_digest(self) -> str:
         assert self.optimizer is not None
         state = self.optimizer.state_dict()["state"]
-        return digest(v for key in sorted(state) for _, v in sorted(state[key].items())
-                      if isinstance(v, torch.Tensor))
+        return digest(
+            v for key in sorted(state) for _, v in sorted(state[key].items()) if isinstance(v, torch.Tensor)
+        )
 
     def write_ledger(self) -> None:
         if not self.run_dir.is_dir():
@@ -366,16 +386,29 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m fault_kit.faults",
         description="memtrain's command line with a fault-injecting trainer (test only).",
     )
-    parser.add_argument("--fault", action="append", type=Fault.parse, default=[], metavar="JSON",
-                        help='a Fault as JSON, e.g. \'{"kind": "kill", "step": 3, "phase": "backward"}\'')
-    parser.add_argument("--reset-micro", action="store_true",
-                        help="start every step at the recipe's micro-batch size")
-    parser.add_argument("--micro-schedule", type=json.loads, default={}, metavar="JSON",
-                        help='micro-batch size per step number, e.g. \'{"3": 2}\'')
+    parser.add_argument(
+        "--fault",
+        action="append",
+        type=Fault.parse,
+        default=[],
+        metavar="JSON",
+        help='a Fault as JSON, e.g. \'{"kind": "kill", "step": 3, "phase": "backward"}\'',
+    )
+    parser.add_argument(
+        "--reset-micro", action="store_true", help="start every step at the recipe's micro-batch size"
+    )
+    parser.add_argument(
+        "--micro-schedule",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="micro-batch size per step number, e.g. '{\"3\": 2}'",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="memtrain's arguments: train RECIPE ...")
     args = parser.parse_args(argv)
-    harness = Harness(tuple(args.fault), args.reset_micro,
-                      {int(k): int(v) for k, v in args.micro_schedule.items()})
+    harness = Harness(
+        tuple(args.fault), args.reset_micro, {int(k): int(v) for k, v in args.micro_schedule.items()}
+    )
     with mock.patch.object(models, "CausalLMTrainer", functools.partial(FaultTrainer, harness=harness)):
         return cli.main(args.command)
 

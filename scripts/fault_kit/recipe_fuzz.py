@@ -61,10 +61,18 @@ def leaves(model: type[BaseModel] = Recipe, prefix: str = "") -> Iterator[Leaf]:
         choices = tuple(_literals(annotation))
         bounds = info.metadata
         yield Leaf(
-            key=f"{prefix}{name}", kind="enum" if choices else _kind(annotation), choices=choices,
+            key=f"{prefix}{name}",
+            kind="enum" if choices else _kind(annotation),
+            choices=choices,
             takes_list=any(get_origin(a) is list for a in get_args(annotation)),
-            lower=next((float(getattr(m, "gt", getattr(m, "ge", 0))) for m in bounds if isinstance(m, (Gt, Ge))), None),
-            upper=next((float(getattr(m, "lt", getattr(m, "le", 0))) for m in bounds if isinstance(m, (Lt, Le))), None),
+            lower=next(
+                (float(getattr(m, "gt", getattr(m, "ge", 0))) for m in bounds if isinstance(m, (Gt, Ge))),
+                None,
+            ),
+            upper=next(
+                (float(getattr(m, "lt", getattr(m, "le", 0))) for m in bounds if isinstance(m, (Lt, Le))),
+                None,
+            ),
         )
 
 
@@ -141,7 +149,11 @@ def _dump(raw: dict[str, Any]) -> str:
 def _typo(word: str, rng: random.Random) -> str:
     """A near miss of `word` (two letters swapped, or one dropped), never `word` itself."""
     i = rng.randrange(max(len(word) - 1, 1))
-    typo = word[:i] + word[i + 1:i + 2] + word[i] + word[i + 2:] if rng.random() < 0.5 else word[:i] + word[i + 1:]
+    typo = (
+        word[:i] + word[i + 1 : i + 2] + word[i] + word[i + 2 :]
+        if rng.random() < 0.5
+        else word[:i] + word[i + 1 :]
+    )
     return typo if typo != word and typo else word + "x"
 
 
@@ -178,11 +190,19 @@ def missing_key(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> 
     if form == 1:
         return Mutant("missing key", "model.config: null", _dump(_set(noise, "model.config", None)), "model")
     if form == 2:
-        return Mutant("missing key", "no model.config.model_type", _dump(_drop(noise, "model.config.model_type")),
-                      "model.config.model_type")
+        return Mutant(
+            "missing key",
+            "no model.config.model_type",
+            _dump(_drop(noise, "model.config.model_type")),
+            "model.config.model_type",
+        )
     source = rng.choice(("text", "jsonl"))
-    return Mutant("missing key", f"data.source={source} without data.path",
-                  _dump(_set(noise, "data.source", source)), "data.path")
+    return Mutant(
+        "missing key",
+        f"data.source={source} without data.path",
+        _dump(_set(noise, "data.source", source)),
+        "data.path",
+    )
 
 
 def negative_number(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> Mutant:
@@ -200,7 +220,10 @@ def huge_number(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> 
     form = rng.randrange(4)
     if form == 0:
         leaf = rng.choice([f for f in fields if f.upper is not None])
-        key, value = leaf.key, (10 ** rng.randint(10, 40) if leaf.kind == "int" else 10.0 ** rng.randint(3, 300))
+        key, value = (
+            leaf.key,
+            (10 ** rng.randint(10, 40) if leaf.kind == "int" else 10.0 ** rng.randint(3, 300)),
+        )
     elif form == 1:
         key, value = rng.choice([f.key for f in fields if f.kind == "float"]), float("inf")
     elif form == 2:
@@ -213,8 +236,14 @@ def huge_number(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> 
 def wrong_enum(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> Mutant:
     leaf = rng.choice([f for f in fields if f.kind == "enum"])
     valid = rng.choice([c for c in leaf.choices if c != "auto"] or list(leaf.choices))
-    wrong = rng.choice([_typo(valid, rng), valid.upper() + "!", _homoglyph(valid) if _homoglyph(valid) != valid
-                        else valid + "2", valid + "-v2"])
+    wrong = rng.choice(
+        [
+            _typo(valid, rng),
+            valid.upper() + "!",
+            _homoglyph(valid) if _homoglyph(valid) != valid else valid + "2",
+            valid + "-v2",
+        ]
+    )
     value: Any = [valid, wrong] if leaf.takes_list and rng.random() < 0.3 else wrong
     return Mutant("wrong enum value", f"{leaf.key}={value!r}", _dump(_set(raw, leaf.key, value)), leaf.key)
 
@@ -248,7 +277,9 @@ def code_in_yaml(rng: random.Random, raw: dict[str, Any], fields: list[Leaf], ma
 
 
 def non_mapping(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> Mutant:
-    text = rng.choice(("- run\n- model\n", "42\n", "just a string\n", "[1, 2, 3]\n", "'quoted'\n", "3.5\n", "true\n"))
+    text = rng.choice(
+        ("- run\n- model\n", "42\n", "just a string\n", "[1, 2, 3]\n", "'quoted'\n", "3.5\n", "true\n")
+    )
     return Mutant("non-mapping top level", text.strip(), text, "the top level must be a mapping")
 
 
@@ -272,7 +303,11 @@ def unicode_value(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -
         value: Any = rng.choice(("１２", "٣", "五", "1e-3\u200b", "½"))
     elif form == 1:
         leaf = rng.choice([f for f in fields if f.kind == "enum"])
-        value = _homoglyph(leaf.choices[0]) if _homoglyph(leaf.choices[0]) != leaf.choices[0] else leaf.choices[0] + "™"
+        value = (
+            _homoglyph(leaf.choices[0])
+            if _homoglyph(leaf.choices[0]) != leaf.choices[0]
+            else leaf.choices[0] + "™"
+        )
     else:
         leaf = rng.choice([f for f in fields if f.kind == "bool"])
         value = rng.choice(("ДА", "はい", "✓"))
@@ -288,18 +323,30 @@ def not_utf8(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> Mut
 
 def bad_override(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) -> Mutant:
     leaf = rng.choice([f for f in fields if f.kind in ("int", "float", "bool")])
-    override, expect = rng.choice((
-        (leaf.key, leaf.key),  # no '='
-        (f"{leaf.key}.sub=1", leaf.key),  # a value used as a section
-        (f"{leaf.key}={rng.choice(WRONG_TYPES[leaf.kind])}", leaf.key),
-        (f"={rng.randint(0, 9)}", "expected key.path=value"),
-    ))
+    override, expect = rng.choice(
+        (
+            (leaf.key, leaf.key),  # no '='
+            (f"{leaf.key}.sub=1", leaf.key),  # a value used as a section
+            (f"{leaf.key}={rng.choice(WRONG_TYPES[leaf.kind])}", leaf.key),
+            (f"={rng.randint(0, 9)}", "expected key.path=value"),
+        )
+    )
     return Mutant("bad override", override, _dump(raw), expect, (override,))
 
 
 FAMILIES: tuple[Callable[[random.Random, dict[str, Any], list[Leaf]], Mutant], ...] = (
-    wrong_type, unknown_key, missing_key, negative_number, huge_number, wrong_enum, broken_yaml,
-    non_mapping, deep_nesting, unicode_value, not_utf8, bad_override,
+    wrong_type,
+    unknown_key,
+    missing_key,
+    negative_number,
+    huge_number,
+    wrong_enum,
+    broken_yaml,
+    non_mapping,
+    deep_nesting,
+    unicode_value,
+    not_utf8,
+    bad_override,
 )
 
 
@@ -319,10 +366,15 @@ def mutants(count: int, seed: int, run_dir: Path, marker: Path) -> list[Mutant]:
 
 def unsafe_yaml_loads() -> list[str]:
     """Source lines in memtrain that load YAML with anything but `yaml.safe_load`."""
-    pattern = re.compile(r"yaml\.(load|unsafe_load|full_load|load_all|unsafe_load_all|full_load_all)\(|Loader\s*=")
-    return [f"{path.name}:{number}" for path in sorted(Path(memtrain.__file__).parent.rglob("*.py"))
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
-            if pattern.search(line.split("#")[0])]
+    pattern = re.compile(
+        r"yaml\.(load|unsafe_load|full_load|load_all|unsafe_load_all|full_load_all)\(|Loader\s*="
+    )
+    return [
+        f"{path.name}:{number}"
+        for path in sorted(Path(memtrain.__file__).parent.rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if pattern.search(line.split("#")[0])
+    ]
 
 
 def recipe_fuzz(work: Path, count: int, seed: int) -> Outcome:

@@ -47,8 +47,14 @@ from fault_kit import faults
 from fault_kit.faults import Fault, FaultTrainer, Harness, StepRecord, digest
 
 TINY_LLAMA: dict[str, Any] = {
-    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 64,
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
 }
 LAUNCH_TIMEOUT_S = 240.0
 DDP_ENV = {"MEMTRAIN_COLLECTIVE_TIMEOUT_MIN": "0.5"}  # a hang in a 2-rank scenario ends in 30 s
@@ -110,8 +116,16 @@ class Launch:
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without launcher variables, memtrain's sources first, one thread."""
-    dropped = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-               "MASTER_ADDR", "MASTER_PORT")
+    dropped = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
     env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith("TORCHELASTIC")}
     src = str(Path(memtrain.__file__).resolve().parents[1])
     kit = str(Path(__file__).resolve().parents[1])  # scripts/, which holds this fault kit
@@ -122,8 +136,14 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def start(cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd, env=child_env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        env=child_env(extra_env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen[str], started: float, timeout: float = LAUNCH_TIMEOUT_S) -> Launch:
@@ -137,19 +157,41 @@ def finish(proc: subprocess.Popen[str], started: float, timeout: float = LAUNCH_
     return Launch(rc, output, round(time.perf_counter() - started, 2))
 
 
-def launch(cmd: list[str], extra_env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT_S) -> Launch:
+def launch(
+    cmd: list[str], extra_env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT_S
+) -> Launch:
     return finish(start(cmd, extra_env), time.perf_counter(), timeout)
 
 
-def train_cmd(recipe: Path, *overrides: str, harness: Harness | None = None, resume: bool = False,
-              ranks: int = 1, restarts: int = 0) -> list[str]:
+def train_cmd(
+    recipe: Path,
+    *overrides: str,
+    harness: Harness | None = None,
+    resume: bool = False,
+    ranks: int = 1,
+    restarts: int = 0,
+) -> list[str]:
     """`memtrain train` (with faults: through `fault_kit.faults`), under torchrun for ranks > 1."""
     module = ["-m", "fault_kit.faults", *harness.to_args()] if harness is not None else ["-m", "memtrain"]
-    args = [*module, "train", str(recipe), *overrides, "--no-progress", *(["--resume", "auto"] if resume else [])]
+    args = [
+        *module,
+        "train",
+        str(recipe),
+        *overrides,
+        "--no-progress",
+        *(["--resume", "auto"] if resume else []),
+    ]
     if ranks == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-            f"--max-restarts={restarts}", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        f"--max-restarts={restarts}",
+        *args,
+    ]
 
 
 def recipe_dict(run_dir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -180,8 +222,10 @@ def write_recipe(path: Path, raw: dict[str, Any]) -> Path:
 
 def metric_rows(run_dir: Path) -> list[tuple[Any, ...]]:
     """What must match an uninterrupted run: step, loss, gradient norm, learning rate, skipped."""
-    return [(r["step"], r["loss"], r["grad_norm"], r["lr"], r["skipped"])
-            for r in read_metrics(run_dir / "metrics.jsonl")]
+    return [
+        (r["step"], r["loss"], r["grad_norm"], r["lr"], r["skipped"])
+        for r in read_metrics(run_dir / "metrics.jsonl")
+    ]
 
 
 def final_state(run_dir: Path) -> dict[str, Any]:
@@ -192,8 +236,13 @@ def final_state(run_dir: Path) -> dict[str, Any]:
 def tree_difference(a: Any, b: Any, where: str = "") -> str | None:
     """The first place where two nested states differ (tensors bit for bit), or None."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
         return None if same else where
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
@@ -203,7 +252,9 @@ def tree_difference(a: Any, b: Any, where: str = "") -> str | None:
         if len(a) != len(b):
             return f"{where} (length)"
         pairs = enumerate(zip(a, b, strict=True))
-        return next((d for i, (x, y) in pairs if (d := tree_difference(x, y, f"{where}[{i}]")) is not None), None)
+        return next(
+            (d for i, (x, y) in pairs if (d := tree_difference(x, y, f"{where}[{i}]")) is not None), None
+        )
     return None if a == b else where
 
 
@@ -213,8 +264,10 @@ def run_difference(run_dir: Path, reference_dir: Path) -> str | None:
     if rows != expected:
         pairs = enumerate(zip(rows, expected, strict=False))
         first = next((i for i, (x, y) in pairs if x != y), min(len(rows), len(expected)))
-        return (f"metrics.jsonl differs from the uninterrupted run from row {first + 1} "
-                f"({len(rows)} rows, expected {len(expected)})")
+        return (
+            f"metrics.jsonl differs from the uninterrupted run from row {first + 1} "
+            f"({len(rows)} rows, expected {len(expected)})"
+        )
     where = tree_difference(final_state(run_dir), final_state(reference_dir))
     return None if where is None else f"final checkpoint differs from the uninterrupted run at {where}"
 
@@ -233,7 +286,9 @@ def audit_checkpoints(root: Path, template: dict[str, torch.Tensor]) -> str | No
         except Exception as exc:  # any failure here is a checkpoint that looks complete but is not
             return f"{entry} looks complete but is not: {type(exc).__name__}: {exc}"
         model = states.get("model.pt")
-        if model is None or {k: v.shape for k, v in model.items()} != {k: v.shape for k, v in template.items()}:
+        if model is None or {k: v.shape for k, v in model.items()} != {
+            k: v.shape for k, v in template.items()
+        }:
             return f"{entry / 'model.pt'} is missing or does not match the model"
     return None
 
@@ -255,13 +310,22 @@ def draw_kill(rng: random.Random, after: int) -> Fault:
     prunes = [s for s in KILL_PRUNES if s > after]
     draw = rng.random()
     if draw < 0.4 or not saves:
-        return Fault("kill", step=rng.randint(after + 1, 10), micro=rng.randint(1, 2),
-                     phase=rng.choice(("forward", "backward")))
+        return Fault(
+            "kill",
+            step=rng.randint(after + 1, 10),
+            micro=rng.randint(1, 2),
+            phase=rng.choice(("forward", "backward")),
+        )
     if draw < 0.85 or not prunes:
         file = rng.choice(CHECKPOINT_FILES)
         whole = file == "meta.json" and rng.random() < 0.3  # every byte written, not yet renamed
-        return Fault("kill", step=rng.choice(saves), phase="save", file=file,
-                     fraction=1.0 if whole else round(rng.random(), 3))
+        return Fault(
+            "kill",
+            step=rng.choice(saves),
+            phase="save",
+            file=file,
+            fraction=1.0 if whole else round(rng.random(), 3),
+        )
     return Fault("kill", step=rng.choice(prunes), phase="prune")
 
 
@@ -284,9 +348,15 @@ def kill9(work: Path, trials: int, seed: int, jobs: int = 2, points: tuple[Fault
             for _ in range(1 if points else 2 if rng.random() < 0.5 else 1):
                 fault = points[index] if points else draw_kill(rng, after)
                 kills.append(fault)
-                died = launch(train_cmd(recipe, f"run.output_dir={run}", harness=Harness((fault,)), resume=True))
+                died = launch(
+                    train_cmd(recipe, f"run.output_dir={run}", harness=Harness((fault,)), resume=True)
+                )
                 if died.rc != -signal.SIGKILL:
-                    return f"{fault.to_json()}: expected death by SIGKILL, got exit {died.rc}\n{died.tail()}", kills, torn
+                    return (
+                        f"{fault.to_json()}: expected death by SIGKILL, got exit {died.rc}\n{died.tail()}",
+                        kills,
+                        torn,
+                    )
                 problem = audit_checkpoints(run / "checkpoints", template)
                 if problem is not None:
                     return f"after {fault.to_json()}: {problem}", kills, torn
@@ -298,7 +368,11 @@ def kill9(work: Path, trials: int, seed: int, jobs: int = 2, points: tuple[Fault
                 return f"the resume failed (exit {resumed.rc}):\n{resumed.tail()}", kills, torn
             found = re.search(r"resumed from \S+ at step (\d+)", resumed.output)
             if (int(found.group(1)) if found else 0) != after:
-                return f"resumed at step {found.group(1) if found else 0}, the newest good checkpoint is {after}", kills, torn
+                return (
+                    f"resumed at step {found.group(1) if found else 0}, the newest good checkpoint is {after}",
+                    kills,
+                    torn,
+                )
             return run_difference(run, work / "reference"), kills, torn
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
@@ -306,8 +380,14 @@ def kill9(work: Path, trials: int, seed: int, jobs: int = 2, points: tuple[Fault
                 outcome.record(problem, f"trial {index} ({'; '.join(k.to_json() for k in kills)})")
                 outcome.count("kills", len(kills))
                 for kill in kills:
-                    outcome.count({"forward": "mid-step", "backward": "mid-step",
-                                   "save": "mid-checkpoint-file", "prune": "mid-prune"}[kill.phase])
+                    outcome.count(
+                        {
+                            "forward": "mid-step",
+                            "backward": "mid-step",
+                            "save": "mid-checkpoint-file",
+                            "prune": "mid-prune",
+                        }[kill.phase]
+                    )
                 outcome.count("torn staging dirs ignored", torn)
         outcome.figures["bit-exact resumes"] = outcome.passed
     return outcome
@@ -348,8 +428,9 @@ def oom_faults(rng: random.Random, steps: int, count: int, micro_steps: int, ran
             n = micro_steps * attempt  # the retry runs at half the micro-batch: twice the micro-steps
             points = [(m, p) for m in range(1, n + 1 if ranks == 1 else n) for p in ("forward", "backward")]
             micro, phase = rng.choice(points)
-            chosen.append(Fault("oom", step=step, micro=micro, attempt=attempt, phase=phase,
-                                rank=rng.randrange(ranks)))
+            chosen.append(
+                Fault("oom", step=step, micro=micro, attempt=attempt, phase=phase, rank=rng.randrange(ranks))
+            )
     return chosen
 
 
@@ -361,19 +442,27 @@ def oom_one_rank(work: Path, injections: int, seed: int) -> Outcome:
         done, index = 0, 0
         while done < injections:
             chosen = oom_faults(rng, 10, min(10, injections - done), 2, 1)
-            trainer = FaultTrainer(recipe_from_dict(recipe_dict(work / f"oom{index}", **OOM_SECTIONS)),
-                                   Harness(tuple(chosen), reset_micro=True))
+            trainer = FaultTrainer(
+                recipe_from_dict(recipe_dict(work / f"oom{index}", **OOM_SECTIONS)),
+                Harness(tuple(chosen), reset_micro=True),
+            )
             trainer.fit()
             schedule = {s: r.micro_batch_size for s, r in trainer.ledger.items()}
-            reference = FaultTrainer(recipe_from_dict(recipe_dict(work / f"oom{index}-ref", **OOM_SECTIONS)),
-                                     Harness(micro_schedule=schedule))
+            reference = FaultTrainer(
+                recipe_from_dict(recipe_dict(work / f"oom{index}-ref", **OOM_SECTIONS)),
+                Harness(micro_schedule=schedule),
+            )
             reference.fit()
             for fault in chosen:
                 injected = sum(1 for f in chosen if f.step == fault.step)
-                problem = ledger_problem(fault.step, trainer.ledger[fault.step], reference.ledger[fault.step], injected)
+                problem = ledger_problem(
+                    fault.step, trainer.ledger[fault.step], reference.ledger[fault.step], injected
+                )
                 outcome.record(problem, fault.to_json())
                 outcome.count(f"in {fault.phase}")
-            outcome.count("samples lost", sum(_lost(trainer.ledger[s], reference.ledger[s]) for s in trainer.ledger))
+            outcome.count(
+                "samples lost", sum(_lost(trainer.ledger[s], reference.ledger[s]) for s in trainer.ledger)
+            )
             outcome.count("samples seen twice", sum(_doubled(trainer.ledger[s]) for s in trainer.ledger))
             outcome.count("OOM events recovered", len(trainer.oom_events))
             done, index = done + len(chosen), index + 1
@@ -396,36 +485,63 @@ def oom_budget(work: Path, trials: int, seed: int) -> Outcome:
         rng = random.Random(f"{seed}-budget")
         for index in range(trials):
             size = rng.choice((8, 16))
-            sections = {**OOM_SECTIONS, "batch": {"global_size": size, "micro_size": size},
-                        "train": {**OOM_SECTIONS["train"], "steps": 3}}
+            sections = {
+                **OOM_SECTIONS,
+                "batch": {"global_size": size, "micro_size": size},
+                "train": {**OOM_SECTIONS["train"], "steps": 3},
+            }
             peaks = {}
             for micro in (size, size // 2):  # tracked runs as long as the real one: states grow after step 1
-                probe = FaultTrainer(recipe_from_dict(recipe_dict(
-                    work / f"budget{index}-probe{micro}", memory={"track": True},
-                    **{**sections, "batch": {"global_size": size, "micro_size": micro}})))
+                probe = FaultTrainer(
+                    recipe_from_dict(
+                        recipe_dict(
+                            work / f"budget{index}-probe{micro}",
+                            memory={"track": True},
+                            **{**sections, "batch": {"global_size": size, "micro_size": micro}},
+                        )
+                    )
+                )
                 probe.fit()
                 peaks[micro] = max(r.peak_bytes for r in probe.memory_reports)
             if peaks[size // 2] + 1 >= peaks[size]:
-                outcome.record(f"micro-batch {size // 2} peaks no lower than {size}: {peaks}", f"budget probe {index}")
+                outcome.record(
+                    f"micro-batch {size // 2} peaks no lower than {size}: {peaks}", f"budget probe {index}"
+                )
                 continue
             budget = rng.randint(peaks[size // 2] + 1, peaks[size] - 1)
-            trainer = FaultTrainer(recipe_from_dict(recipe_dict(work / f"budget{index}", memory={"budget": budget},
-                                                                **sections)))
+            trainer = FaultTrainer(
+                recipe_from_dict(recipe_dict(work / f"budget{index}", memory={"budget": budget}, **sections))
+            )
             trainer.fit()
             schedule = {s: r.micro_batch_size for s, r in trainer.ledger.items()}
-            reference = FaultTrainer(recipe_from_dict(recipe_dict(work / f"budget{index}-ref", **sections)),
-                                     Harness(micro_schedule=schedule))
+            reference = FaultTrainer(
+                recipe_from_dict(recipe_dict(work / f"budget{index}-ref", **sections)),
+                Harness(micro_schedule=schedule),
+            )
             reference.fit()
             events = trainer.oom_events
             problem = None
             if len(events) != 1 or "Simulated device out of memory" not in events[0]["error"]:
                 problem = f"expected one simulated-device OOM, got {[e['error'][:60] for e in events]}"
             else:
-                problem = next((p for s in trainer.ledger if (p := ledger_problem(
-                    s, trainer.ledger[s], reference.ledger[s], int(s == events[0]["step"]))) is not None), None)
+                problem = next(
+                    (
+                        p
+                        for s in trainer.ledger
+                        if (
+                            p := ledger_problem(
+                                s, trainer.ledger[s], reference.ledger[s], int(s == events[0]["step"])
+                            )
+                        )
+                        is not None
+                    ),
+                    None,
+                )
             outcome.record(problem, f"budget {budget} B, global batch {size}, micro-batch {size}")
             outcome.count("OOM events recovered", len(events))
-            outcome.count("samples lost", sum(_lost(trainer.ledger[s], reference.ledger[s]) for s in trainer.ledger))
+            outcome.count(
+                "samples lost", sum(_lost(trainer.ledger[s], reference.ledger[s]) for s in trainer.ledger)
+            )
             outcome.count("samples seen twice", sum(_doubled(trainer.ledger[s]) for s in trainer.ledger))
     return outcome
 
@@ -437,17 +553,27 @@ def _two_rank_ledgers(run_dir: Path) -> tuple[dict[int, StepRecord], dict[int, S
 def oom_two_ranks(work: Path, injections: int, seed: int) -> Outcome:
     """Out-of-memory errors on a random rank of 2 (torchrun, DDP): both ranks must agree to redo the
     step every time (no hang, no collective mismatch), lose nothing, and match a fault-free run."""
-    outcome = Outcome("OOM, 2 ranks (DDP)", "torch.OutOfMemoryError on one rank, in any micro-step but the last")
+    outcome = Outcome(
+        "OOM, 2 ranks (DDP)", "torch.OutOfMemoryError on one rank, in any micro-step but the last"
+    )
     with timed(outcome):
         rng = random.Random(f"{seed}-oom-ddp")
         done, index = 0, 0
         while done < injections:
             count = min(25, injections - done)
             chosen = oom_faults(rng, count, count, 2, 2)
-            sections = {**OOM_SECTIONS, "train": {**OOM_SECTIONS["train"], "steps": max(f.step for f in chosen)},
-                        "batch": {"global_size": 16, "micro_size": 4}, "strategies": {"sharding": "ddp"}}
-            recipe = write_recipe(work / f"oomddp{index}.yaml", recipe_dict(work / f"oomddp{index}", **sections))
-            run = launch(train_cmd(recipe, harness=Harness(tuple(chosen), reset_micro=True), ranks=2), DDP_ENV)
+            sections = {
+                **OOM_SECTIONS,
+                "train": {**OOM_SECTIONS["train"], "steps": max(f.step for f in chosen)},
+                "batch": {"global_size": 16, "micro_size": 4},
+                "strategies": {"sharding": "ddp"},
+            }
+            recipe = write_recipe(
+                work / f"oomddp{index}.yaml", recipe_dict(work / f"oomddp{index}", **sections)
+            )
+            run = launch(
+                train_cmd(recipe, harness=Harness(tuple(chosen), reset_micro=True), ranks=2), DDP_ENV
+            )
             if run.rc != 0:
                 for fault in chosen:
                     outcome.record(f"the 2-rank run failed (exit {run.rc}):\n{run.tail()}", fault.to_json())
@@ -455,8 +581,9 @@ def oom_two_ranks(work: Path, injections: int, seed: int) -> Outcome:
                 continue
             ranks = _two_rank_ledgers(work / f"oomddp{index}")
             schedule = {s: r.micro_batch_size for s, r in ranks[0].items()}
-            ref_recipe = write_recipe(work / f"oomddp{index}-ref.yaml",
-                                      recipe_dict(work / f"oomddp{index}-ref", **sections))
+            ref_recipe = write_recipe(
+                work / f"oomddp{index}-ref.yaml", recipe_dict(work / f"oomddp{index}-ref", **sections)
+            )
             ref = launch(train_cmd(ref_recipe, harness=Harness(micro_schedule=schedule), ranks=2), DDP_ENV)
             refs = _two_rank_ledgers(work / f"oomddp{index}-ref") if ref.rc == 0 else None
             for fault in chosen:
@@ -465,18 +592,33 @@ def oom_two_ranks(work: Path, injections: int, seed: int) -> Outcome:
                 if refs is None:
                     problem: str | None = f"the fault-free 2-rank run failed:\n{ref.tail()}"
                 elif len(ranks[0][step].attempts) != len(ranks[1][step].attempts):
-                    problem = f"step {step}: the ranks disagree ({len(ranks[0][step].attempts)} vs " \
-                              f"{len(ranks[1][step].attempts)} attempts)"
+                    problem = (
+                        f"step {step}: the ranks disagree ({len(ranks[0][step].attempts)} vs "
+                        f"{len(ranks[1][step].attempts)} attempts)"
+                    )
                 else:
-                    problem = next((p for r in (0, 1) if (p := ledger_problem(
-                        step, ranks[r][step], refs[r][step], injected)) is not None), None)
+                    problem = next(
+                        (
+                            p
+                            for r in (0, 1)
+                            if (p := ledger_problem(step, ranks[r][step], refs[r][step], injected))
+                            is not None
+                        ),
+                        None,
+                    )
                 outcome.record(problem, fault.to_json())
                 outcome.count(f"in {fault.phase}")
-            outcome.count("steps the ranks disagreed on", sum(
-                len(ranks[0][s].attempts) != len(ranks[1][s].attempts) for s in ranks[0]))
+            outcome.count(
+                "steps the ranks disagreed on",
+                sum(len(ranks[0][s].attempts) != len(ranks[1][s].attempts) for s in ranks[0]),
+            )
             if refs is not None:
-                outcome.count("samples lost", sum(_lost(ranks[r][s], refs[r][s]) for r in (0, 1) for s in ranks[r]))
-                outcome.count("samples seen twice", sum(_doubled(ranks[r][s]) for r in (0, 1) for s in ranks[r]))
+                outcome.count(
+                    "samples lost", sum(_lost(ranks[r][s], refs[r][s]) for r in (0, 1) for s in ranks[r])
+                )
+                outcome.count(
+                    "samples seen twice", sum(_doubled(ranks[r][s]) for r in (0, 1) for s in ranks[r])
+                )
             done, index = done + len(chosen), index + 1
     return outcome
 
@@ -485,15 +627,25 @@ def oom_last_micro_step(work: Path, trials: int, seed: int) -> Outcome:
     """The documented limit: an OOM inside the last micro-step on 2 ranks cannot be agreed on. It must
     end the job quickly with a clear error from the rank that failed, never a hang or a collective
     mismatch."""
-    outcome = Outcome("OOM in the last micro-step, 2 ranks", "the documented limit: a clear error, not a hang")
+    outcome = Outcome(
+        "OOM in the last micro-step, 2 ranks", "the documented limit: a clear error, not a hang"
+    )
     with timed(outcome):
         rng = random.Random(f"{seed}-oom-last")
-        sections = {**OOM_SECTIONS, "batch": {"global_size": 16, "micro_size": 4}, "strategies": {"sharding": "ddp"},
-                    "train": {**OOM_SECTIONS["train"], "steps": 4}}
+        sections = {
+            **OOM_SECTIONS,
+            "batch": {"global_size": 16, "micro_size": 4},
+            "strategies": {"sharding": "ddp"},
+            "train": {**OOM_SECTIONS["train"], "steps": 4},
+        }
         for index in range(trials):
             rank = rng.randrange(2)
-            fault = Fault("oom", step=rng.randint(1, 4), micro=2, phase=rng.choice(("forward", "backward")), rank=rank)
-            recipe = write_recipe(work / f"oomlast{index}.yaml", recipe_dict(work / f"oomlast{index}", **sections))
+            fault = Fault(
+                "oom", step=rng.randint(1, 4), micro=2, phase=rng.choice(("forward", "backward")), rank=rank
+            )
+            recipe = write_recipe(
+                work / f"oomlast{index}.yaml", recipe_dict(work / f"oomlast{index}", **sections)
+            )
             run = launch(train_cmd(recipe, harness=Harness((fault,)), ranks=2), DDP_ENV, timeout=120)
             prefix = "memtrain: error" if rank == 0 else f"memtrain (rank {rank}): error"
             expected = f"{prefix}: out of memory on rank {rank} in the last micro-step of step {fault.step}"
@@ -505,8 +657,9 @@ def oom_last_micro_step(work: Path, trials: int, seed: int) -> Outcome:
             elif "collective mismatch" in run.output or "doesn't match expected size" in run.output:
                 problem = "a collective mismatch happened"
             outcome.record(problem, fault.to_json())
-            outcome.figures["seconds to a clear error (max)"] = max(outcome.figures.get(
-                "seconds to a clear error (max)", 0.0), run.seconds)
+            outcome.figures["seconds to a clear error (max)"] = max(
+                outcome.figures.get("seconds to a clear error (max)", 0.0), run.seconds
+            )
     return outcome
 
 
@@ -518,8 +671,11 @@ def hung_rank(work: Path, seed: int) -> Outcome:
         step = random.Random(f"{seed}-hang").randint(2, 4)
         recipe = write_recipe(work / "hang.yaml", recipe_dict(work / "hang", strategies={"sharding": "ddp"}))
         fault = Fault("hang", step=step, rank=1, seconds=600)
-        run = launch(train_cmd(recipe, harness=Harness((fault,)), ranks=2),
-                     {"MEMTRAIN_COLLECTIVE_TIMEOUT_MIN": "0.2"}, timeout=180)
+        run = launch(
+            train_cmd(recipe, harness=Harness((fault,)), ranks=2),
+            {"MEMTRAIN_COLLECTIVE_TIMEOUT_MIN": "0.2"},
+            timeout=180,
+        )
         problem = None
         if run.rc is None:
             problem = f"hung past {run.seconds} s"
@@ -539,35 +695,51 @@ def nonfinite(work: Path, trials: int, seed: int) -> Outcome:
     outcome = Outcome("NaN/inf", "NaN or inf in the loss, inf in a gradient; then K=3 in a row")
     with timed(outcome):
         rng = random.Random(f"{seed}-nan")
-        sections = {"train": {"steps": 10, "lr": 1e-2, "max_bad_steps": 3}, "checkpoint": {"every": 0, "at_end": False}}
+        sections = {
+            "train": {"steps": 10, "lr": 1e-2, "max_bad_steps": 3},
+            "checkpoint": {"every": 0, "at_end": False},
+        }
         for index in range(trials):
             bad = sorted(rng.sample(range(1, 11), rng.randint(1, 3)))
             if bad == list(range(bad[0], bad[0] + 3)):
                 bad = bad[:2]  # three in a row would stop the run: that is the next check
             chosen = tuple(Fault(rng.choice(("nan", "inf", "inf_grad")), step=s) for s in bad)
-            trainer = FaultTrainer(recipe_from_dict(recipe_dict(work / f"nan{index}", **sections)), Harness(chosen))
+            trainer = FaultTrainer(
+                recipe_from_dict(recipe_dict(work / f"nan{index}", **sections)), Harness(chosen)
+            )
             trainer.fit()
             for fault in chosen:
                 record = trainer.ledger[fault.step]
                 problem = None
                 if not record.skipped:
                     problem = "not skipped"
-                elif record.params_before != record.params_after or record.optimizer_before != record.optimizer_after:
+                elif (
+                    record.params_before != record.params_after
+                    or record.optimizer_before != record.optimizer_after
+                ):
                     problem = "parameters or optimizer states changed"
                 outcome.record(problem, f"trial {index}: {fault.to_json()}")
                 outcome.count(f"in {'gradient' if fault.kind == 'inf_grad' else 'loss'}")
             good = [s for s in trainer.ledger if s not in bad]
             if trainer.skipped_steps != len(bad) or any(trainer.ledger[s].skipped for s in good):
-                outcome.record(f"skipped_steps {trainer.skipped_steps}, expected {len(bad)}", f"trial {index}")
+                outcome.record(
+                    f"skipped_steps {trainer.skipped_steps}, expected {len(bad)}", f"trial {index}"
+                )
         for index in range(max(1, trials // 3)):
             first = rng.randint(2, 6)
-            chosen = tuple(Fault(rng.choice(("nan", "inf", "inf_grad")), step=s) for s in range(first, first + 3))
-            outcome.record(_stops_after_k(work / f"nan-stop{index}", sections, chosen), f"K in a row from step {first}")
+            chosen = tuple(
+                Fault(rng.choice(("nan", "inf", "inf_grad")), step=s) for s in range(first, first + 3)
+            )
+            outcome.record(
+                _stops_after_k(work / f"nan-stop{index}", sections, chosen), f"K in a row from step {first}"
+            )
             outcome.count("stops after K in a row")
     return outcome
 
 
-def _stops_after_k(run_dir: Path, sections: dict[str, dict[str, Any]], chosen: tuple[Fault, ...]) -> str | None:
+def _stops_after_k(
+    run_dir: Path, sections: dict[str, dict[str, Any]], chosen: tuple[Fault, ...]
+) -> str | None:
     recipe = write_recipe(run_dir.with_suffix(".yaml"), recipe_dict(run_dir, **sections))
     rc, out, err = in_process(faults.main, [*Harness(chosen).to_args(), "train", str(recipe)])
     last = chosen[-1].step
@@ -631,9 +803,14 @@ def sigterm(work: Path, trials: int, seed: int, ranks: int = 1) -> Outcome:
             stopped = finish(proc, started)
             problem = _check_preempted(run, stopped, seen, ranks)
             if problem is None:
-                resumed = launch(train_cmd(recipe, f"run.output_dir={run}", resume=True, ranks=ranks), DDP_ENV)
-                problem = (run_difference(run, work / f"{tag}-reference") if resumed.rc == 0
-                           else f"the resume failed (exit {resumed.rc}):\n{resumed.tail()}")
+                resumed = launch(
+                    train_cmd(recipe, f"run.output_dir={run}", resume=True, ranks=ranks), DDP_ENV
+                )
+                problem = (
+                    run_difference(run, work / f"{tag}-reference")
+                    if resumed.rc == 0
+                    else f"the resume failed (exit {resumed.rc}):\n{resumed.tail()}"
+                )
             outcome.record(problem, f"trial {index}: SIGTERM after {seen} logged steps")
         outcome.figures["bit-exact resumes"] = outcome.passed
     return outcome
@@ -701,7 +878,9 @@ def _wrong_shape(path: Path, rng: random.Random) -> None:
     torch.save(state, path)
 
 
-def corruption_cases(other: Path, marker: Path) -> dict[str, tuple[str, Callable[[Path, random.Random], None]]]:
+def corruption_cases(
+    other: Path, marker: Path
+) -> dict[str, tuple[str, Callable[[Path, random.Random], None]]]:
     """name -> (file in the newest checkpoint, how to damage it)."""
     other_step = ckpt.find_checkpoint(other / "checkpoints").path
 
@@ -745,13 +924,19 @@ def corrupt(work: Path, seed: int, only: int | None = None) -> Outcome:
     """Damage the newest checkpoint's files, then resume: without `checkpoint.fallback` a clear error
     naming the file (exit 2, no traceback); with it, the previous checkpoint, and a result bit-identical
     to the undamaged run. No loader may run code from a checkpoint."""
-    outcome = Outcome("corrupt checkpoint", "truncated / wrong shapes / other model / garbage meta / missing / pickle")
+    outcome = Outcome(
+        "corrupt checkpoint", "truncated / wrong shapes / other model / garbage meta / missing / pickle"
+    )
     with timed(outcome):
         from memtrain import cli
 
         recipe = write_recipe(work / "corrupt.yaml", recipe_dict(work / "pristine", **CORRUPT_SECTIONS))
-        other_recipe = write_recipe(work / "other.yaml", recipe_dict(
-            work / "other", **{**CORRUPT_SECTIONS, "model": {"config": {**TINY_LLAMA, "hidden_size": 48}}}))
+        other_recipe = write_recipe(
+            work / "other.yaml",
+            recipe_dict(
+                work / "other", **{**CORRUPT_SECTIONS, "model": {"config": {**TINY_LLAMA, "hidden_size": 48}}}
+            ),
+        )
         for path, overrides in ((recipe, []), (other_recipe, ["train.steps=2"])):
             rc, _, err = in_process(cli.main, ["train", str(path), *overrides, "--no-progress"])
             if rc != 0:
@@ -771,10 +956,14 @@ def corrupt(work: Path, seed: int, only: int | None = None) -> Outcome:
             named = str(run / "checkpoints" / newest)
             problem = None
             if rc != 2 or named not in err or "Traceback" in err:
-                problem = f"without fallback: expected exit 2 and an error naming {named}; got {rc}: {err[-500:]}"
+                problem = (
+                    f"without fallback: expected exit 2 and an error naming {named}; got {rc}: {err[-500:]}"
+                )
             else:
                 outcome.count("clear errors naming the file")
-                rc, out, err = in_process(cli.main, [*args, "checkpoint.fallback=true", "--no-progress", "--resume"])
+                rc, out, err = in_process(
+                    cli.main, [*args, "checkpoint.fallback=true", "--no-progress", "--resume"]
+                )
                 if rc != 0 or "falling back to" not in out or "at step 6" not in out:
                     problem = f"with fallback: expected a resume from step 6; got {rc}: {(out + err)[-600:]}"
                 else:
@@ -795,7 +984,9 @@ def unsafe_loads() -> list[str]:
     for path in sorted(Path(memtrain.__file__).parent.rglob("*.py")):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             code = line.split("#")[0]
-            if ("torch.load(" in code and "weights_only=True" not in code) or re.search(r"\bpickle\.loads?\(", code):
+            if ("torch.load(" in code and "weights_only=True" not in code) or re.search(
+                r"\bpickle\.loads?\(", code
+            ):
                 found.append(f"{path.name}:{number}")
     return found
 
@@ -814,8 +1005,11 @@ def corrupt_two_ranks(work: Path, seed: int) -> Outcome:
         run = work / "corrupt-ddp"
         shutil.copytree(work / "pristine-ddp", run)
         _truncate(run / "checkpoints" / ckpt.step_dir_name(8) / "rng_rank1.pt", random.Random(f"{seed}-ddp"))
-        resumed = launch(train_cmd(recipe, f"run.output_dir={run}", "checkpoint.fallback=true", resume=True,
-                                   ranks=2), DDP_ENV, timeout=120)
+        resumed = launch(
+            train_cmd(recipe, f"run.output_dir={run}", "checkpoint.fallback=true", resume=True, ranks=2),
+            DDP_ENV,
+            timeout=120,
+        )
         if resumed.rc != 0:
             problem: str | None = f"exit {resumed.rc}:\n{resumed.tail()}"
         elif "at step 6" not in resumed.output:
@@ -849,11 +1043,25 @@ def dead_rank(work: Path, trials: int, seed: int) -> Outcome:
             return outcome
         rng = random.Random(f"{seed}-dead")
         for index in range(trials):
-            fault = Fault("kill", step=rng.randint(1, 8), micro=rng.randint(1, 2),
-                          phase=rng.choice(("forward", "backward")), rank=rng.randrange(2))
+            fault = Fault(
+                "kill",
+                step=rng.randint(1, 8),
+                micro=rng.randint(1, 2),
+                phase=rng.choice(("forward", "backward")),
+                rank=rng.randrange(2),
+            )
             run = work / f"dead{index}"
-            result = launch(train_cmd(recipe, f"run.output_dir={run}", harness=Harness((fault,)), resume=True,
-                                      ranks=2, restarts=1), DDP_ENV)
+            result = launch(
+                train_cmd(
+                    recipe,
+                    f"run.output_dir={run}",
+                    harness=Harness((fault,)),
+                    resume=True,
+                    ranks=2,
+                    restarts=1,
+                ),
+                DDP_ENV,
+            )
             if result.rc != 0:
                 problem: str | None = f"exit {result.rc}:\n{result.tail()}"
             elif result.output.count("[memtrain] plan:") != 2:

@@ -48,7 +48,13 @@ class Checkpoint:
 
 
 # meta.json fields memtrain reads on resume, and their JSON types.
-META_TYPES: dict[str, type] = {"step": int, "world_size": int, "plan": dict, "skipped_steps": int, "model_section": dict}
+META_TYPES: dict[str, type] = {
+    "step": int,
+    "world_size": int,
+    "plan": dict,
+    "skipped_steps": int,
+    "model_section": dict,
+}
 
 
 def step_dir_name(step: int) -> str:
@@ -59,8 +65,11 @@ def list_checkpoints(root: Path) -> list[Checkpoint]:
     """Checkpoint directories under `root`, oldest first (`.tmp` directories are not checkpoints)."""
     if not root.is_dir():
         return []
-    found = [Checkpoint(child, int(match.group(1))) for child in root.iterdir()
-             if (match := STEP_DIR.match(child.name)) and child.is_dir()]
+    found = [
+        Checkpoint(child, int(match.group(1)))
+        for child in root.iterdir()
+        if (match := STEP_DIR.match(child.name)) and child.is_dir()
+    ]
     return sorted(found, key=lambda c: c.step)
 
 
@@ -73,8 +82,11 @@ def read_meta(path: Path, step: int | None = None) -> dict[str, Any]:
         raise CheckpointError(f"{file}: unreadable checkpoint metadata ({exc})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{file}: checkpoint metadata must be a JSON object, not {type(meta).__name__}")
-    wrong = [f"{key} is not {kind.__name__}" for key, kind in META_TYPES.items()
-             if key in meta and not isinstance(meta[key], kind)]
+    wrong = [
+        f"{key} is not {kind.__name__}"
+        for key, kind in META_TYPES.items()
+        if key in meta and not isinstance(meta[key], kind)
+    ]
     if wrong:
         raise CheckpointError(f"{file}: damaged checkpoint metadata ({'; '.join(wrong)})")
     if step is not None and meta.get("step", step) != step:
@@ -89,7 +101,9 @@ def find_checkpoint(location: Path) -> Checkpoint:
         return Checkpoint(location, int(match.group(1)))
     found = list_checkpoints(location)
     if not found:
-        raise CheckpointError(f"no checkpoint under {location}; train without --resume or point --resume at one")
+        raise CheckpointError(
+            f"no checkpoint under {location}; train without --resume or point --resume at one"
+        )
     return found[-1]
 
 
@@ -159,7 +173,9 @@ def load_rng_state(path: Path) -> None:
     try:
         set_rng_state(state)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: not an RNG state saved by memtrain ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(
+            f"{path}: not an RNG state saved by memtrain ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -169,7 +185,13 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [py_version, list(py_state), py_gauss],
-        "numpy": [np_kind, torch.from_numpy(np.asarray(np_keys, dtype=np.int64)), np_pos, np_has_gauss, np_gauss],
+        "numpy": [
+            np_kind,
+            torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            np_pos,
+            np_has_gauss,
+            np_gauss,
+        ],
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()

@@ -22,17 +22,29 @@ EXIT_STOPPED = 3  # the run stopped itself after a checkpoint (e.g. too many non
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0], epilog=_strategies(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="memtrain",
+        description=__doc__.splitlines()[0],
+        epilog=_strategies(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a recipe (launch with torchrun for several ranks)")
     train.add_argument("recipe", help="path to a recipe YAML file")
     train.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. train.steps=20")
-    train.add_argument("--resume", nargs="?", const=True, default=None, metavar="DIR|auto",
-                       help="continue from the run's newest checkpoint, or from DIR; 'auto': resume if the "
-                       "run has a checkpoint, else start fresh (for restarts under torchrun --max-restarts)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar (same as output.progress=off)")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="DIR|auto",
+        help="continue from the run's newest checkpoint, or from DIR; 'auto': resume if the "
+        "run has a checkpoint, else start fresh (for restarts under torchrun --max-restarts)",
+    )
+    train.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (same as output.progress=off)"
+    )
 
     validate = commands.add_parser("validate", help="check a recipe and its model config; print the result")
     validate.add_argument("recipe")
@@ -42,23 +54,39 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("recipe")
     profile.add_argument("overrides", nargs="*")
     profile.add_argument("--steps", type=int, default=3, help="steps to profile (default 3)")
-    profile.add_argument("--out", type=Path, default=None, help="output directory (default <run dir>/profile)")
-    profile.add_argument("--json", action="store_true", help="print memory.json to stdout instead of the table")
+    profile.add_argument(
+        "--out", type=Path, default=None, help="output directory (default <run dir>/profile)"
+    )
+    profile.add_argument(
+        "--json", action="store_true", help="print memory.json to stdout instead of the table"
+    )
 
     plan = commands.add_parser("plan", help="predict every allowed plan's memory; show the fastest that fits")
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*")
     plan.add_argument("--json", action="store_true", help="print the plan, predictions and budget as JSON")
-    plan.add_argument("--gpu", default=None, metavar="NAME",
-                      help="plan for a GPU that is not here: a profile in configs/ (e.g. h100-80gb) or its path")
-    plan.add_argument("--gpu-memory", default=None, metavar="SIZE", help="plan for a GPU of this size (e.g. 24GiB)")
-    plan.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)")
+    plan.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME",
+        help="plan for a GPU that is not here: a profile in configs/ (e.g. h100-80gb) or its path",
+    )
+    plan.add_argument(
+        "--gpu-memory", default=None, metavar="SIZE", help="plan for a GPU of this size (e.g. 24GiB)"
+    )
+    plan.add_argument(
+        "--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)"
+    )
 
     commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
     for command in (train, validate, profile, plan):
-        command.add_argument("--trainer", default=None, metavar="FILE.py:CLASS",
-                             help="your Trainer subclass (path/to/file.py:MyTrainer or package.module:MyTrainer); "
-                             "default: the built-in causal-LM trainer")
+        command.add_argument(
+            "--trainer",
+            default=None,
+            metavar="FILE.py:CLASS",
+            help="your Trainer subclass (path/to/file.py:MyTrainer or package.module:MyTrainer); "
+            "default: the built-in causal-LM trainer",
+        )
     return parser
 
 
@@ -99,8 +127,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "plan":
         from memtrain.commands import plan
 
-        return plan.run(args.recipe, list(args.overrides), trainer=args.trainer, as_json=args.json, gpu=args.gpu,
-                        gpu_memory=args.gpu_memory, world_size=args.world_size)
+        return plan.run(
+            args.recipe,
+            list(args.overrides),
+            trainer=args.trainer,
+            as_json=args.json,
+            gpu=args.gpu,
+            gpu_memory=args.gpu_memory,
+            world_size=args.world_size,
+        )
     overrides = list(args.overrides)
     if args.command == "train":
         if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):
@@ -124,7 +159,9 @@ def _run(args: argparse.Namespace) -> int:
             validated = trainer_class(args.trainer)(recipe)
             model = validated.describe_model()
             shutdown(validated.env)
-        print(f"{args.recipe}: ok ({model}, {recipe.train.steps} steps, global batch {recipe.batch.global_size})")
+        print(
+            f"{args.recipe}: ok ({model}, {recipe.train.steps} steps, global batch {recipe.batch.global_size})"
+        )
         return 0
 
     trainer = trainer_class(args.trainer)(recipe)
@@ -145,8 +182,9 @@ def _profile(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise MemtrainError("--steps: must be at least 1")
-    report, out_dir = run_profile(args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out,
-                                  args.trainer)
+    report, out_dir = run_profile(
+        args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out, args.trainer
+    )
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(report, indent=2) if args.json else describe(report, out_dir))
     return 0

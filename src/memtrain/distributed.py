@@ -48,8 +48,14 @@ def init_distributed() -> DistEnv:
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, store=_attempt_store(rank, world_size), rank=rank,
-                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT, **kwargs)
+        dist.init_process_group(
+            backend=backend,
+            store=_attempt_store(rank, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+            **kwargs,
+        )
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

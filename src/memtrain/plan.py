@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from memtrain.distributed import DistEnv
-from memtrain.errors import RecipeError
+from memtrain.errors import RecipeError, Unsupported
 from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
-from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.checkpointing import CHECKPOINTING, Checkpointing
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
-from memtrain.strategies.optimizer import OptimizerStates
-from memtrain.strategies.precision import Precision
+from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
+from memtrain.strategies.precision import PRECISION, Precision
 from memtrain.strategies.registry import DeviceFacts, Strategy
-from memtrain.strategies.sharding import Sharding
+from memtrain.strategies.sharding import SHARDING, Sharding
 from memtrain.strategies.sharding.base import ShardingBackend
 
 
@@ -72,7 +72,7 @@ class Plan:
         try:
             kinds = {kind: registry.from_dict(data[kind]) for kind, registry in REGISTRIES.items()}
             return cls(**kinds, world_size=int(data["world_size"]))
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError, Unsupported) as exc:
             raise ValueError(f"not a memtrain plan ({type(exc).__name__}: {exc})") from None
 
     def digest(self) -> str:
@@ -82,15 +82,20 @@ class Plan:
         """One line: each strategy with its options, e.g. `bf16-mixed, checkpointing fraction(0.5), states
         fp32, sharding none, micro 4 x 2` (4 sequences per micro-batch, 2 micro-batches per step)."""
         s = self.strategies()
-        return (f"{s['precision'].describe()}, checkpointing {s['checkpointing'].describe()}, states "
-                f"{s['optimizer_states'].describe()}, sharding {s['sharding'].describe()}, micro "
-                f"{s['micro_batching'].describe()}")
+        return (
+            f"{s['precision'].describe()}, checkpointing {s['checkpointing'].describe()}, states "
+            f"{s['optimizer_states'].describe()}, sharding {s['sharding'].describe()}, micro "
+            f"{s['micro_batching'].describe()}"
+        )
 
     def summary(self) -> dict[str, Any]:
         """Flat, for tables and `memtrain plan --json` candidates: each kind's `describe()`, and the
         micro-batch size and accumulation steps."""
-        return {**{kind: s.describe() for kind, s in self.strategies().items()},
-                "micro_batch_size": self.micro_batch_size, "accumulation_steps": self.accumulation_steps}
+        return {
+            **{kind: s.describe() for kind, s in self.strategies().items()},
+            "micro_batch_size": self.micro_batch_size,
+            "accumulation_steps": self.accumulation_steps,
+        }
 
     def key(self) -> tuple[Any, ...]:
         """A total order over plans (names, then options), for deterministic ties."""
@@ -101,19 +106,28 @@ def is_open(recipe: Recipe) -> bool:
     """Whether the recipe leaves anything for the planner to choose."""
     s = recipe.strategies
     choices = [getattr(s, kind) for kind in RECIPE_KINDS]
-    return recipe.batch.micro_size == "auto" and recipe.batch.micro_tokens is None or any(
-        not isinstance(c, str) or c == "auto" for c in choices)
+    return (
+        recipe.batch.micro_size == "auto"
+        and recipe.batch.micro_tokens is None
+        or any(not isinstance(c, str) or c == "auto" for c in choices)
+    )
 
 
 def per_rank_batch(recipe: Recipe, world_size: int) -> int:
     """Sequences per rank per step; `RecipeError` when the global batch does not divide."""
     global_size = recipe.batch.global_size
     if global_size % world_size:
-        raise RecipeError([f"batch.global_size: {global_size} is not divisible by the world size {world_size}"])
+        raise RecipeError(
+            [f"batch.global_size: {global_size} is not divisible by the world size {world_size}"]
+        )
     micro = recipe.batch.micro_size
     if isinstance(micro, int) and (global_size // world_size) % micro:
-        raise RecipeError([f"batch.global_size: {global_size} is not divisible by world size x batch.micro_size "
-                           f"({world_size} x {micro}); change batch.global_size or batch.micro_size"])
+        raise RecipeError(
+            [
+                f"batch.global_size: {global_size} is not divisible by world size x batch.micro_size "
+                f"({world_size} x {micro}); change batch.global_size or batch.micro_size"
+            ]
+        )
     return global_size // world_size
 
 
@@ -132,15 +146,16 @@ def micro_batching(recipe: Recipe, rows: int, size: int) -> MicroBatching:
 def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     """The plan of a recipe that pins every choice, each strategy checked on this device."""
     assert not is_open(recipe)
+    s = recipe.strategies
+    precision = PRECISION.create(str(s.precision), s.model_dump())
+    checkpointing = CHECKPOINTING.create(str(s.checkpointing), s.model_dump())
+    optimizer_states = OPTIMIZER_STATES.create(str(s.optimizer_states), s.model_dump())
+    sharding = SHARDING.create(str(s.sharding), s.model_dump())
     facts = DeviceFacts.of(env.device, env.world_size)
-    chosen = {kind: recipe_strategy(recipe, kind, str(getattr(recipe.strategies, kind))) for kind in RECIPE_KINDS}
-    for kind, strategy in chosen.items():
-        if kind == "sharding":
-            assert isinstance(strategy, Sharding) and isinstance(chosen["precision"], Precision)
-            strategy.check_with(env, chosen["precision"])
-        else:
-            strategy.check(facts)
+    for strategy in (precision, checkpointing, optimizer_states):
+        strategy.check(facts)
+    sharding.check_with(env, precision)
     rows = per_rank_batch(recipe, env.world_size)
     size = rows if recipe.batch.micro_size == "auto" else int(recipe.batch.micro_size)
-    return Plan(**chosen, micro_batching=micro_batching(recipe, rows, size),  # type: ignore[arg-type]
-                world_size=env.world_size)
+    batching = micro_batching(recipe, rows, size)
+    return Plan(precision, checkpointing, optimizer_states, sharding, batching, env.world_size)

@@ -58,16 +58,21 @@ class DataConfig(_Section):
     jsonl_field: str = "text"
     tokenizer: str = Field(default="byte", description='"byte" or a path to a tokenizers JSON file.')
     seq_len: int = Field(default=128, gt=0)
-    packing: bool = Field(default=True, description="Fixed-length packing; false = one padded document per row.")
+    packing: bool = Field(
+        default=True, description="Fixed-length packing; false = one padded document per row."
+    )
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     synthetic: SyntheticData = SyntheticData()
 
 
 class BatchConfig(_Section):
     global_size: int = Field(default=16, gt=0, description="Sequences per optimizer step over all ranks.")
-    micro_size: int | Literal["auto"] = Field(default="auto", description="Sequences per micro-batch per rank.")
+    micro_size: int | Literal["auto"] = Field(
+        default="auto", description="Sequences per micro-batch per rank."
+    )
     micro_tokens: int | None = Field(
-        default=None, gt=0,
+        default=None,
+        gt=0,
         description="Token budget per micro-batch (rows x longest row), instead of micro_size: for variable-length data.",
     )
 
@@ -92,7 +97,9 @@ class TrainConfig(_Section):
     eval_batches: int = Field(default=4, gt=0)
     log_every: int = Field(default=1, gt=0)
     max_bad_steps: int = Field(
-        default=5, gt=0, description="Consecutive steps with non-finite gradients (each skipped) before the run stops."
+        default=5,
+        gt=0,
+        description="Consecutive steps with non-finite gradients (each skipped) before the run stops.",
     )
 
     @field_validator("betas")
@@ -108,7 +115,8 @@ class CheckpointConfig(_Section):
     keep: int = Field(default=2, gt=0)
     at_end: bool = True
     fallback: bool = Field(
-        default=False, description="On resume, fall back to the previous checkpoint when the newest is unreadable."
+        default=False,
+        description="On resume, fall back to the previous checkpoint when the newest is unreadable.",
     )
 
 
@@ -139,22 +147,28 @@ class StrategiesConfig(_Section):
     sharding: StrategyChoice = "none"
     checkpointing: StrategyChoice = "none"
     checkpointing_fraction: float = Field(
-        default=0.5, gt=0.0, le=1.0, description="Share of blocks recomputed when checkpointing is 'fraction'."
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="Share of blocks recomputed when checkpointing is 'fraction'.",
     )
     optimizer_states: StrategyChoice = "fp32"
     fp8_emulate: bool = Field(default=False, description="fp8 through torchao's emulation (CPU, debugging).")
     # sharding options (used by strategies.sharding)
     sharding_backend: Literal["fsdp2", "deepspeed"] = Field(
-        default="fsdp2", description="Backend of zero1/zero2/zero3: fsdp2 (zero1: ZeroRedundancyOptimizer) or deepspeed."
+        default="fsdp2",
+        description="Backend of zero1/zero2/zero3: fsdp2 (zero1: ZeroRedundancyOptimizer) or deepspeed.",
     )
     sharding_offload: Literal["none", "optimizer", "params"] = Field(
-        default="none", description="ZeRO offload to host memory: optimizer states (deepspeed) or params (zero3)."
+        default="none",
+        description="ZeRO offload to host memory: optimizer states (deepspeed) or params (zero3).",
     )
     comm_hook: Literal["none", "bf16", "powersgd"] = Field(
         default="none", description="DDP gradient-communication hook (ddp, zero1 on fsdp2)."
     )
     deepspeed_config: str | None = Field(
-        default=None, description="DeepSpeed JSON merged into the generated config; keys contradicting the recipe are errors."
+        default=None,
+        description="DeepSpeed JSON merged into the generated config; keys contradicting the recipe are errors.",
     )
 
     @field_validator(*RECIPE_KINDS)
@@ -169,7 +183,8 @@ class StrategiesConfig(_Section):
                 continue
             listed = ", ".join((*registry.names(), "auto"))
             raise PydanticCustomError(
-                "strategy_name", "'{word}' is not one of {listed} (or a list of them){hint}",
+                "strategy_name",
+                "'{word}' is not one of {listed} (or a list of them){hint}",
                 {"word": name, "listed": listed, "hint": did_you_mean(name, registry.names())},
             )
         return value
@@ -177,12 +192,15 @@ class StrategiesConfig(_Section):
 
 class PlannerConfig(_Section):
     safety_fraction: float | None = Field(
-        default=None, ge=0.0, lt=1.0,
+        default=None,
+        ge=0.0,
+        lt=1.0,
         description="Share of the free memory kept back for allocator slack and prediction error "
         "(default: 0.10 on CUDA, 0.02 on CPU, where the tracker counts exactly).",
     )
     checkpointing_fractions: list[float] = Field(
-        default=[0.25, 0.5, 0.75], min_length=1,
+        default=[0.25, 0.5, 0.75],
+        min_length=1,
         description="Fractions of blocks the planner tries when strategies.checkpointing is auto or a list "
         "(a pinned checkpointing=fraction uses strategies.checkpointing_fraction).",
     )
@@ -229,7 +247,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raw = apply_overrides(raw, overrides or [], source)
         return recipe_from_dict(raw, source=source)
     except RecursionError:  # the YAML parser, copying and validation all recurse per level
-        raise RecipeError(["the recipe is nested too deeply (hundreds of levels) to be a recipe"], source) from None
+        raise RecipeError(
+            ["the recipe is nested too deeply (hundreds of levels) to be a recipe"], source
+        ) from None
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -238,7 +258,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise RecipeError([f"not UTF-8 text (byte {exc.start}): save the recipe as UTF-8"], source=str(path)) from None
+        raise RecipeError(
+            [f"not UTF-8 text (byte {exc.start}): save the recipe as UTF-8"], source=str(path)
+        ) from None
     try:
         loaded = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -251,7 +273,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise RecipeError([f"the top level must be a mapping of sections, got {type(loaded).__name__}"], str(path))
+        raise RecipeError(
+            [f"the top level must be a mapping of sections, got {type(loaded).__name__}"], str(path)
+        )
     return loaded
 
 
@@ -408,6 +432,8 @@ def json_schema() -> dict[str, Any]:
     strategies = schema["$defs"]["StrategiesConfig"]["properties"]
     for kind in RECIPE_KINDS:  # the names come from the registries, so the schema lists what is registered
         names = ["auto", *REGISTRIES[kind].names()]
-        strategies[kind] = {"default": strategies[kind].get("default"), "anyOf": [
-            {"enum": names}, {"type": "array", "items": {"enum": names[1:]}}]}
+        strategies[kind] = {
+            "default": strategies[kind].get("default"),
+            "anyOf": [{"enum": names}, {"type": "array", "items": {"enum": names[1:]}}],
+        }
     return schema

@@ -26,13 +26,22 @@ from memtrain.strategies.optimizer import OPTIMIZER_STATES, measured_state_bytes
 
 from helpers import tiny_recipe, tiny_recipe_dict
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 # Dimensions divisible by 16 (fp8 matmuls need it) and tensors on both sides of bitsandbytes' 8-bit
 # threshold (4096 elements); fixed-length rows so every fp8 matmul has a multiple of 16 rows.
 MODEL: dict[str, Any] = {
-    "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "max_position_embeddings": 64,
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 64,
 }
 SECTIONS: dict[str, dict[str, Any]] = {
     "model": {"config": MODEL},
@@ -45,17 +54,29 @@ FP8_FINAL_LOSS_TOLERANCE = 0.10
 # for the planner's prediction against max_memory_allocated. The bound is loose on purpose: it catches a
 # gross error on CUDA; scripts/estimator_accuracy.py measures the real error (goal 5%) on a 134M model.
 PLANNER_SECTIONS: dict[str, dict[str, Any]] = {
-    "model": {"config": {**MODEL, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
-                         "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 8192,
-                         "max_position_embeddings": 256}},
+    "model": {
+        "config": {
+            **MODEL,
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "vocab_size": 8192,
+            "max_position_embeddings": 256,
+        }
+    },
     "data": {"source": "synthetic", "seq_len": 256, "synthetic": {"num_samples": 64, "min_len": 0}},
 }
 PLANNER_TOLERANCE = 0.25
 
 
 def has_fp8() -> bool:
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-            and importlib.util.find_spec("torchao") is not None)
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (8, 9)
+        and importlib.util.find_spec("torchao") is not None
+    )
 
 
 @pytest.mark.skipif(not has_fp8(), reason="needs compute capability >= 8.9 and torchao")
@@ -63,27 +84,45 @@ def test_fp8_trains_on_cuda_like_bf16(tmp_path: Path) -> None:
     from torchao.float8.float8_linear import Float8Linear
 
     train = {"train": {"steps": 40, "lr": 1e-2}}
-    reference = CausalLMTrainer(tiny_recipe(tmp_path / "bf16", **SECTIONS, **train,
-                                            strategies={"precision": "bf16-mixed"})).fit().losses
-    trainer = CausalLMTrainer(tiny_recipe(tmp_path / "fp8", **SECTIONS, **train, strategies={"precision": "fp8"}))
+    reference = (
+        CausalLMTrainer(
+            tiny_recipe(tmp_path / "bf16", **SECTIONS, **train, strategies={"precision": "bf16-mixed"})
+        )
+        .fit()
+        .losses
+    )
+    trainer = CausalLMTrainer(
+        tiny_recipe(tmp_path / "fp8", **SECTIONS, **train, strategies={"precision": "fp8"})
+    )
     trainer.setup()
     swapped = [m for m in trainer.model.modules() if isinstance(m, Float8Linear)]
     assert len(swapped) == 2 * 7 and not any(m.config.emulate for m in swapped), "real fp8 kernels"
     losses = trainer.fit().losses
     assert losses[-1] < 0.85 * losses[0]
-    assert abs(losses[-1] - reference[-1]) / reference[-1] < FP8_FINAL_LOSS_TOLERANCE, (losses[-1], reference[-1])
+    assert abs(losses[-1] - reference[-1]) / reference[-1] < FP8_FINAL_LOSS_TOLERANCE, (
+        losses[-1],
+        reference[-1],
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_paged_8bit_trains_on_cuda_and_matches_its_estimate(tmp_path: Path) -> None:
-    trainer = CausalLMTrainer(tiny_recipe(tmp_path, **SECTIONS, train={"steps": 20, "lr": 1e-2},
-                                          strategies={"optimizer_states": "paged-8bit"}))
+    trainer = CausalLMTrainer(
+        tiny_recipe(
+            tmp_path,
+            **SECTIONS,
+            train={"steps": 20, "lr": 1e-2},
+            strategies={"optimizer_states": "paged-8bit"},
+        )
+    )
     trainer.setup()
     assert type(trainer.optimizer).__name__ == "PagedAdamW8bit"
     losses = trainer.fit().losses
     assert losses[-1] < 0.9 * losses[0]
     model = trainer.model
-    estimate = OPTIMIZER_STATES.create("paged-8bit").estimate(model_shape(model, discover_blocks(model)), Footprint())
+    estimate = OPTIMIZER_STATES.create("paged-8bit").estimate(
+        model_shape(model, discover_blocks(model)), Footprint()
+    )
     assert estimate.optimizer_states == measured_state_bytes(trainer.optimizer)
 
 
@@ -91,7 +130,9 @@ def test_profile_on_cuda_writes_a_memory_viz_snapshot_and_the_allocator_view(tmp
     from memtrain.commands.profile import run_profile
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_recipe_dict(tmp_path, **SECTIONS, strategies={"precision": "bf16-mixed"})))
+    recipe.write_text(
+        yaml.safe_dump(tiny_recipe_dict(tmp_path, **SECTIONS, strategies={"precision": "bf16-mixed"}))
+    )
     report, out = run_profile(str(recipe), [], steps=2, out=tmp_path / "profile")
     snapshot = out / "memory_snapshot.pickle"
     assert snapshot.is_file() and snapshot.stat().st_size > 0
@@ -108,18 +149,35 @@ def test_planner_prediction_against_the_allocator(tmp_path: Path) -> None:
     from memtrain.distributed import init_distributed
     from memtrain.planner import plan_for_run
 
-    auto = tiny_recipe(tmp_path / "auto", **PLANNER_SECTIONS, batch={"global_size": 8, "micro_size": "auto"},
-                       strategies={"precision": "auto", "checkpointing": "auto", "optimizer_states": ["fp32"],
-                                   "sharding": "auto"})
-    result = plan_for_run(auto, init_distributed(), CausalLMTrainer(auto).model_spec(), progress=lambda _line: None)
+    auto = tiny_recipe(
+        tmp_path / "auto",
+        **PLANNER_SECTIONS,
+        batch={"global_size": 8, "micro_size": "auto"},
+        strategies={
+            "precision": "auto",
+            "checkpointing": "auto",
+            "optimizer_states": ["fp32"],
+            "sharding": "auto",
+        },
+    )
+    result = plan_for_run(
+        auto, init_distributed(), CausalLMTrainer(auto).model_spec(), progress=lambda _line: None
+    )
     assert result.plan.precision.name in ("bf16-mixed", "fp32"), "auto keeps fp32-like numerics"
     assert result.chosen is not None
     plan = result.plan
     sections = {**PLANNER_SECTIONS, "batch": {"global_size": 8, "micro_size": plan.micro_batch_size}}
-    pinned = tiny_recipe(tmp_path / "run", **sections, train={"steps": 3}, strategies={
-        "precision": plan.precision.name, "checkpointing": plan.checkpointing.name,
-        "checkpointing_fraction": getattr(plan.checkpointing, "fraction", 0.5),
-        "optimizer_states": plan.optimizer_states.name})
+    pinned = tiny_recipe(
+        tmp_path / "run",
+        **sections,
+        train={"steps": 3},
+        strategies={
+            "precision": plan.precision.name,
+            "checkpointing": plan.checkpointing.name,
+            "checkpointing_fraction": getattr(plan.checkpointing, "fraction", 0.5),
+            "optimizer_states": plan.optimizer_states.name,
+        },
+    )
     trainer = CausalLMTrainer(pinned)
     torch.cuda.empty_cache()
     trainer.fit()

@@ -26,7 +26,12 @@ def planner_recipe(tmp_path: Path, **sections: dict[str, Any]) -> Recipe:
         "data": {"seq_len": 32, "eval_fraction": 0.0, "synthetic": {"num_samples": 16, "min_len": 0}},
         "batch": {"global_size": 8, "micro_size": "auto"},
         "train": {"steps": 2},
-        "strategies": {"precision": "fp32", "checkpointing": "auto", "optimizer_states": "auto", "sharding": "none"},
+        "strategies": {
+            "precision": "fp32",
+            "checkpointing": "auto",
+            "optimizer_states": "auto",
+            "sharding": "none",
+        },
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
@@ -43,6 +48,9 @@ def plan_on(recipe: Recipe, target: Target, probe: ModelProbe | None = None) -> 
 
 def scored_plan(result: PlanResult, **fields: Any) -> Scored:
     """The one evaluated candidate whose fields match `fields`."""
-    (match,) = [s for s in (*result.ranked, *result.infeasible)
-                if all(s.plan.summary()[k] == v for k, v in fields.items())]
+    (match,) = [
+        s
+        for s in (*result.ranked, *result.infeasible)
+        if all(s.plan.summary()[k] == v for k, v in fields.items())
+    ]
     return match

@@ -22,8 +22,11 @@ def main() -> None:
     spec = CausalLMTrainer(recipe).model_spec()
     result = make_plan(recipe, env, spec, free_bytes=int(free[env.rank]))
     assert result.budget is not None
-    (Path(out_dir) / f"rank{env.rank}.json").write_text(json.dumps(
-        {"digest": result.plan.digest(), "plan": result.plan.to_dict(), "usable": result.budget.usable}))
+    (Path(out_dir) / f"rank{env.rank}.json").write_text(
+        json.dumps(
+            {"digest": result.plan.digest(), "plan": result.plan.to_dict(), "usable": result.budget.usable}
+        )
+    )
     barrier(env)  # neither rank tears the gloo group down while its peer still talks (an abort at exit)
     shutdown(env)
 

@@ -15,8 +15,12 @@ from helpers import tiny_recipe
 
 def test_plan_json_holds_prediction_and_calibration(tmp_path: Path) -> None:
     # Full-length rows: the planner sizes activations for seq_len, the longest a batch can be.
-    recipe = tiny_recipe(tmp_path, memory={"track": True}, batch={"global_size": 8, "micro_size": "auto"},
-                         data={"synthetic": {"num_samples": 256, "min_len": 0}})
+    recipe = tiny_recipe(
+        tmp_path,
+        memory={"track": True},
+        batch={"global_size": 8, "micro_size": "auto"},
+        data={"synthetic": {"num_samples": 256, "min_len": 0}},
+    )
     trainer = CausalLMTrainer(recipe)
     trainer.fit()
     record = json.loads((tmp_path / "run/plan.json").read_text())
@@ -26,7 +30,9 @@ def test_plan_json_holds_prediction_and_calibration(tmp_path: Path) -> None:
     # Step 1 has no optimizer states yet (created lazily in its optimizer phase): the prediction is
     # for the steady state, so step 2 is the one to match.
     assert first["measured"]["optimizer_states"] == 0
-    assert abs(second["relative_error"]["peak"]) < 0.05, second  # 3.1% here; scripts/planner_accuracy.py: max 0.9%
+    assert abs(second["relative_error"]["peak"]) < 0.05, (
+        second
+    )  # 3.1% here; scripts/planner_accuracy.py: max 0.9%
 
 
 def test_measured_peak_over_budget_replans_smaller_micro_batches(tmp_path: Path) -> None:

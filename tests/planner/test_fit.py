@@ -54,6 +54,9 @@ def test_calibration_compares_prediction_and_measurement(tmp_path: Path) -> None
     assert trainer.plan == result.plan  # deterministic: the trainer resolves the same plan
     trainer.fit()
     report = calibration(result, trainer.memory_reports[-1])
-    assert set(report["predicted"]) == set(report["measured"]) == {
-        "weights", "gradients", "optimizer_states", "activations", "other", "peak"}
+    assert (
+        set(report["predicted"])
+        == set(report["measured"])
+        == {"weights", "gradients", "optimizer_states", "activations", "other", "peak"}
+    )
     assert abs(report["relative_error"]["peak"]) < 0.03

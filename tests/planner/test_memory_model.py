@@ -49,12 +49,17 @@ def one_thread() -> object:
 @pytest.mark.parametrize("plan", PLANS, ids=[f"{p}-{c}-{o}-micro{m}" for p, c, _, o, m in PLANS])
 def test_predicted_peak_matches_the_tracker(tmp_path: Path, plan: tuple[str, str, float, str, int]) -> None:
     precision, mode, fraction, states, micro = plan
-    pinned = {"precision": precision, "checkpointing": mode, "checkpointing_fraction": fraction,
-              "optimizer_states": states}
+    pinned = {
+        "precision": precision,
+        "checkpointing": mode,
+        "checkpointing_fraction": fraction,
+        "optimizer_states": states,
+    }
     searched = plan_on(planner_recipe(tmp_path, strategies=pinned), cpu_target())
     predicted = scored_plan(searched, micro_batch_size=micro).prediction
-    run = planner_recipe(tmp_path, strategies=pinned, batch={"micro_size": micro}, memory={"track": True},
-                         train={"steps": 3})
+    run = planner_recipe(
+        tmp_path, strategies=pinned, batch={"micro_size": micro}, memory={"track": True}, train={"steps": 3}
+    )
     trainer = CausalLMTrainer(run)
     trainer.fit()
     measured = trainer.memory_reports[-1]
@@ -63,15 +68,21 @@ def test_predicted_peak_matches_the_tracker(tmp_path: Path, plan: tuple[str, str
         assert getattr(predicted.at_peak, component) == measured.at_peak[component], component
 
 
-@pytest.mark.parametrize(("precision", "states"), [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "8bit"),
-                                                   ("bf16-master", "fp32"), ("bf16-master", "8bit")])
+@pytest.mark.parametrize(
+    ("precision", "states"),
+    [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "8bit"), ("bf16-master", "fp32"), ("bf16-master", "8bit")],
+)
 def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str) -> None:
     """The optimizer step as the trainer runs it (master hand-over, clipping, step) on a model whose largest
     tensor dominates, so that the per-tensor temporaries are visible."""
     stored = PRECISION.create(precision).stored_dtype
     model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.Linear(64, 64)).to(stored)
     optimizer = PRECISION.create(precision).build_optimizer(
-        model, lambda ps: OPTIMIZER_STATES.create(states).build(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
+        model,
+        lambda ps: OPTIMIZER_STATES.create(states).build(
+            ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+        ),
+    )
     tracker = MemoryTracker(model, optimizer)
     with tracker:
         for step in range(2):  # the second step is the steady state (states exist)
@@ -79,17 +90,28 @@ def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str) ->
                 p.grad = torch.zeros_like(p)
             tracker.begin_step(step)
             with tracker.phase("optimizer"):
-                params = optimizer.gradients_to_master() if isinstance(optimizer, MasterWeightOptimizer) \
+                params = (
+                    optimizer.gradients_to_master()
+                    if isinstance(optimizer, MasterWeightOptimizer)
                     else list(model.parameters())
+                )
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             measured = tracker.end_step().peak_bytes
     from memtrain.strategies.blocks import model_shape
 
-    levels = state_levels(model_shape(model, []), precision=PRECISION.create(precision),
-                          optimizer_states=OPTIMIZER_STATES.create(states), backend=make_sharding("none"),
-                          replicated=True, world_size=1, dim0={}, fixed_bytes=0, foreach=False)
+    levels = state_levels(
+        model_shape(model, []),
+        precision=PRECISION.create(precision),
+        optimizer_states=OPTIMIZER_STATES.create(states),
+        backend=make_sharding("none"),
+        replicated=True,
+        world_size=1,
+        dim0={},
+        fixed_bytes=0,
+        foreach=False,
+    )
     predicted = levels.weights + levels.optimizer_states + levels.optimizer_gradients + levels.optimizer_extra
     assert abs(predicted - measured) <= 64, (predicted, measured)  # clipping's scalars
 
@@ -119,10 +141,20 @@ def test_runs_of_blocks_walk_like_single_blocks(tmp_path: Path) -> None:
 
 def test_prediction_breakdown_sums_to_the_peak(tmp_path: Path) -> None:
     probe = probe_of(planner_recipe(tmp_path))
-    levels = state_levels(probe.shape, precision=FP32, optimizer_states=OptimizerStates(),
-                          backend=make_sharding("none"), replicated=True, world_size=1, dim0=probe.dim0,
-                          fixed_bytes=0, foreach=False)
+    levels = state_levels(
+        probe.shape,
+        precision=FP32,
+        optimizer_states=OptimizerStates(),
+        backend=make_sharding("none"),
+        replicated=True,
+        world_size=1,
+        dim0=probe.dim0,
+        fixed_bytes=0,
+        foreach=False,
+    )
     prediction = predict(levels, step_walk({NONE: probe.trace(FP32, NONE, (1, 2))}, [NONE] * 5, 64, 2))
     assert isinstance(prediction.at_peak, Footprint)
     assert prediction.peak == prediction.at_peak.peak
-    assert all(getattr(prediction.maxima, c) >= getattr(prediction.at_peak, c) for c in ("weights", "activations"))
+    assert all(
+        getattr(prediction.maxima, c) >= getattr(prediction.at_peak, c) for c in ("weights", "activations")
+    )

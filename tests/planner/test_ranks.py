@@ -24,9 +24,23 @@ def test_two_ranks_with_different_headroom_pick_the_same_plan(tmp_path: Path) ->
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe.to_dict()))
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests/planner/rank_job.py"), str(recipe_file), str(tmp_path), *map(str, FREE)],
-        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests/planner/rank_job.py"),
+            str(recipe_file),
+            str(tmp_path),
+            *map(str, FREE),
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["digest"] == ranks[1]["digest"]

@@ -38,9 +38,17 @@ def synthetic(count: int, seed: int) -> list[Scored]:
     for i in range(count):
         peak = rng.randrange(1, 1000) * MiB
         seconds = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0])  # ties happen: the order must still be total
-        candidate = Plan(Precision(), NoCheckpointing(), OptimizerStates(), Sharding(), MicroBatching(i + 1, 1))
-        out.append(Scored(candidate, Prediction(Footprint(activations=peak), Footprint(activations=peak), "x"),
-                          StepCost(seconds, 0, 0, 0, 0, 0), StateLevels(0, 0, 0, 0, 0, 0)))
+        candidate = Plan(
+            Precision(), NoCheckpointing(), OptimizerStates(), Sharding(), MicroBatching(i + 1, 1)
+        )
+        out.append(
+            Scored(
+                candidate,
+                Prediction(Footprint(activations=peak), Footprint(activations=peak), "x"),
+                StepCost(seconds, 0, 0, 0, 0, 0),
+                StateLevels(0, 0, 0, 0, 0, 0),
+            )
+        )
     return out
 
 
@@ -80,7 +88,9 @@ GOLDEN = [  # usable bytes -> (checkpointing, fraction, optimizer states, micro-
 
 
 @pytest.mark.parametrize(("usable", "expected"), GOLDEN, ids=["unbounded", "7MB", "4MB"])
-def test_golden_plans(tmp_path: Path, probe: ModelProbe, usable: int, expected: tuple[str, float, str, int]) -> None:
+def test_golden_plans(
+    tmp_path: Path, probe: ModelProbe, usable: int, expected: tuple[str, float, str, int]
+) -> None:
     result = plan_on(planner_recipe(tmp_path), cpu_target(usable), probe)
     c = result.plan
     fraction = getattr(c.checkpointing, "fraction", 1.0)
@@ -93,17 +103,25 @@ def test_golden_plans(tmp_path: Path, probe: ModelProbe, usable: int, expected: 
 def test_auto_precision_keeps_fp32_numerics_and_lists_are_honoured(tmp_path: Path, probe: ModelProbe) -> None:
     auto = plan_on(planner_recipe(tmp_path, strategies={"precision": "auto"}), cpu_target(), probe)
     assert {s.plan.precision.name for s in auto.ranked} == {"fp32"}  # CPU: bf16-mixed only on a bf16 GPU
-    listed = plan_on(planner_recipe(tmp_path, strategies={"precision": ["bf16-master", "fp32"]}), cpu_target(), probe)
+    listed = plan_on(
+        planner_recipe(tmp_path, strategies={"precision": ["bf16-master", "fp32"]}), cpu_target(), probe
+    )
     assert {s.plan.precision.name for s in listed.ranked} == {"bf16-master", "fp32"}
-    gpu = search(planner_recipe(tmp_path, strategies={"precision": "auto"}), probe,
-                 what_if_target(1, load_gpu("a100-80gb"), None, None), torch.device("cuda", 0))
+    gpu = search(
+        planner_recipe(tmp_path, strategies={"precision": "auto"}),
+        probe,
+        what_if_target(1, load_gpu("a100-80gb"), None, None),
+        torch.device("cuda", 0),
+    )
     assert {s.plan.precision.name for s in gpu.ranked} == {"bf16-mixed", "fp32"}
     assert gpu.plan.precision.name == "bf16-mixed"  # faster on a GPU, same numerics class
 
 
 def test_options_that_cannot_run_are_excluded_with_the_reason(tmp_path: Path, probe: ModelProbe) -> None:
     recipe = planner_recipe(tmp_path, strategies={"precision": ["fp8", "bf16-mixed"]})
-    result = search(recipe, probe, what_if_target(1, load_gpu("a100-80gb"), None, None), torch.device("cuda", 0))
+    result = search(
+        recipe, probe, what_if_target(1, load_gpu("a100-80gb"), None, None), torch.device("cuda", 0)
+    )
     reasons = dict(result.excluded)
     assert "compute capability >= 8.9" in reasons["strategies.precision=fp8"]
     assert {s.plan.precision.name for s in result.ranked} == {"bf16-mixed"}
@@ -120,10 +138,14 @@ def test_nothing_fits_raises_plan_error_with_the_table(tmp_path: Path, probe: Mo
 
 
 def _recipe_file(tmp_path: Path, **sections: dict[str, object]) -> Path:
-    raw = tiny_recipe_dict(tmp_path, model={"config": MODEL}, batch={"global_size": 8, "micro_size": "auto"},
-                           data={"seq_len": 32, "synthetic": {"num_samples": 16, "min_len": 0}},
-                           strategies={"precision": "fp32", "checkpointing": "auto", "optimizer_states": "auto"},
-                           **sections)
+    raw = tiny_recipe_dict(
+        tmp_path,
+        model={"config": MODEL},
+        batch={"global_size": 8, "micro_size": "auto"},
+        data={"seq_len": 32, "synthetic": {"num_samples": 16, "min_len": 0}},
+        strategies={"precision": "fp32", "checkpointing": "auto", "optimizer_states": "auto"},
+        **sections,
+    )
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -133,11 +155,24 @@ def test_plan_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["plan", str(_recipe_file(tmp_path, memory={"budget": 5_000_000})), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) >= {"plan", "predicted", "budget", "candidates", "cheapest_infeasible"}
-    assert set(doc["plan"]) == {"precision", "checkpointing", "optimizer_states", "sharding", "micro_batching",
-                                "world_size"}
+    assert set(doc["plan"]) == {
+        "precision",
+        "checkpointing",
+        "optimizer_states",
+        "sharding",
+        "micro_batching",
+        "world_size",
+    }
     assert Plan.from_dict(doc["plan"]).to_dict() == doc["plan"], "plan --json round-trips"
     assert set(doc["summary"]) >= {"precision", "checkpointing", "micro_batch_size", "accumulation_steps"}
-    assert set(doc["predicted"]) == {"weights", "gradients", "optimizer_states", "activations", "other", "peak"}
+    assert set(doc["predicted"]) == {
+        "weights",
+        "gradients",
+        "optimizer_states",
+        "activations",
+        "other",
+        "peak",
+    }
     assert set(doc["budget"]) == {"total", "free", "reserve", "usable"}
     assert all(isinstance(v, int) for v in (*doc["predicted"].values(), *doc["budget"].values()))
     assert doc["budget"]["total"] == 5_000_000 and doc["predicted"]["peak"] <= doc["budget"]["usable"]

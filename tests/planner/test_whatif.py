@@ -46,12 +46,16 @@ def _stored(probe: ModelProbe, *overrides: str) -> tuple[int, int, int]:
 def test_deepspeed_zero_states_follow_the_formulas(probe: ModelProbe) -> None:
     psi = probe.shape.numel
     assert 70e9 < psi < 71e9
-    weights, gradients, states = _stored(probe, "strategies.sharding=zero3", "strategies.sharding_backend=deepspeed")
+    weights, gradients, states = _stored(
+        probe, "strategies.sharding=zero3", "strategies.sharding_backend=deepspeed"
+    )
     assert weights == pytest.approx(2 * psi / N, rel=1e-3)
     assert gradients == pytest.approx(2 * psi / N, rel=1e-3)
     assert states == pytest.approx(12 * psi / N, rel=1e-3)
     for stage in ("zero1", "zero2"):
-        weights, _, states = _stored(probe, f"strategies.sharding={stage}", "strategies.sharding_backend=deepspeed")
+        weights, _, states = _stored(
+            probe, f"strategies.sharding={stage}", "strategies.sharding_backend=deepspeed"
+        )
         assert weights == pytest.approx(2 * psi, rel=1e-3)
         assert states == pytest.approx(12 * psi / N, rel=1e-3)
 
@@ -67,11 +71,18 @@ def test_fsdp2_zero3_states_follow_the_formulas(probe: ModelProbe) -> None:
 @pytest.mark.slow
 def test_seventy_billion_on_64_h100_golden_plan(probe: ModelProbe) -> None:
     recipe = load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", PINNED)
-    result = search(recipe, probe, what_if_target(N, load_gpu("h100-80gb"), None, None), torch.device("cuda", 0))
+    result = search(
+        recipe, probe, what_if_target(N, load_gpu("h100-80gb"), None, None), torch.device("cuda", 0)
+    )
     plan = result.plan
     # Only zero3 fits 70B on 80 GB; FSDP2 accumulating without a reduce would keep unsharded fp32
     # gradients, so the whole per-rank batch runs as one micro-batch.
-    assert (plan.precision.name, plan.sharding.name, plan.micro_batch_size, plan.accumulation_steps) == ("bf16-mixed", "zero3", 4, 1)
+    assert (plan.precision.name, plan.sharding.name, plan.micro_batch_size, plan.accumulation_steps) == (
+        "bf16-mixed",
+        "zero3",
+        4,
+        1,
+    )
     assert result.budget is not None and result.predicted is not None
     assert result.budget.total == load_gpu("h100-80gb").memory_bytes
     assert result.predicted.peak <= result.budget.usable

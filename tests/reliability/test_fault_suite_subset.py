@@ -32,12 +32,16 @@ def one_thread() -> Iterator[None]:
 
 
 def assert_recovered(outcome: Outcome) -> None:
-    assert outcome.ok, f"{outcome.name}: {outcome.passed}/{outcome.trials} recovered\n" + "\n".join(outcome.failures)
+    assert outcome.ok, f"{outcome.name}: {outcome.passed}/{outcome.trials} recovered\n" + "\n".join(
+        outcome.failures
+    )
 
 
 def test_kill9_mid_step_and_mid_checkpoint_resume_bit_exact(tmp_path: Path) -> None:
-    points = (Fault("kill", step=5, micro=2, phase="backward"),
-              Fault("kill", step=6, phase="save", file="optimizer.pt", fraction=0.4))
+    points = (
+        Fault("kill", step=5, micro=2, phase="backward"),
+        Fault("kill", step=6, phase="save", file="optimizer.pt", fraction=0.4),
+    )
     outcome = scenarios.kill9(tmp_path, 0, SEED, jobs=2, points=points)
     assert_recovered(outcome)
     assert outcome.figures["torn staging dirs ignored"] >= 1
@@ -87,4 +91,6 @@ def test_dead_rank_restarts_from_the_last_checkpoint(tmp_path: Path) -> None:
 def test_recipe_fuzz_gives_clear_errors_and_never_runs_yaml(tmp_path: Path) -> None:
     outcome = recipe_fuzz(tmp_path, 60, SEED)
     assert_recovered(outcome)
-    assert outcome.figures["tracebacks"] == 0 and outcome.figures["YAML loaders other than yaml.safe_load"] == 0
+    assert (
+        outcome.figures["tracebacks"] == 0 and outcome.figures["YAML loaders other than yaml.safe_load"] == 0
+    )

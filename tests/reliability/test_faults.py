@@ -43,7 +43,10 @@ def test_nan_steps_are_skipped_and_counted(tmp_path: Path) -> None:
     for step in range(8):
         before = [p.detach().clone() for p in trainer.model.parameters()]
         row = trainer.train_step(step)
-        snapshots[step] = row["skipped"], all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+        snapshots[step] = (
+            row["skipped"],
+            all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)),
+        )
     assert [s for s, (skipped, _) in snapshots.items() if skipped] == [2, 5]
     assert all(unchanged for skipped, unchanged in snapshots.values() if skipped), "parameters untouched"
     assert trainer.skipped_steps == 2

@@ -82,14 +82,19 @@ def gradients(backend: ShardingBackend, model: nn.Module, optimizer: torch.optim
         if backend.stage == 3:
             return storage_bytes([optimizer.grad_partitions_flat_buffer])  # type: ignore[attr-defined]
         held = optimizer.averaged_gradients  # type: ignore[attr-defined]
-        return storage_bytes(t for grads in held.values() if grads is not None for t in grads)  # None: offloaded
+        return storage_bytes(
+            t for grads in held.values() if grads is not None for t in grads
+        )  # None: offloaded
     return storage_bytes(p.grad for p in _params(optimizer))
 
 
 def optimizer_states(backend: ShardingBackend, optimizer: torch.optim.Optimizer) -> int:
     if isinstance(backend, DeepSpeedBackend):
-        masters = (optimizer.fp32_partitioned_groups_flat if backend.stage == 3  # type: ignore[attr-defined]
-                   else optimizer.single_partition_of_fp32_groups)  # type: ignore[attr-defined]
+        masters = (
+            optimizer.fp32_partitioned_groups_flat
+            if backend.stage == 3  # type: ignore[attr-defined]
+            else optimizer.single_partition_of_fp32_groups
+        )  # type: ignore[attr-defined]
         return storage_bytes(masters) + measured_state_bytes(optimizer.optimizer)  # type: ignore[attr-defined]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return measured_state_bytes(optimizer.optim)

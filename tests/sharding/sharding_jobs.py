@@ -54,7 +54,10 @@ def estimates(trainer: CensusTrainer) -> list[dict[str, int]]:
     shape = model_shape(model, trainer.blocks(model))
     dim0 = {name: p.shape[0] for name, p in model.named_parameters() if p.dim() > 0}
     world = trainer.env.world_size
-    return [dataclasses.asdict(trainer.sharding.state_bytes(shape, world, dim0=dim0, rank=r)) for r in range(world)]
+    return [
+        dataclasses.asdict(trainer.sharding.state_bytes(shape, world, dim0=dim0, rank=r))
+        for r in range(world)
+    ]
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +74,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_object(gathered, census)
     else:
         gathered = [census]
-    out = {"losses": result.losses, "seconds": result.summary["seconds"], "census": gathered,
-           "estimate": estimates(trainer), "world_size": trainer.env.world_size}
+    out = {
+        "losses": result.losses,
+        "seconds": result.summary["seconds"],
+        "census": gathered,
+        "estimate": estimates(trainer),
+        "world_size": trainer.env.world_size,
+    }
     del trainer
     gc.collect()
     return out

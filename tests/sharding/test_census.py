@@ -1,4 +1,4 @@
-"""The private torch API behind `sharding_census` (DDP's logging data) still reports the buckets.
+"""The private torch API behind `census` (tests/sharding/census.py) (DDP's logging data) still reports the buckets.
 
 DDP keeps its gradient buckets in C++; `_get_ddp_logging_data()["bucket_sizes"]` is the only view of
 their size. If a torch upgrade renames it, this test says so before the byte tests do.
@@ -18,7 +18,9 @@ def test_ddp_buckets_hold_one_copy_of_every_gradient() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-        assert ddp_bucket_bytes(DistributedDataParallel(model)) == 4 * sum(p.numel() for p in model.parameters())
+        assert ddp_bucket_bytes(DistributedDataParallel(model)) == 4 * sum(
+            p.numel() for p in model.parameters()
+        )
         assert ddp_bucket_bytes(model) == 0
     finally:
         dist.destroy_process_group()

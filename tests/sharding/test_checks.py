@@ -21,26 +21,51 @@ from memtrain.strategies.sharding.deepspeed_config import DeepSpeedPlan, build_c
 
 from helpers import tiny_recipe
 
-NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+NEEDS_DEEPSPEED = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+)
 TWO_RANKS = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
-PLAN = DeepSpeedPlan(stage=2, precision="bf16-mixed", offload="none", micro_batch_size=2, accumulation_steps=3,
-                     world_size=4, grad_clip=1.0, model_numel=1001)
+PLAN = DeepSpeedPlan(
+    stage=2,
+    precision="bf16-mixed",
+    offload="none",
+    micro_batch_size=2,
+    accumulation_steps=3,
+    world_size=4,
+    grad_clip=1.0,
+    model_numel=1001,
+)
 
 
-@pytest.mark.parametrize(("name", "options", "key"), [
-    ("ddp", {"offload": "optimizer"}, "strategies.sharding_offload"),
-    ("zero1", {"offload": "optimizer"}, "strategies.sharding_offload"),
-    ("zero3", {"offload": "optimizer"}, "strategies.sharding_offload"),
-    pytest.param("zero2", {"offload": "params", "backend": "deepspeed"}, "strategies.sharding_offload",
-                 marks=NEEDS_DEEPSPEED),
-    ("zero3", {"comm_hook": "bf16"}, "strategies.comm_hook"),
-    pytest.param("zero2", {"comm_hook": "powersgd", "backend": "deepspeed"}, "strategies.comm_hook",
-                 marks=NEEDS_DEEPSPEED),
-    ("zero3", {"precision": "bf16-master"}, "strategies.precision"),
-    ("zero1", {"precision": "bf16-master"}, "strategies.precision"),
-    pytest.param("zero2", {"precision": "fp16-mixed", "backend": "deepspeed"}, "strategies.precision",
-                 marks=NEEDS_DEEPSPEED),
-])
+@pytest.mark.parametrize(
+    ("name", "options", "key"),
+    [
+        ("ddp", {"offload": "optimizer"}, "strategies.sharding_offload"),
+        ("zero1", {"offload": "optimizer"}, "strategies.sharding_offload"),
+        ("zero3", {"offload": "optimizer"}, "strategies.sharding_offload"),
+        pytest.param(
+            "zero2",
+            {"offload": "params", "backend": "deepspeed"},
+            "strategies.sharding_offload",
+            marks=NEEDS_DEEPSPEED,
+        ),
+        ("zero3", {"comm_hook": "bf16"}, "strategies.comm_hook"),
+        pytest.param(
+            "zero2",
+            {"comm_hook": "powersgd", "backend": "deepspeed"},
+            "strategies.comm_hook",
+            marks=NEEDS_DEEPSPEED,
+        ),
+        ("zero3", {"precision": "bf16-master"}, "strategies.precision"),
+        ("zero1", {"precision": "bf16-master"}, "strategies.precision"),
+        pytest.param(
+            "zero2",
+            {"precision": "fp16-mixed", "backend": "deepspeed"},
+            "strategies.precision",
+            marks=NEEDS_DEEPSPEED,
+        ),
+    ],
+)
 def test_unsupported_combinations_name_the_key(name: str, options: dict[str, Any], key: str) -> None:
     with pytest.raises(Unsupported, match=key):
         make_sharding(name, **options).check(TWO_RANKS)
@@ -55,7 +80,9 @@ def test_supported_offloads_pass_their_check() -> None:
 
 def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a)
+    )
     with pytest.raises(Unsupported, match=r"pip install 'memtrain\[deepspeed\]'"):
         make_sharding("zero3", backend="deepspeed").check(TWO_RANKS)
 
@@ -68,9 +95,16 @@ def test_world_size_not_dividing_the_global_batch(tmp_path: Path) -> None:
 
 @NEEDS_DEEPSPEED
 def test_recipe_options_reach_the_backend(tmp_path: Path) -> None:
-    recipe = tiny_recipe(tmp_path, batch={"global_size": 8, "micro_size": 2},
-                         strategies={"sharding": "zero2", "sharding_backend": "deepspeed",
-                                     "sharding_offload": "optimizer", "precision": "fp32"})
+    recipe = tiny_recipe(
+        tmp_path,
+        batch={"global_size": 8, "micro_size": 2},
+        strategies={
+            "sharding": "zero2",
+            "sharding_backend": "deepspeed",
+            "sharding_offload": "optimizer",
+            "precision": "fp32",
+        },
+    )
     backend = pinned_plan(recipe, TWO_RANKS).sharding_backend()
     assert type(backend).__name__ == "DeepSpeedBackend"
     config = backend.config(model_numel=1000, world_size=2)  # type: ignore[attr-defined]
@@ -99,8 +133,11 @@ def test_generated_config_follows_the_plan() -> None:
 
 
 def test_user_json_tunes_what_the_plan_does_not_own() -> None:
-    user = {"zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 64},
-            "gradient_accumulation_steps": "auto", "bf16": {"enabled": True}}
+    user = {
+        "zero_optimization": {"overlap_comm": True, "reduce_bucket_size": 64},
+        "gradient_accumulation_steps": "auto",
+        "bf16": {"enabled": True},
+    }
     config = build_config(PLAN, user)
     assert config["zero_optimization"]["overlap_comm"] is True
     assert config["zero_optimization"]["reduce_bucket_size"] == 64
@@ -108,14 +145,24 @@ def test_user_json_tunes_what_the_plan_does_not_own() -> None:
 
 
 def test_contradicting_user_json_lists_every_key() -> None:
-    user = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5, "bf16": {"enabled": False},
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-            "optimizer": {"type": "Adam"}}
+    user = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": False},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "Adam"},
+    }
     with pytest.raises(RecipeError) as caught:
         build_config(PLAN, user)
     problems = caught.value.problems
-    for key in ("train_micro_batch_size_per_gpu", "gradient_clipping", "bf16.enabled", "zero_optimization.stage",
-                "zero_optimization.offload_optimizer.device", "'optimizer'"):
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "gradient_clipping",
+        "bf16.enabled",
+        "zero_optimization.stage",
+        "zero_optimization.offload_optimizer.device",
+        "'optimizer'",
+    ):
         assert any(key in line for line in problems), key
     assert len(problems) == 6
 

@@ -16,8 +16,11 @@ from memtrain.training.trainer import Batch
 
 from helpers import tiny_recipe
 
-SECTIONS = {"train": {"steps": 3, "lr": 1e-3}, "batch": {"global_size": 8, "micro_size": 2},
-            "strategies": {"sharding": "zero3"}}
+SECTIONS = {
+    "train": {"steps": 3, "lr": 1e-3},
+    "batch": {"global_size": 8, "micro_size": 2},
+    "strategies": {"sharding": "zero3"},
+}
 
 
 class FailOnce(CausalLMTrainer):
@@ -41,8 +44,10 @@ def one_rank_group() -> Iterator[None]:
 
 def _weights(trainer: CausalLMTrainer) -> dict[str, torch.Tensor]:
     assert trainer.model is not None
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in trainer.model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in trainer.model.named_parameters()
+    }
 
 
 @pytest.mark.filterwarnings("ignore:strategies.sharding. zero3 on one rank")

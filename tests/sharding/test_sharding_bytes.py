@@ -22,7 +22,12 @@ from memtrain.strategies.sharding.state_bytes import (
 
 # A root (embedding 10 x 4, norm 4) and two blocks of one 4 x 4 matrix each: 40 + 4 + 16 + 16 = 76.
 SHAPE = ModelShape(
-    (ParamInfo("embed", 40, None), ParamInfo("b0", 16, 0), ParamInfo("b1", 16, 1), ParamInfo("norm", 4, None)),
+    (
+        ParamInfo("embed", 40, None),
+        ParamInfo("b0", 16, 0),
+        ParamInfo("b1", 16, 1),
+        ParamInfo("norm", 4, None),
+    ),
     num_blocks=2,
 )
 ROWS = {"embed": 10, "b0": 4, "b1": 4, "norm": 4}
@@ -30,7 +35,12 @@ ROWS = {"embed": 10, "b0": 4, "b1": 4, "norm": 4}
 
 def test_replicated_and_ddp() -> None:
     none = replicated_bytes(SHAPE, "fp32", ADAMW, ddp=False)
-    assert (none.weights, none.gradients, none.optimizer_states, none.buffers) == (304, 304, 8 * 76 + 4 * 4, 0)
+    assert (none.weights, none.gradients, none.optimizer_states, none.buffers) == (
+        304,
+        304,
+        8 * 76 + 4 * 4,
+        0,
+    )
     assert replicated_bytes(SHAPE, "fp32", ADAMW, ddp=True).buffers == 304  # DDP's bucket copy
     master = replicated_bytes(SHAPE, "bf16-master", ADAMW, ddp=False)
     assert (master.weights, master.gradients) == (152, 152)
@@ -82,8 +92,9 @@ def test_footprint_adds_transients_as_upper_bound() -> None:
     assert footprint.weights == states.weights + states.gathered + states.prefetch
     assert footprint.gradients == states.gradients + states.gradient_copies
     assert footprint.activations == 1000 and footprint.other == 7
-    assert make_sharding("zero3").estimate(SHAPE, Footprint(), 2, dim0=ROWS) == states.footprint(Footprint()).with_(
-        gradients=states.gradients)  # the backend's own estimate (no accumulation by default)
+    assert make_sharding("zero3").estimate(SHAPE, Footprint(), 2, dim0=ROWS) == states.footprint(
+        Footprint()
+    ).with_(gradients=states.gradients)  # the backend's own estimate (no accumulation by default)
 
 
 def test_deepspeed_zero12_flat_buffer_and_overlapping_gradients() -> None:
@@ -100,12 +111,24 @@ def test_deepspeed_zero12_flat_buffer_and_overlapping_gradients() -> None:
 def test_deepspeed_zero3_reuse_distance_keeps_weights_gathered() -> None:
     defaults = deepspeed_bytes(SHAPE, 2, "fp32", ADAMW, stage=3)
     assert defaults.gathered == 4 * 76  # a small model: every weight is reused within 1e9 elements
-    paper = deepspeed_bytes(SHAPE, 2, "fp32", ADAMW, stage=3,
-                            knobs=DeepSpeedZero3Knobs(persistence_threshold=0, max_reuse_distance=0, prefetch_bucket=0))
+    paper = deepspeed_bytes(
+        SHAPE,
+        2,
+        "fp32",
+        ADAMW,
+        stage=3,
+        knobs=DeepSpeedZero3Knobs(persistence_threshold=0, max_reuse_distance=0, prefetch_bucket=0),
+    )
     assert paper.gathered == 0 and paper.prefetch == 4 * 16  # the block running now
     # Reuse within 2 x (elements after it): norm (0 after) and b1 (4 after) are kept at distance 10.
-    near = deepspeed_bytes(SHAPE, 2, "fp32", ADAMW, stage=3,
-                           knobs=DeepSpeedZero3Knobs(persistence_threshold=0, max_reuse_distance=10, prefetch_bucket=0))
+    near = deepspeed_bytes(
+        SHAPE,
+        2,
+        "fp32",
+        ADAMW,
+        stage=3,
+        knobs=DeepSpeedZero3Knobs(persistence_threshold=0, max_reuse_distance=10, prefetch_bucket=0),
+    )
     assert near.gathered == 4 * (4 + 16)
     assert (paper.weights, paper.gradients) == (4 * 38, 4 * 38)
 
@@ -113,7 +136,8 @@ def test_deepspeed_zero3_reuse_distance_keeps_weights_gathered() -> None:
 GB = 1e9
 PSI, N = 7_500_000_000, 64  # the ZeRO paper's 7.5B model on 64 GPUs (REFERENCE.md): 100 blocks of
 PAPER_SHAPE = ModelShape(  # 15 tensors of 5M elements
-    tuple(ParamInfo(f"w{i}", 5_000_000, i // 15) for i in range(1500)), num_blocks=100)
+    tuple(ParamInfo(f"w{i}", 5_000_000, i // 15) for i in range(1500)), num_blocks=100
+)
 MOMENTS = OptimizerCost(per_element=8.0, per_tensor=0)
 
 
@@ -126,8 +150,9 @@ def test_deepspeed_bf16_matches_the_zero_paper() -> None:
     assert (stage[1].weights + 2 * PSI + stage[1].optimizer_states) / GB == pytest.approx(31.4, abs=0.05)
     assert stage[2].persistent / GB == pytest.approx(16.6, abs=0.05)
     assert stage[3].persistent / GB == pytest.approx(1.9, abs=0.05)
-    assert replicated_bytes(PAPER_SHAPE, "bf16-master", OptimizerCost(per_element=12.0, per_tensor=0),
-                            ddp=False).persistent / GB == pytest.approx(120, abs=0.1)
+    assert replicated_bytes(
+        PAPER_SHAPE, "bf16-master", OptimizerCost(per_element=12.0, per_tensor=0), ddp=False
+    ).persistent / GB == pytest.approx(120, abs=0.1)
 
 
 def test_fsdp2_bf16_zero3_is_sixteen_bytes_over_n() -> None:

@@ -55,8 +55,11 @@ MODE_PARAMS = [pytest.param(m, marks=NEEDS_DEEPSPEED) if m.startswith("ds-") els
 PRECISIONS = ("fp32", "bf16-mixed")
 BF16_PARAMETERS = {"zero2", "zero3", "ds-zero1", "ds-zero2", "ds-zero3"}  # compute with bf16 weights
 STEPS = {"train": {"steps": 3}, "batch": {"global_size": 8, "micro_size": 2}}
-RESUMABLE = {"train": {"steps": 6}, "checkpoint": {"every": 3, "keep": 3, "at_end": False},
-             "batch": {"global_size": 8, "micro_size": 2}}
+RESUMABLE = {
+    "train": {"steps": 6},
+    "checkpoint": {"every": 3, "keep": 3, "at_end": False},
+    "batch": {"global_size": 8, "micro_size": 2},
+}
 
 
 def _strategies(mode: dict[str, str], precision: str, ds_json: Path) -> dict[str, Any]:
@@ -88,22 +91,46 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ds_json = root / "ds.json"
     # ZeRO-3 as the paper draws it: every weight partitioned, released after use, nothing fetched ahead
     # (DeepSpeed's defaults keep every weight of a model this small gathered; see sharding_bytes).
-    ds_json.write_text(json.dumps({"zero_optimization": {
-        "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}))
+    ds_json.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {
+                    "stage3_param_persistence_threshold": 0,
+                    "stage3_max_reuse_distance": 0,
+                    "stage3_prefetch_bucket_size": 0,
+                }
+            }
+        )
+    )
     local: dict[str, Any] = {}
     for precision in PRECISIONS:
-        local[f"ref-{precision}"] = run_job({"run_dir": str(root / f"ref-{precision}"),
-                                             "weights_out": str(root / f"ref-{precision}.pt"),
-                                             "sections": {**STEPS, "strategies": {"precision": precision}}})
+        local[f"ref-{precision}"] = run_job(
+            {
+                "run_dir": str(root / f"ref-{precision}"),
+                "weights_out": str(root / f"ref-{precision}.pt"),
+                "sections": {**STEPS, "strategies": {"precision": precision}},
+            }
+        )
     local["none-6"] = run_job({"run_dir": str(root / "none-6"), "sections": RESUMABLE})
     with pytest.warns(UserWarning, match="zero3 on one rank shards nothing"):
-        local["zero3-1rank"] = run_job({"run_dir": str(root / "zero3-1rank"),
-                                        "sections": {**RESUMABLE, "strategies": {"sharding": "zero3"}}})
+        local["zero3-1rank"] = run_job(
+            {
+                "run_dir": str(root / "zero3-1rank"),
+                "sections": {**RESUMABLE, "strategies": {"sharding": "zero3"}},
+            }
+        )
     dist.destroy_process_group()
     if HAVE_DEEPSPEED:
         with pytest.warns(UserWarning, match="zero2 on one rank shards nothing"):
-            local["ds-zero2-1rank"] = run_job({"run_dir": str(root / "ds-zero2-1rank"), "sections": {
-                **STEPS, "strategies": {"sharding": "zero2", "sharding_backend": "deepspeed"}}})
+            local["ds-zero2-1rank"] = run_job(
+                {
+                    "run_dir": str(root / "ds-zero2-1rank"),
+                    "sections": {
+                        **STEPS,
+                        "strategies": {"sharding": "zero2", "sharding_backend": "deepspeed"},
+                    },
+                }
+            )
         dist.destroy_process_group()
 
     jobs = []
@@ -111,39 +138,78 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for name, mode in MODES.items():
             if name.startswith("ds-") and not HAVE_DEEPSPEED:
                 continue
-            jobs.append({"name": f"{name}-{precision}", "run_dir": str(root / f"{name}-{precision}"),
-                         "weights_out": str(root / f"{name}-{precision}.pt"),
-                         "sections": {**STEPS, **_strategies(mode, precision, ds_json)}})
-    for name, strategies in [("zero3-offload", {"sharding": "zero3", "sharding_offload": "params"}),
-                             ("ds-zero2-offload", {**MODES["ds-zero2"], "sharding_offload": "optimizer"}),
-                             ("ds-zero3-offload", {**MODES["ds-zero3"], "sharding_offload": "params"})]:
+            jobs.append(
+                {
+                    "name": f"{name}-{precision}",
+                    "run_dir": str(root / f"{name}-{precision}"),
+                    "weights_out": str(root / f"{name}-{precision}.pt"),
+                    "sections": {**STEPS, **_strategies(mode, precision, ds_json)},
+                }
+            )
+    for name, strategies in [
+        ("zero3-offload", {"sharding": "zero3", "sharding_offload": "params"}),
+        ("ds-zero2-offload", {**MODES["ds-zero2"], "sharding_offload": "optimizer"}),
+        ("ds-zero3-offload", {**MODES["ds-zero3"], "sharding_offload": "params"}),
+    ]:
         if HAVE_DEEPSPEED or name.startswith("zero"):
-            jobs.append({"name": name, "run_dir": str(root / name), "sections": {**STEPS, "strategies": strategies}})
+            jobs.append(
+                {"name": name, "run_dir": str(root / name), "sections": {**STEPS, "strategies": strategies}}
+            )
     for micro in (1, 4):
-        jobs.append({"name": f"zero3-micro{micro}", "run_dir": str(root / f"zero3-micro{micro}"),
-                     "weights_out": str(root / f"zero3-micro{micro}.pt"),
-                     "sections": {"train": {"steps": 3}, "batch": {"global_size": 8, "micro_size": micro},
-                                  "strategies": {"sharding": "zero3"}}})
+        jobs.append(
+            {
+                "name": f"zero3-micro{micro}",
+                "run_dir": str(root / f"zero3-micro{micro}"),
+                "weights_out": str(root / f"zero3-micro{micro}.pt"),
+                "sections": {
+                    "train": {"steps": 3},
+                    "batch": {"global_size": 8, "micro_size": micro},
+                    "strategies": {"sharding": "zero3"},
+                },
+            }
+        )
     for name, strategies, start in [
         ("zero3-full", {"sharding": "zero3"}, None),
         ("zero3-resumed", {"sharding": "zero3"}, _step3(root / "zero3-full")),
         ("zero3-from-1rank", {"sharding": "zero3"}, _step3(root / "zero3-1rank")),
         ("zero3-from-none", {"sharding": "zero3"}, _step3(root / "none-6")),
         ("ds-zero3-full", {**MODES["ds-zero3"], "deepspeed_config": str(ds_json)}, None),
-        ("ds-zero3-resumed", {**MODES["ds-zero3"], "deepspeed_config": str(ds_json)}, _step3(root / "ds-zero3-full")),
+        (
+            "ds-zero3-resumed",
+            {**MODES["ds-zero3"], "deepspeed_config": str(ds_json)},
+            _step3(root / "ds-zero3-full"),
+        ),
         ("ddp-6", {"sharding": "ddp"}, None),
         ("ddp-6-bf16-hook", {"sharding": "ddp", "comm_hook": "bf16"}, None),
     ]:
         if strategies.get("sharding_backend") == "deepspeed" and not HAVE_DEEPSPEED:
             continue
-        jobs.append({"name": name, "run_dir": str(root / name), "resume": str(start) if start else None,
-                     "sections": {**RESUMABLE, "strategies": strategies}})
+        jobs.append(
+            {
+                "name": name,
+                "run_dir": str(root / name),
+                "resume": str(start) if start else None,
+                "sections": {**RESUMABLE, "strategies": strategies},
+            }
+        )
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"jobs": jobs}))
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests/sharding/sharding_jobs.py"), str(spec), str(out)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests/sharding/sharding_jobs.py"),
+            str(spec),
+            str(out),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     results = json.loads(out.read_text())
@@ -175,9 +241,15 @@ def test_matches_single_process(runs: dict[str, Any], mode: str, precision: str)
         torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("name", ["zero3-offload", pytest.param("ds-zero2-offload", marks=NEEDS_DEEPSPEED),
-                                  pytest.param("ds-zero3-offload", marks=NEEDS_DEEPSPEED),
-                                  pytest.param("ds-zero2-1rank", marks=NEEDS_DEEPSPEED)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "zero3-offload",
+        pytest.param("ds-zero2-offload", marks=NEEDS_DEEPSPEED),
+        pytest.param("ds-zero3-offload", marks=NEEDS_DEEPSPEED),
+        pytest.param("ds-zero2-1rank", marks=NEEDS_DEEPSPEED),
+    ],
+)
 def test_offload_and_one_rank_train_like_the_reference(runs: dict[str, Any], name: str) -> None:
     # On a CPU device "offload" moves nothing, but the backends run their offload code paths (FSDP2's
     # CPUOffloadPolicy, DeepSpeed's host optimizer step) with unchanged numerics.
@@ -218,7 +290,10 @@ def test_bytes_order_zero3_zero2_zero1_ddp(runs: dict[str, Any]) -> None:
     # it keeps every full gradient until the boundary's reduction: visible in the estimate's peak.
     ds = [_held(runs[f"ds-zero{s}-fp32"]) for s in (3, 2, 1)]
     assert ds[0] < ds[1] <= ds[2], ds
-    peaks = [max(sum(e[k] for k in e if k != "host") for e in runs[f"ds-zero{s}-fp32"]["estimate"]) for s in (3, 2, 1)]
+    peaks = [
+        max(sum(e[k] for k in e if k != "host") for e in runs[f"ds-zero{s}-fp32"]["estimate"])
+        for s in (3, 2, 1)
+    ]
     assert peaks == sorted(peaks) and len(set(peaks)) == 3, peaks
 
 
@@ -234,10 +309,14 @@ def test_resume_one_rank_checkpoint_on_two(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("sharding", ["zero3", "none"])
-def test_resume_two_rank_zero3_checkpoint_on_one(runs: dict[str, Any], sharding: str, one_rank_group: None,
-                                                 tmp_path: Path) -> None:
-    job = {"run_dir": str(tmp_path), "resume": str(_step3(runs["root"] / "zero3-full")),
-           "sections": {**RESUMABLE, "strategies": {"sharding": sharding}}}
+def test_resume_two_rank_zero3_checkpoint_on_one(
+    runs: dict[str, Any], sharding: str, one_rank_group: None, tmp_path: Path
+) -> None:
+    job = {
+        "run_dir": str(tmp_path),
+        "resume": str(_step3(runs["root"] / "zero3-full")),
+        "sections": {**RESUMABLE, "strategies": {"sharding": sharding}},
+    }
     if sharding == "zero3":
         with pytest.warns(UserWarning, match="on one rank"):
             resumed = run_job(job)
@@ -259,9 +338,23 @@ def test_bf16_comm_hook_tracks_fp32(runs: dict[str, Any]) -> None:
 def test_cli_zero3_recipe(tmp_path: Path) -> None:
     run = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "memtrain",
-         "train", "recipes/tests/tiny-zero3.yaml", f"run.output_dir={run}"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "memtrain",
+            "train",
+            "recipes/tests/tiny-zero3.yaml",
+            f"run.output_dir={run}",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -41,7 +41,6 @@ ALL_MODES = [CHECKPOINTING.create("none"), *MODES]
 ESTIMATE_TOLERANCE = 0.10  # measured worst case: 3.2% (offload on the hand-written model)
 
 
-
 # ----------------------------------------------------------------------------------------------- models
 
 
@@ -294,7 +293,8 @@ def test_flops_show_the_recompute(name: str) -> None:
     block_forward = sum(sum(counter.get_flop_counts()[f"{prefix}.{names[id(b)]}"].values()) for b in blocks)
 
     none, full, fraction = (
-        flops(name, CHECKPOINTING.create(n, {"checkpointing_fraction": f})) for n, f in [("none", 1), ("full", 1), ("fraction", 0.5)]
+        flops(name, CHECKPOINTING.create(n, {"checkpointing_fraction": f}))
+        for n, f in [("none", 1), ("full", 1), ("fraction", 0.5)]
     )
     # One more forward of the blocks, less the tail after each block's last saved tensor (non-reentrant
     # checkpoint stops recomputing there: llama's down projection, whose output nobody saves).
@@ -415,7 +415,9 @@ def test_estimate_by_hand() -> None:
         return footprint.activations
 
     assert acts(CHECKPOINTING.create("none")) == 230  # 100 + 100 + 30
-    assert acts(CHECKPOINTING.create("full")) == 110  # recompute of block 1 on top of both inputs: 10 + 10 + 90
+    assert (
+        acts(CHECKPOINTING.create("full")) == 110
+    )  # recompute of block 1 on top of both inputs: 10 + 10 + 90
     assert acts(FractionCheckpointing(0.5)) == 140  # 10 + 100 + 30: block 0's recompute comes later
     assert acts(CHECKPOINTING.create("selective")) == 150  # block 1 recomputed: 50 + max(50, 10 + 90)
     assert acts(CHECKPOINTING.create("offload")) == 110  # block 0's inputs stay: 10 + max(0, 10 + 90)
@@ -466,7 +468,9 @@ def test_check_rejects_what_cannot_run(strategy: Checkpointing, message: str) ->
 
 
 def test_unknown_mode_names_the_key_and_the_registered_names() -> None:
-    with pytest.raises(Unsupported, match='strategies.checkpointing: .selectve. is not one of .*did you mean "selective"'):
+    with pytest.raises(
+        Unsupported, match='strategies.checkpointing: .selectve. is not one of .*did you mean "selective"'
+    ):
         CHECKPOINTING.create("selectve")
 
 

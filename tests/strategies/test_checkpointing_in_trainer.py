@@ -14,8 +14,9 @@ from helpers import tiny_recipe
 
 
 def _run(tmp_path: Path, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    recipe = tiny_recipe(tmp_path / mode, train={"steps": 3},
-                         strategies={"checkpointing": mode, "checkpointing_fraction": 0.5})
+    recipe = tiny_recipe(
+        tmp_path / mode, train={"steps": 3}, strategies={"checkpointing": mode, "checkpointing_fraction": 0.5}
+    )
     trainer = CausalLMTrainer(recipe)
     losses = trainer.fit().losses
     return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

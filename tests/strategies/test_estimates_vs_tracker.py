@@ -34,13 +34,20 @@ CASES = [
 
 @pytest.mark.parametrize(("precision", "states"), CASES, ids=[f"{p}+{s}" for p, s in CASES])
 def test_model_state_estimates_match_tracker(tmp_path: Path, precision: str, states: str) -> None:
-    recipe = tiny_recipe(tmp_path, model={"config": MODEL}, train={"steps": 2},
-                         memory={"track": True}, strategies={"precision": precision, "optimizer_states": states})
+    recipe = tiny_recipe(
+        tmp_path,
+        model={"config": MODEL},
+        train={"steps": 2},
+        memory={"track": True},
+        strategies={"precision": precision, "optimizer_states": states},
+    )
     trainer = CausalLMTrainer(recipe)
     trainer.fit()
     model = trainer.sharding.unwrap(trainer.model)
     shape = model_shape(model, trainer.blocks(model))
-    predicted = OPTIMIZER_STATES.create(states).estimate(shape, trainer.plan.precision.estimate(shape, Footprint()))
+    predicted = OPTIMIZER_STATES.create(states).estimate(
+        shape, trainer.plan.precision.estimate(shape, Footprint())
+    )
     measured = trainer.memory_reports[-1].component_peaks
     assert measured["weights"] == predicted.weights
     assert measured["gradients"] == predicted.gradients
@@ -49,8 +56,13 @@ def test_model_state_estimates_match_tracker(tmp_path: Path, precision: str, sta
 
 def test_eight_bit_states_cost_about_two_bytes_per_parameter(tmp_path: Path) -> None:
     wide = {**MODEL, "hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 4}
-    recipe = tiny_recipe(tmp_path, model={"config": wide}, train={"steps": 30, "lr": 1e-2},
-                         memory={"track": True}, strategies={"optimizer_states": "8bit"})
+    recipe = tiny_recipe(
+        tmp_path,
+        model={"config": wide},
+        train={"steps": 30, "lr": 1e-2},
+        memory={"track": True},
+        strategies={"optimizer_states": "8bit"},
+    )
     trainer = CausalLMTrainer(recipe)
     result = trainer.fit()
     numel = sum(p.numel() for p in trainer.model.parameters())

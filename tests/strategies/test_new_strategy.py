@@ -17,8 +17,16 @@ from memtrain.strategies.checkpointing import CHECKPOINTING
 from helpers import tiny_recipe
 from toy_every_other import EveryOtherBlock
 
-MODEL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+MODEL = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
 
 
 @pytest.fixture
@@ -29,10 +37,15 @@ def registered() -> Iterator[None]:
 
 
 def _recipe(tmp_path: Path, checkpointing: str):  # type: ignore[no-untyped-def]
-    return tiny_recipe(tmp_path / checkpointing, model={"config": MODEL}, memory={"track": True},
-                       data={"seq_len": 32, "synthetic": {"num_samples": 64, "min_len": 0}},
-                       batch={"global_size": 8, "micro_size": "auto"}, train={"steps": 3},
-                       strategies={"checkpointing": checkpointing})
+    return tiny_recipe(
+        tmp_path / checkpointing,
+        model={"config": MODEL},
+        memory={"track": True},
+        data={"seq_len": 32, "synthetic": {"num_samples": 64, "min_len": 0}},
+        batch={"global_size": 8, "micro_size": "auto"},
+        train={"steps": 3},
+        strategies={"checkpointing": checkpointing},
+    )
 
 
 def test_unregistered_name_is_a_recipe_error(tmp_path: Path) -> None:
@@ -42,7 +55,10 @@ def test_unregistered_name_is_a_recipe_error(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("registered")
 def test_toy_strategy_is_planned_and_applied(tmp_path: Path) -> None:
-    assert "every-other" in json_schema()["$defs"]["StrategiesConfig"]["properties"]["checkpointing"]["anyOf"][0]["enum"]
+    assert (
+        "every-other"
+        in json_schema()["$defs"]["StrategiesConfig"]["properties"]["checkpointing"]["anyOf"][0]["enum"]
+    )
     trainer = CausalLMTrainer(_recipe(tmp_path, "every-other"))
     result = trainer.choose_plan()
     assert isinstance(result.plan.checkpointing, EveryOtherBlock)

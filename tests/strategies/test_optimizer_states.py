@@ -44,7 +44,6 @@ BF16_LOSS_TOLERANCE = 1e-2
 MIN_LOSS_DROP = 0.5
 
 
-
 def tiny_llama(seed: int = 0, **overrides: Any) -> nn.Module:
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **(TINY | overrides)))

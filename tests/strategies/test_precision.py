@@ -101,8 +101,9 @@ def test_nonfinite_gradients_skip_the_step_in_fp32(tmp_path: Path) -> None:
 def test_fp8_emulated_trains(tmp_path: Path) -> None:
     from torchao.float8.float8_linear import Float8Linear
 
-    recipe = tiny_recipe(tmp_path, train={"steps": 40, "lr": 1e-2},
-                         strategies={"precision": "fp8", "fp8_emulate": True})
+    recipe = tiny_recipe(
+        tmp_path, train={"steps": 40, "lr": 1e-2}, strategies={"precision": "fp8", "fp8_emulate": True}
+    )
     trainer = CausalLMTrainer(recipe)
     trainer.setup()
     swapped = [m for m in trainer.model.modules() if isinstance(m, Float8Linear)]
@@ -125,7 +126,9 @@ def test_precision_list_skips_what_cannot_run(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("states", ["bf16", "8bit"])
 def test_recipe_optimizer_states_reach_the_optimizer(tmp_path: Path, states: str) -> None:
-    trainer = CausalLMTrainer(tiny_recipe(tmp_path, train={"steps": 3}, strategies={"optimizer_states": states}))
+    trainer = CausalLMTrainer(
+        tiny_recipe(tmp_path, train={"steps": 3}, strategies={"optimizer_states": states})
+    )
     trainer.setup()
     expected = {"bf16": "BF16StateAdamW", "8bit": "AdamW8bit"}[states]
     assert type(trainer.optimizer).__name__ == expected

@@ -16,8 +16,12 @@ from helpers import REPO
 
 RECIPE = str(REPO / "examples/own_model/recipe.yaml")
 TRAINER = str(REPO / "examples/own_model/trainer.py") + ":TinyTrainer"
-PINNED = ["strategies.sharding=none", "strategies.optimizer_states=fp32", "strategies.checkpointing=none",
-          "batch.micro_size=8"]
+PINNED = [
+    "strategies.sharding=none",
+    "strategies.optimizer_states=fp32",
+    "strategies.checkpointing=none",
+    "batch.micro_size=8",
+]
 PLANS = {  # the six plans of the acceptance list, each as overrides on top of PINNED
     "fp32": [],
     "bf16-mixed": ["strategies.precision=bf16-mixed"],
@@ -42,7 +46,9 @@ def _tiny_model():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("name", PLANS)
-def test_plan_predicts_the_profiled_peak(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_predicts_the_profiled_peak(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     overrides = [*PINNED, *PLANS[name], f"run.output_dir={tmp_path}"]
     planned = _json(capsys, "plan", RECIPE, *overrides, "--trainer", TRAINER, "--json")
     profiled = _json(capsys, "profile", RECIPE, *overrides, "--trainer", TRAINER, "--json", "--steps", "3")
@@ -69,8 +75,20 @@ def test_subclass_recipe_needs_no_model_section(tmp_path: Path, capsys: pytest.C
     assert "\nmodel:" not in text
     assert main(["validate", RECIPE, "--trainer", TRAINER]) == 0
     assert "TinyTrainer:" in capsys.readouterr().out
-    assert main(["train", RECIPE, "train.steps=3", f"run.output_dir={tmp_path}", "--trainer", TRAINER,
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                RECIPE,
+                "train.steps=3",
+                f"run.output_dir={tmp_path}",
+                "--trainer",
+                TRAINER,
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -86,3 +104,34 @@ def test_bad_trainer_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("nowhere.py:X", str(REPO / "examples/own_model/trainer.py") + ":Missing", "no_colon"):
         assert main(["validate", RECIPE, "--trainer", bad]) == 2
         assert "--trainer" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_subclass_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+    """`torchrun -m memtrain train ... --trainer FILE:Class` on 2 gloo ranks (DDP) trains the same run as
+    one process: each rank's rows come from its own step_batch, and the loss is the global token mean."""
+    import subprocess
+
+    import torch
+
+    from memtrain.training.metrics import read_metrics
+
+    from helpers import subprocess_env
+
+    common = [RECIPE, "train.steps=4", "strategies.optimizer_states=fp32", "strategies.checkpointing=none",
+              "batch.micro_size=auto", "--trainer", TRAINER, "--no-progress"]
+    runs = {"single": [sys.executable, "-m", "memtrain", "train", "strategies.sharding=none"],
+            "ddp": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    "-m", "memtrain", "train", "strategies.sharding=ddp"]}
+    for name, launch in runs.items():
+        out = tmp_path / name
+        args = [*launch[:-1], *common[:1], launch[-1], f"run.output_dir={out}", *common[1:]]
+        done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    single = [row["loss"] for row in read_metrics(tmp_path / "single/metrics.jsonl")]
+    ddp = [row["loss"] for row in read_metrics(tmp_path / "ddp/metrics.jsonl")]
+    assert len(single) == len(ddp) == 4
+    assert ddp == pytest.approx(single, rel=1e-5), "the same global batch and loss on 1 and 2 ranks"
+    states = [torch.load(tmp_path / n / "checkpoints/step_00000004/model.pt", weights_only=True) for n in runs]
+    for key, value in states[0].items():
+        torch.testing.assert_close(states[1][key], value, rtol=1e-4, atol=1e-6)

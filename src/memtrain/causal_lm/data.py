@@ -90,7 +90,9 @@ def read_documents(cfg: DataConfig) -> list[str]:
     return docs
 
 
-def tokenize_samples(docs: list[str], tokenizer: Tokenizer, seq_len: int, packing: bool) -> list[torch.Tensor]:
+def tokenize_samples(
+    docs: list[str], tokenizer: Tokenizer, seq_len: int, packing: bool
+) -> list[torch.Tensor]:
     """Packing: one token stream cut into windows of seq_len+1 (stride seq_len, so every token is a
     target once). No packing: one document per sample, truncated to seq_len+1 (variable lengths)."""
     window = seq_len + 1
@@ -131,7 +133,9 @@ def build_splits(cfg: DataConfig, vocab_size: int, seed: int) -> Splits:
     """Samples of the recipe's data, shuffled once by `seed`, with the last `eval_fraction` held out."""
     if cfg.source == "synthetic":
         vocab = cfg.synthetic.vocab_size or vocab_size
-        samples = synthetic_samples(cfg.synthetic.num_samples, cfg.seq_len, vocab, cfg.synthetic.min_len, seed)
+        samples = synthetic_samples(
+            cfg.synthetic.num_samples, cfg.seq_len, vocab, cfg.synthetic.min_len, seed
+        )
     else:
         tokenizer = load_tokenizer(cfg)
         samples = tokenize_samples(read_documents(cfg), tokenizer, cfg.seq_len, cfg.packing)
@@ -175,7 +179,11 @@ def collate(samples: list[torch.Tensor], sample_ids: list[int]) -> Batch:
         n = len(sample) - 1
         input_ids[row, :n] = sample[:-1]
         labels[row, :n] = sample[1:]
-    return {"input_ids": input_ids, "labels": labels, "sample_ids": torch.tensor(sample_ids, dtype=torch.long)}
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "sample_ids": torch.tensor(sample_ids, dtype=torch.long),
+    }
 
 
 def trim_padding(batch: Batch) -> Batch:

@@ -8,10 +8,10 @@ size), and the sequence length is checked against the model's maximum.
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from memtrain.causal_lm import data as data_lib
 from memtrain.errors import RecipeError, did_you_mean
 from memtrain.jsonfile import read_json_object
+from memtrain.planner import ModelSpec
 from memtrain.recipe import Recipe
 from memtrain.training.trainer import Batch, Trainer
 
@@ -28,8 +29,12 @@ from memtrain.training.trainer import Batch, Trainer
 def config_dict(recipe: Recipe) -> tuple[dict[str, Any], str]:
     """The raw config mapping and the recipe key it came from."""
     if recipe.model.config is None and recipe.model.config_path is None:
-        raise RecipeError(["model: give model.config (inline, with model_type) or model.config_path "
-                           "(or train your own Trainer subclass: memtrain train RECIPE --trainer FILE.py:Class)"])
+        raise RecipeError(
+            [
+                "model: give model.config (inline, with model_type) or model.config_path "
+                "(or train your own Trainer subclass: memtrain train RECIPE --trainer FILE.py:Class)"
+            ]
+        )
     if recipe.model.config is not None and recipe.model.config_path is not None:
         raise RecipeError(["model: give only one of model.config and model.config_path"])
     if recipe.model.config is not None:
@@ -52,9 +57,12 @@ def build_config(recipe: Recipe) -> Any:
     if model_type not in CONFIG_MAPPING:
         hint = did_you_mean(model_type, CONFIG_MAPPING.keys())
         raise RecipeError([f"{key}.model_type: unknown transformers model type {model_type!r}{hint}"])
-    bad = [f"{key}.{name}: must be a positive integer (got {raw[name]!r})" for name in _SIZES
-           if raw.get(name) is not None and (isinstance(raw[name], bool) or not isinstance(raw[name], int)
-                                             or raw[name] <= 0)]
+    bad = [
+        f"{key}.{name}: must be a positive integer (got {raw[name]!r})"
+        for name in _SIZES
+        if raw.get(name) is not None
+        and (isinstance(raw[name], bool) or not isinstance(raw[name], int) or raw[name] <= 0)
+    ]
     if bad:  # before transformers, whose own checks would not name the field (or would pass)
         raise RecipeError(bad)
     vocab = raw.get("vocab_size")
@@ -79,18 +87,40 @@ def build_config(recipe: Recipe) -> Any:
     unknown = [f for f in raw if not hasattr(default, f) and hasattr(config, f) and f not in _ALWAYS_ACCEPTED]
     if unknown:
         known = [a for a in dir(default) if not a.startswith("_")]
-        raise RecipeError([f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown])
+        raise RecipeError(
+            [f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown]
+        )
     return config
 
 
 # Size fields (of the common configs) that must be positive: torch would fail deep inside the model
 # build (a negative dimension, a division by zero heads) with a traceback instead.
-_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-          "head_dim", "vocab_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions", "n_inner")
+_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+    "n_inner",
+)
 
 
 # Fields every transformers config takes even when the default instance lacks the attribute.
-_ALWAYS_ACCEPTED = {"torch_dtype", "dtype", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id"}
+_ALWAYS_ACCEPTED = {
+    "torch_dtype",
+    "dtype",
+    "tie_word_embeddings",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+}
 
 
 def max_positions(config: Any) -> int | None:
@@ -144,12 +174,16 @@ class CausalLMTrainer(Trainer):
         """The tokenized train and eval samples, built on first use (planning a what-if needs none)."""
         if self._data is None:
             recipe = self.recipe
-            self._data = data_lib.build_splits(recipe.data, int(self.model_config.vocab_size), recipe.run.seed)
+            self._data = data_lib.build_splits(
+                recipe.data, int(self.model_config.vocab_size), recipe.run.seed
+            )
             if len(self._data.train) < recipe.batch.global_size:
-                raise RecipeError([
-                    f"batch.global_size: {recipe.batch.global_size} exceeds the {len(self._data.train)} "
-                    "training samples of data (lower it, or use more data / a shorter data.seq_len)"
-                ])
+                raise RecipeError(
+                    [
+                        f"batch.global_size: {recipe.batch.global_size} exceeds the {len(self._data.train)} "
+                        "training samples of data (lower it, or use more data / a shorter data.seq_len)"
+                    ]
+                )
         return self._data
 
     def setup(self) -> None:
@@ -167,8 +201,9 @@ class CausalLMTrainer(Trainer):
     @property
     def sampler(self) -> data_lib.StepSampler:
         if self._sampler is None:
-            self._sampler = data_lib.StepSampler(len(self.train_samples), self.recipe.batch.global_size,
-                                                 self.recipe.run.seed)
+            self._sampler = data_lib.StepSampler(
+                len(self.train_samples), self.recipe.batch.global_size, self.recipe.run.seed
+            )
         return self._sampler
 
     def build_model(self) -> nn.Module:
@@ -176,23 +211,29 @@ class CausalLMTrainer(Trainer):
 
     def build_model_clone(self, num_blocks: int) -> nn.Module:
         """The model with `num_blocks` blocks (per-layer lists cut to match), for the planner's traces."""
+        return self._from_config(self._clone_config(num_blocks))
+
+    def _clone_config(self, num_blocks: int) -> Any:
         clone = copy.deepcopy(self.model_config)
         clone.num_hidden_layers = num_blocks
         layer_types = getattr(clone, "layer_types", None)
         if isinstance(layer_types, list):
             clone.layer_types = layer_types[:num_blocks]
-        return self._from_config(clone)
+        return clone
 
-    def _from_config(self, config: Any) -> nn.Module:
+    def _from_config(self, config: Any, attn_implementation: str | None = None) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(config, attn_implementation=self.recipe.model.attn_implementation)
+        attention = attn_implementation or self.recipe.model.attn_implementation
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
     def planning_batch(self, rows: int) -> Batch:
         """Rows of the full sequence length (the longest any step can feed), as `collate` lays them out."""
         vocab = int(self.model_config.vocab_size)
         generator = torch.Generator().manual_seed(0)
-        samples = [torch.randint(0, vocab, (self.recipe.data.seq_len + 1,), generator=generator) for _ in range(rows)]
+        samples = [
+            torch.randint(0, vocab, (self.recipe.data.seq_len + 1,), generator=generator) for _ in range(rows)
+        ]
         return data_lib.collate(samples, list(range(rows)))
 
     def host_data_bytes(self) -> int:
@@ -200,8 +241,17 @@ class CausalLMTrainer(Trainer):
         storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in self.train_samples}
         return sum(storages.values())
 
-    def trace_context(self) -> contextlib.AbstractContextManager[Any]:
-        return one_sequence_per_row()
+    def model_spec(self) -> ModelSpec:
+        """The built-in hooks, with the traced model on `trace_sdpa()` when the recipe runs `sdpa`."""
+        spec = super().model_spec()
+        if self.recipe.model.attn_implementation != "sdpa":
+            return spec
+        name = trace_sdpa()
+        return dataclasses.replace(
+            spec,
+            build_model=lambda: self._from_config(self.model_config, name),
+            build_clone=lambda depth: self._from_config(self._clone_config(depth), name),
+        )
 
     def step_batch(self, step: int) -> Batch:
         indices = self.sampler.indices(step)
@@ -235,28 +285,30 @@ class CausalLMTrainer(Trainer):
                 yield data_lib.collate([self.eval_samples[i] for i in mine], mine)
 
 
-@contextlib.contextmanager
-def one_sequence_per_row() -> Iterator[None]:
-    """What transformers finds on real tensors, told to it under the planner's fake ones.
+TRACE_SDPA = "memtrain_trace_sdpa"
 
-    This trainer passes neither position ids nor a padding mask, so every row is one sequence and
-    transformers' SDPA path relies on `is_causal` without building a mask. To find that out it reads the
-    position ids (`masking_utils.find_packed_sequence_indices`); a fake tensor cannot be read, so it assumes
-    packed sequences, builds a B x 1 x s x s mask and selects another attention kernel, which keeps other
-    tensors for backward. During the planner's trace (and only then: the context restores it) the lookup
-    answers what it answers on real tensors here: no packing.
+
+def trace_sdpa() -> str:
+    """The attention implementation the planner's trace builds an `sdpa` model with (registered once).
+
+    This trainer passes neither position ids nor a padding mask, so on real tensors every row is one
+    sequence and transformers' SDPA path relies on `is_causal` without building a mask. To find that out
+    it reads the position ids (`masking_utils.find_packed_sequence_indices`); a fake tensor cannot be read,
+    so under the planner's fake tensors it would assume packed sequences, build a B x 1 x s x s mask and
+    select another attention kernel, which keeps other tensors for backward. The traced model therefore
+    uses a registered implementation (transformers' `AttentionInterface` / `AttentionMaskInterface`): the
+    same SDPA forward, with a mask function that may skip the mask as it does on real tensors. Nothing of
+    transformers is replaced; sliding-window layers still get their (same-sized) mask.
     """
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_is_causal_skip"] = True  # no padding, no packing: what real tensors show
+        return sdpa_mask(*args, **kwargs)
+
+    if TRACE_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(TRACE_SDPA, sdpa_attention_forward)
+        AttentionMaskInterface.register(TRACE_SDPA, mask)
+    return TRACE_SDPA

@@ -21,15 +21,24 @@ from memtrain.planner.explain import describe, to_json
 from memtrain.recipe import load_recipe
 
 
-def run(recipe_path: str, overrides: list[str], *, trainer: str | None, as_json: bool, gpu: str | None,
-        gpu_memory: str | None, world_size: int | None) -> int:
+def run(
+    recipe_path: str,
+    overrides: list[str],
+    *,
+    trainer: str | None,
+    as_json: bool,
+    gpu: str | None,
+    gpu_memory: str | None,
+    world_size: int | None,
+) -> int:
     recipe = load_recipe(recipe_path, overrides)
     ranks = world_size or 1
     spec = trainer_class(trainer)(recipe).model_spec()
     if gpu is not None or gpu_memory is not None:
         memory = _bytes(gpu_memory) if gpu_memory is not None else None
-        result = plan_what_if(recipe, spec, ranks, gpu=load_gpu(gpu) if gpu is not None else None,
-                              memory_bytes=memory)
+        result = plan_what_if(
+            recipe, spec, ranks, gpu=load_gpu(gpu) if gpu is not None else None, memory_bytes=memory
+        )
     else:
         result = plan_here(recipe, spec, ranks)
     print(json.dumps(to_json(result), indent=2) if as_json else describe(result, _title(recipe_path, result)))

@@ -17,17 +17,24 @@ from memtrain.memory import cuda_stats
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
 from memtrain.recipe import load_recipe
 
-PROFILE_OVERRIDES = ["checkpoint.every=0", "checkpoint.at_end=false", "train.eval_every=0", "memory.track=true"]
+PROFILE_OVERRIDES = [
+    "checkpoint.every=0",
+    "checkpoint.at_end=false",
+    "train.eval_every=0",
+    "memory.track=true",
+]
 
 
-def run_profile(recipe_path: str, overrides: list[str], steps: int, out: Path | None,
-                trainer_spec: str | None = None) -> tuple[dict[str, Any], Path]:
+def run_profile(
+    recipe_path: str, overrides: list[str], steps: int, out: Path | None, trainer_spec: str | None = None
+) -> tuple[dict[str, Any], Path]:
     """Train `steps` steps of the recipe under the tracker with the built-in trainer or `trainer_spec`
     (`--trainer FILE.py:Class`); returns (memory.json content, output dir)."""
     probe = load_recipe(recipe_path, overrides)
     out_dir = out or probe.output_path() / "profile"
-    recipe = load_recipe(recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}",
-                                       *PROFILE_OVERRIDES])
+    recipe = load_recipe(
+        recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}", *PROFILE_OVERRIDES]
+    )
     trainer = trainer_class(trainer_spec)(recipe)
     on_cuda = trainer.env.device.type == "cuda"
     if on_cuda:

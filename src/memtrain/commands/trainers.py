@@ -25,7 +25,9 @@ def trainer_class(spec: str | None) -> type[Trainer]:
         return CausalLMTrainer
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise MemtrainError(f"--trainer: {spec!r} should be path/to/file.py:ClassName or package.module:ClassName")
+        raise MemtrainError(
+            f"--trainer: {spec!r} should be path/to/file.py:ClassName or package.module:ClassName"
+        )
     module = _load_file(Path(where)) if where.endswith(".py") or "/" in where else _import(where)
     cls = getattr(module, name, None)
     if cls is None:

@@ -74,13 +74,20 @@ def load_gpu(name: str) -> GpuProfile:
         found = [d / f"{name}.yaml" for d in CONFIG_DIRS if (d / f"{name}.yaml").is_file()]
         if not found:
             known = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.yaml")})
-            raise PlanError(f"--gpu: no GPU profile {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}")
+            raise PlanError(
+                f"--gpu: no GPU profile {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
+            )
         path = found[0]
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     major, _, minor = str(raw["compute_capability"]).partition(".")
-    return GpuProfile(name=str(raw["name"]), memory_bytes=int(raw["memory_bytes"]),
-                      compute_capability=(int(major), int(minor or 0)), bf16=bool(raw["bf16"]),
-                      fp8=bool(raw["fp8"]), cuda_context_bytes=int(raw["cuda_context_bytes"]))
+    return GpuProfile(
+        name=str(raw["name"]),
+        memory_bytes=int(raw["memory_bytes"]),
+        compute_capability=(int(major), int(minor or 0)),
+        bf16=bool(raw["bf16"]),
+        fp8=bool(raw["fp8"]),
+        cuda_context_bytes=int(raw["cuda_context_bytes"]),
+    )
 
 
 def budget_from(total: int, free: int, reserve: int, safety: float, source: str) -> MemoryBudget:
@@ -92,8 +99,9 @@ def safety_for(device_type: str, configured: float | None) -> float:
     return SAFETY_FRACTION.get(device_type, SAFETY_FRACTION["cuda"]) if configured is None else configured
 
 
-def what_if_target(world_size: int, gpu: GpuProfile | None, memory_bytes: int | None,
-                   safety: float | None) -> Target:
+def what_if_target(
+    world_size: int, gpu: GpuProfile | None, memory_bytes: int | None, safety: float | None
+) -> Target:
     """A CUDA target described by a profile and/or a memory size, without the hardware."""
     total = memory_bytes if memory_bytes is not None else gpu.memory_bytes if gpu is not None else None
     if total is None:
@@ -101,14 +109,26 @@ def what_if_target(world_size: int, gpu: GpuProfile | None, memory_bytes: int | 
     context = gpu.cuda_context_bytes if gpu is not None else DEFAULT_CUDA_CONTEXT_BYTES
     reserve = NCCL_RESERVE_BYTES if world_size > 1 else 0
     label = gpu.name if gpu is not None else "GPU"
-    budget = budget_from(total, total - context, reserve, safety_for("cuda", safety),
-                         f"what-if: {world_size} x {label}, {total / 2**30:.2f} GiB each, less the CUDA context")
-    return Target("cuda", world_size, budget, bf16=gpu.bf16 if gpu is not None else True,
-                  fp8=gpu.fp8 if gpu is not None else False, what_if=True)
+    budget = budget_from(
+        total,
+        total - context,
+        reserve,
+        safety_for("cuda", safety),
+        f"what-if: {world_size} x {label}, {total / 2**30:.2f} GiB each, less the CUDA context",
+    )
+    return Target(
+        "cuda",
+        world_size,
+        budget,
+        bf16=gpu.bf16 if gpu is not None else True,
+        fp8=gpu.fp8 if gpu is not None else False,
+        what_if=True,
+    )
 
 
-def measured_target(env: DistEnv, simulated_budget: int | None, safety: float | None,
-                    free_override: int | None = None) -> Target:
+def measured_target(
+    env: DistEnv, simulated_budget: int | None, safety: float | None, free_override: int | None = None
+) -> Target:
     """The target this process runs on; on several ranks the budget is the minimum over ranks.
     `free_override` replaces this rank's measured free bytes (tests inject uneven headroom with it)."""
     device = env.device.type

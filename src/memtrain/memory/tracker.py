@@ -250,8 +250,11 @@ class MemoryTracker:
         self._ledger.drain()
         grads = [p.grad for p in [*self._params, *self._masters] if p.grad is not None]
         self._ledger.classify(
-            [("weights", self._params), ("gradients", grads),
-             ("optimizer_states", [*self._masters, *self._optimizer_tensors()])]
+            [
+                ("weights", self._params),
+                ("gradients", grads),
+                ("optimizer_states", [*self._masters, *self._optimizer_tensors()]),
+            ]
         )
         self._redraw_moves()
 

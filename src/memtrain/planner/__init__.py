@@ -40,8 +40,18 @@ from memtrain.planner.search import search
 from memtrain.planner.spec import ModelSpec
 from memtrain.recipe import Recipe
 
-__all__ = ["MemoryBudget", "ModelSpec", "PlanResult", "Scored", "Target", "calibration", "make_plan",
-           "plan_for_run", "plan_here", "plan_what_if"]
+__all__ = [
+    "MemoryBudget",
+    "ModelSpec",
+    "PlanResult",
+    "Scored",
+    "Target",
+    "calibration",
+    "make_plan",
+    "plan_for_run",
+    "plan_here",
+    "plan_what_if",
+]
 
 Progress = Callable[[str], None]
 
@@ -50,8 +60,14 @@ def stderr_progress(line: str) -> None:
     print(f"[memtrain] planner: {line}", file=sys.stderr, flush=True)
 
 
-def make_plan(recipe: Recipe, env: DistEnv, spec: ModelSpec, *, free_bytes: int | None = None,
-              progress: Progress = stderr_progress) -> PlanResult:
+def make_plan(
+    recipe: Recipe,
+    env: DistEnv,
+    spec: ModelSpec,
+    *,
+    free_bytes: int | None = None,
+    progress: Progress = stderr_progress,
+) -> PlanResult:
     """The plan with what the planner predicted for it (`PlanResult.predicted`, None for a pinned plan);
     collective on several ranks when the planner runs. `free_bytes` replaces this rank's measured free
     memory (tests inject uneven headroom)."""
@@ -60,12 +76,22 @@ def make_plan(recipe: Recipe, env: DistEnv, spec: ModelSpec, *, free_bytes: int 
     return PlanResult(plan=pinned_plan(recipe, env))
 
 
-def plan_for_run(recipe: Recipe, env: DistEnv, spec: ModelSpec, *, free_bytes: int | None = None,
-                 progress: Progress = stderr_progress) -> PlanResult:
+def plan_for_run(
+    recipe: Recipe,
+    env: DistEnv,
+    spec: ModelSpec,
+    *,
+    free_bytes: int | None = None,
+    progress: Progress = stderr_progress,
+) -> PlanResult:
     """Plan on this process's device; collective on several ranks (every rank must call it).
     `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom)."""
-    target = measured_target(env, int(recipe.memory.budget) if recipe.memory.budget is not None else None,
-                             recipe.planner.safety_fraction, free_bytes)
+    target = measured_target(
+        env,
+        int(recipe.memory.budget) if recipe.memory.budget is not None else None,
+        recipe.planner.safety_fraction,
+        free_bytes,
+    )
     outcome: PlanResult | str = ""
     failure: MemtrainError | None = None
     if env.is_main:
@@ -84,8 +110,9 @@ def plan_for_run(recipe: Recipe, env: DistEnv, spec: ModelSpec, *, free_bytes: i
     return outcome
 
 
-def plan_here(recipe: Recipe, spec: ModelSpec, world_size: int = 1, *,
-              progress: Progress = stderr_progress) -> PlanResult:
+def plan_here(
+    recipe: Recipe, spec: ModelSpec, world_size: int = 1, *, progress: Progress = stderr_progress
+) -> PlanResult:
     """Plan for `world_size` ranks like this process's device, without a process group (`memtrain plan`):
     its CUDA device, or on CPU the simulated budget `memory.budget`, else host memory."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -95,8 +122,15 @@ def plan_here(recipe: Recipe, spec: ModelSpec, world_size: int = 1, *,
     return search(recipe, ModelProbe(spec, progress=progress), target, device)
 
 
-def plan_what_if(recipe: Recipe, spec: ModelSpec, world_size: int, *, gpu: GpuProfile | None = None,
-                 memory_bytes: int | None = None, progress: Progress = stderr_progress) -> PlanResult:
+def plan_what_if(
+    recipe: Recipe,
+    spec: ModelSpec,
+    world_size: int,
+    *,
+    gpu: GpuProfile | None = None,
+    memory_bytes: int | None = None,
+    progress: Progress = stderr_progress,
+) -> PlanResult:
     """Plan for `world_size` ranks of a GPU that is not here."""
     target = what_if_target(world_size, gpu, memory_bytes, recipe.planner.safety_fraction)
     return search(recipe, ModelProbe(spec, progress=progress), target, torch.device("cuda", 0))
@@ -127,5 +161,7 @@ def _check_agreement(result: PlanResult, recipe: Recipe, env: DistEnv) -> None:
     everyone: list[Any] = [None] * env.world_size
     dist.all_gather_object(everyone, mine)
     if len(set(everyone)) != 1:
-        raise PlanError(f"ranks disagree on the plan or the recipe (plan digest:recipe fingerprint per rank: "
-                        f"{everyone}); launch every rank with the same recipe and overrides")
+        raise PlanError(
+            f"ranks disagree on the plan or the recipe (plan digest:recipe fingerprint per rank: "
+            f"{everyone}); launch every rank with the same recipe and overrides"
+        )

@@ -112,9 +112,13 @@ def fit(small: StepTrace, large: StepTrace) -> FittedTrace:
     for key, s in small.segments.items():
         g = large.segments[key]
         fields = ("at_peak", "maxima", "end")
-        slopes = [tuple((y - x) / span for x, y in zip(getattr(s, f), getattr(g, f), strict=True)) for f in fields]
+        slopes = [
+            tuple((y - x) / span for x, y in zip(getattr(s, f), getattr(g, f), strict=True)) for f in fields
+        ]
         slope[key] = Segment(*slopes)
-        intercept[key] = Segment(*(_affine(getattr(s, f), b, -small.tokens) for f, b in zip(fields, slopes, strict=True)))
+        intercept[key] = Segment(
+            *(_affine(getattr(s, f), b, -small.tokens) for f, b in zip(fields, slopes, strict=True))
+        )
     return FittedTrace(depth=small.depth, intercept=intercept, slope=slope)
 
 
@@ -147,7 +151,9 @@ def trace_step(
         tracker = MemoryTracker(model)
         recorder = _Recorder(tracker, blocks)
         with tracker, recorder.hooks():
-            batch: Batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
+            # Cloned under the tracker, so the batch is part of the level every segment starts from (as
+            # the step's data is in the prediction's fixed bytes), not a first use inside a segment.
+            batch: Batch = {k: mode.from_tensor(v).clone() for k, v in real_batch.items()}
             tokens = max(int(v.numel()) for v in batch.values())
             for kind in MICRO_STEPS:
                 recorder.micro_step = kind
@@ -210,8 +216,11 @@ class _Hooks:
     def __enter__(self) -> None:
         r = self._recorder
         for index, block in enumerate(r.blocks):
-            self._handles.append(block.register_forward_pre_hook(
-                lambda _m, args, kwargs, i=index: r.entering(i, args, kwargs), with_kwargs=True))
+            self._handles.append(
+                block.register_forward_pre_hook(
+                    lambda _m, args, kwargs, i=index: r.entering(i, args, kwargs), with_kwargs=True
+                )
+            )
             self._handles.append(block.register_forward_hook(lambda _m, _a, out, i=index: r.leaving(i, out)))
 
     def __exit__(self, *exc: object) -> None:

@@ -51,17 +51,31 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     def allowed(kind: str, auto: Sequence[str]) -> list[Any]:
         value = getattr(s, kind)
         names = list(auto) if value == "auto" else [value] if isinstance(value, str) else list(value)
-        return _allowed(f"strategies.{kind}", value, [recipe_strategy(recipe, kind, n) for n in names], facts,
-                        excluded)
+        return _allowed(
+            f"strategies.{kind}", value, [recipe_strategy(recipe, kind, n) for n in names], facts, excluded
+        )
 
     precisions = allowed("precision", _auto_precisions(facts))
     optimizers = allowed("optimizer_states", REGISTRIES["optimizer_states"].names())
     modes = allowed("checkpointing", REGISTRIES["checkpointing"].names())
     multi_rank = tuple(cls.name for cls in SHARDING if cls.multi_rank) if world_size > 1 else ("none",)
-    shardings = _allowed("strategies.sharding", s.sharding,
-                         [recipe_strategy(recipe, "sharding", n) for n in
-                          (multi_rank if s.sharding == "auto" else [s.sharding] if isinstance(s.sharding, str)
-                           else s.sharding)], facts, excluded, check=lambda _strategy: None)
+    shardings = _allowed(
+        "strategies.sharding",
+        s.sharding,
+        [
+            recipe_strategy(recipe, "sharding", n)
+            for n in (
+                multi_rank
+                if s.sharding == "auto"
+                else [s.sharding]
+                if isinstance(s.sharding, str)
+                else s.sharding
+            )
+        ],
+        facts,
+        excluded,
+        check=lambda _strategy: None,
+    )
     per_rank = per_rank_batch(recipe, world_size)
     micro = recipe.batch.micro_size
     if recipe.batch.micro_tokens is not None:
@@ -79,22 +93,38 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
             except Unsupported as exc:
                 if _pinned(s.sharding) and _pinned(s.precision):
                     raise
-                excluded.append((f"strategies.sharding={sharding.name} with precision {precision.name}", str(exc)))
+                excluded.append(
+                    (f"strategies.sharding={sharding.name} with precision {precision.name}", str(exc))
+                )
                 continue
             for mode in checkpointing:
                 for optimizer in optimizers:
                     for size in sizes:
-                        candidates.append(Plan(precision, mode, optimizer, sharding,
-                                               micro_batching(recipe, per_rank, size), world_size))
+                        candidates.append(
+                            Plan(
+                                precision,
+                                mode,
+                                optimizer,
+                                sharding,
+                                micro_batching(recipe, per_rank, size),
+                                world_size,
+                            )
+                        )
     return Grid(tuple(candidates), tuple(excluded))
 
 
 def _auto_precisions(facts: DeviceFacts) -> list[str]:
-    return [cls.name for cls in PRECISION if cls.preserves_numerics
-            and (cls.autocast_dtype is None or (facts.device_type == "cuda" and facts.bf16))]
+    return [
+        cls.name
+        for cls in PRECISION
+        if cls.preserves_numerics
+        and (cls.autocast_dtype is None or (facts.device_type == "cuda" and facts.bf16))
+    ]
 
 
-def _checkpointing_options(recipe: Recipe, modes: Sequence[Checkpointing], num_blocks: int) -> list[Checkpointing]:
+def _checkpointing_options(
+    recipe: Recipe, modes: Sequence[Checkpointing], num_blocks: int
+) -> list[Checkpointing]:
     """Each allowed mode's variants; a variant whose blocks run exactly as those of a mode already offered
     (or of another variant) is a duplicate (a pinned mode has one variant, itself)."""
     pinned = _pinned(recipe.strategies.checkpointing)
@@ -118,8 +148,14 @@ def _checkpointing_options(recipe: Recipe, modes: Sequence[Checkpointing], num_b
     return options
 
 
-def _allowed(key: str, value: str | list[str], strategies: list[Any], facts: DeviceFacts,
-             excluded: list[tuple[str, str]], check: Callable[[Any], None] | None = None) -> list[Any]:
+def _allowed(
+    key: str,
+    value: str | list[str],
+    strategies: list[Any],
+    facts: DeviceFacts,
+    excluded: list[tuple[str, str]],
+    check: Callable[[Any], None] | None = None,
+) -> list[Any]:
     allowed = []
     for strategy in strategies:
         try:
@@ -131,7 +167,9 @@ def _allowed(key: str, value: str | list[str], strategies: list[Any], facts: Dev
             excluded.append((f"{key}={strategy.name}", str(exc)))
     if not allowed:
         names = [s.name for s in strategies]
-        raise Unsupported(f"{key}: none of {names} can run here: " + "; ".join(r for _, r in excluded[-len(names):]))
+        raise Unsupported(
+            f"{key}: none of {names} can run here: " + "; ".join(r for _, r in excluded[-len(names) :])
+        )
     return allowed
 
 

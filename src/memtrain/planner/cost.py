@@ -47,8 +47,13 @@ SPEEDS: dict[str, DeviceSpeed] = {
     # fused 8-bit kernels stream fewer bytes at about the same rate.
     "cuda": DeviceSpeed(
         matmul_flops={"fp32": 50e12, "bf16": 600e12, "fp16": 600e12, "fp8": 900e12},
-        half_speed_tokens=512.0, micro_step_s=3e-3, memory_bandwidth=3.0e12, host_link=50e9,
-        interconnect=300e9, selective_recompute=0.1, checkpoint_call_s=2e-4,
+        half_speed_tokens=512.0,
+        micro_step_s=3e-3,
+        memory_bandwidth=3.0e12,
+        host_link=50e9,
+        interconnect=300e9,
+        selective_recompute=0.1,
+        checkpoint_call_s=2e-4,
     ),
     # One thread of this 2-core CPU, measured (min of 3 runs of 8 steps, a 1.3M-parameter llama at
     # 2k tokens per step): ~130 GFLOP/s fp32 from 128 tokens up, 3 ms per micro-step, 1.3 ms per
@@ -57,8 +62,13 @@ SPEEDS: dict[str, DeviceSpeed] = {
     # steps per byte are their strategies' `relative_step_cost`). bf16 autocast is slower than fp32 here.
     "cpu": DeviceSpeed(
         matmul_flops={"fp32": 130e9, "bf16": 50e9, "fp16": 25e9, "fp8": 5e9},
-        half_speed_tokens=8.0, micro_step_s=3e-3, memory_bandwidth=5e9, host_link=5e9, interconnect=2e9,
-        selective_recompute=1.3, checkpoint_call_s=1.3e-3,
+        half_speed_tokens=8.0,
+        micro_step_s=3e-3,
+        memory_bandwidth=5e9,
+        host_link=5e9,
+        interconnect=2e9,
+        selective_recompute=1.3,
+        checkpoint_call_s=1.3e-3,
     ),
 }
 COMM_OVERLAP = 0.7  # share of gradient/parameter collectives hidden behind compute
@@ -92,10 +102,24 @@ class StepCost:
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.micro_steps + self.optimizer + self.communication + self.offload
+        return (
+            self.compute
+            + self.recompute
+            + self.micro_steps
+            + self.optimizer
+            + self.communication
+            + self.offload
+        )
 
     def terms(self) -> tuple[float, ...]:
-        return (self.compute, self.recompute, self.micro_steps, self.optimizer, self.communication, self.offload)
+        return (
+            self.compute,
+            self.recompute,
+            self.micro_steps,
+            self.optimizer,
+            self.communication,
+            self.offload,
+        )
 
 
 @dataclass(frozen=True)
@@ -109,8 +133,17 @@ class CostModel:
     def for_device(cls, device_type: str) -> CostModel:
         return cls(SPEEDS.get(device_type, SPEEDS["cuda"]))
 
-    def step(self, w: Workload, plan: Plan, *, micro_tokens: int, micro_steps: int, state_bytes: int,
-             offloaded_activation_bytes: int, device_type: str) -> StepCost:
+    def step(
+        self,
+        w: Workload,
+        plan: Plan,
+        *,
+        micro_tokens: int,
+        micro_steps: int,
+        state_bytes: int,
+        offloaded_activation_bytes: int,
+        device_type: str,
+    ) -> StepCost:
         """Seconds of one step of `plan`. `micro_tokens`: tokens of the largest micro-batch; `state_bytes`:
         weights + gradients + optimizer states of this rank; `offloaded_activation_bytes`: what one
         micro-step's activation offload sends to the host."""
@@ -128,8 +161,12 @@ class CostModel:
         factor = plan.optimizer_states.relative_step_cost.get(device_type, 1.0)
         optimizer = 2 * state_bytes / s.memory_bandwidth * factor
         communication = self._communication(w, plan, micro_steps) * (1 - COMM_OVERLAP)
-        offload = self._offload(offloaded_activation_bytes * micro_steps, device_type, state_bytes,
-                                plan.sharding.offload != "none" and not plan.sharding.replicated)
+        offload = self._offload(
+            offloaded_activation_bytes * micro_steps,
+            device_type,
+            state_bytes,
+            plan.sharding.offload != "none" and not plan.sharding.replicated,
+        )
         raw = StepCost(compute, recompute, micro_steps * s.micro_step_s, optimizer, communication, offload)
         return StepCost(*(t * k for t, k in zip(raw.terms(), self.scale, strict=True)))
 
@@ -140,11 +177,17 @@ class CostModel:
         ring = (w.world_size - 1) / w.world_size
         grad_bytes = w.numel * (2 if plan.precision.master_weights else 4)
         gather_bytes = w.numel * (4 if plan.precision.compute == "fp32" else 2)
-        reduce = {"all-reduce": 2 * ring * grad_bytes, "reduce-scatter": ring * grad_bytes}.get(sharding.gradient_sync, 0.0)
+        reduce = {"all-reduce": 2 * ring * grad_bytes, "reduce-scatter": ring * grad_bytes}.get(
+            sharding.gradient_sync, 0.0
+        )
         per_step, per_micro_step = sharding.parameter_gathers
-        return (reduce + (per_step + micro_steps * per_micro_step) * ring * gather_bytes) / self.speed.interconnect
+        return (
+            reduce + (per_step + micro_steps * per_micro_step) * ring * gather_bytes
+        ) / self.speed.interconnect
 
-    def _offload(self, activation_bytes: int, device_type: str, state_bytes: int, states_offloaded: bool) -> float:
+    def _offload(
+        self, activation_bytes: int, device_type: str, state_bytes: int, states_offloaded: bool
+    ) -> float:
         if device_type == "cuda":
             seconds = 2 * activation_bytes / self.speed.host_link
         else:

@@ -36,7 +36,6 @@ GRADIENTS = COMPONENTS.index("gradients")
 _ZERO: Vec = (0.0,) * len(COMPONENTS)
 
 
-
 @dataclass(frozen=True)
 class StateLevels:
     """One rank's bytes outside the activations, from arithmetic.
@@ -111,15 +110,26 @@ class StepWalk:
 Traces = Mapping[Checkpointing, FittedTrace]
 
 
-def step_walk(traces: Traces, modes: Sequence[Checkpointing], tokens: int, accumulation_steps: int,
-              replicated: bool = True) -> StepWalk:
+def step_walk(
+    traces: Traces,
+    modes: Sequence[Checkpointing],
+    tokens: int,
+    accumulation_steps: int,
+    replicated: bool = True,
+) -> StepWalk:
     first = walk(traces, modes, tokens, "first", _ZERO, replicated)
     later = walk(traces, modes, tokens, "later", first.end, replicated) if accumulation_steps > 1 else None
     return StepWalk(first, later)
 
 
-def walk(traces: Traces, modes: Sequence[Checkpointing], tokens: int, micro_step: str,
-         start: Vec, replicated: bool = True) -> Walk:
+def walk(
+    traces: Traces,
+    modes: Sequence[Checkpointing],
+    tokens: int,
+    micro_step: str,
+    start: Vec,
+    replicated: bool = True,
+) -> Walk:
     """Replay one micro-step of `len(modes)` blocks from the level `start`.
 
     Block 0 of the real model reads the clone's block 0, its last block the clone's last, every other
@@ -166,28 +176,51 @@ def _runs(modes: Sequence[Checkpointing], depth: int) -> list[Run]:
             forward[-1] = (last[0], last[1], last[2] + 1, last[3], mode)
         else:
             forward.append(("fwd.block", i, 1, clone_index(i), mode))
-    backward = [("bwd.block", first + n - 1, n, index, mode) for _, first, n, index, mode in reversed(forward)]
+    backward = [
+        ("bwd.block", first + n - 1, n, index, mode) for _, first, n, index, mode in reversed(forward)
+    ]
     release = [("fwd.release", -1, modes.count(mode), -1, mode) for mode in dict.fromkeys(modes)]
-    return [("fwd.pre", -1, 1, -1, modes[0]), *forward, ("fwd.head", -1, 1, -1, modes[-1]), *release,
-            ("bwd.head", -1, 1, -1, modes[-1]), *backward, ("bwd.pre", -1, 1, -1, modes[0])]
+    return [
+        ("fwd.pre", -1, 1, -1, modes[0]),
+        *forward,
+        ("fwd.head", -1, 1, -1, modes[-1]),
+        *release,
+        ("bwd.head", -1, 1, -1, modes[-1]),
+        *backward,
+        ("bwd.pre", -1, 1, -1, modes[0]),
+    ]
 
 
 def predict(levels: StateLevels, walks: StepWalk) -> Prediction:
     """The step's peak: the first micro-step, a later one (with accumulation), or the optimizer step."""
-    rest = (float(levels.weights), float(levels.gradients if not levels.replicated else 0),
-            float(levels.optimizer_states), 0.0, float(levels.other))
+    rest = (
+        float(levels.weights),
+        float(levels.gradients if not levels.replicated else 0),
+        float(levels.optimizer_states),
+        0.0,
+        float(levels.other),
+    )
     moments = [w for w in (walks.first, walks.later) if w is not None]
-    optimizer = (float(levels.weights), float(levels.optimizer_gradients), float(levels.optimizer_states), 0.0,
-                 float(levels.other + levels.optimizer_extra))
+    optimizer = (
+        float(levels.weights),
+        float(levels.optimizer_gradients),
+        float(levels.optimizer_states),
+        0.0,
+        float(levels.other + levels.optimizer_extra),
+    )
     best = max(moments, key=lambda w: sum(w.at_peak))
-    maxima = tuple(max(values) for values in zip(*(_plus(rest, w.maxima) for w in moments), optimizer, strict=True))
+    maxima = tuple(
+        max(values) for values in zip(*(_plus(rest, w.maxima) for w in moments), optimizer, strict=True)
+    )
     bound = not walks.traced
     if sum(optimizer) > sum(rest) + sum(best.at_peak):
         return Prediction(_footprint(optimizer), _footprint(maxima), "optimizer step", bound)
     return Prediction(_footprint(_plus(rest, best.at_peak)), _footprint(maxima), best.where, bound)
 
 
-def optimizer_extra(shape: ModelShape, optimizer_states: OptimizerStates, foreach: bool, master_handover: bool) -> int:
+def optimizer_extra(
+    shape: ModelShape, optimizer_states: OptimizerStates, foreach: bool, master_handover: bool
+) -> int:
     """Bytes the optimizer step holds above weights, states and fp32 gradients, over the trainable
     parameters in `shape`.
 
@@ -205,7 +238,9 @@ def optimizer_extra(shape: ModelShape, optimizer_states: OptimizerStates, foreac
         extra = optimizer_states.per_tensor_temporaries * 4 * largest
     if master_handover:
         done, handover, total = 0, 0, trainable.numel
-        for p in trainable.params:  # bf16 of the rest + fp32 of those done + this one's fp32 copy, over 4·numel
+        for (
+            p
+        ) in trainable.params:  # bf16 of the rest + fp32 of those done + this one's fp32 copy, over 4·numel
             handover = max(handover, 2 * (total - done) + 4 * done + 4 * p.numel - 4 * total)
             done += p.numel
         extra = max(extra, handover)

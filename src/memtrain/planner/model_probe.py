@@ -44,7 +44,8 @@ class ModelProbe:
     seq_len: int = field(init=False)
     row_bytes: int = field(init=False)
     _fits: dict[tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None], FittedTrace] = field(
-        init=False, default_factory=dict)
+        init=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -54,8 +55,10 @@ class ModelProbe:
         except MemtrainError:
             raise
         except Exception as exc:
-            raise Unsupported(f"cannot build {self.spec.name} on the meta device to plan it: "
-                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            raise Unsupported(
+                f"cannot build {self.spec.name} on the meta device to plan it: "
+                f"{type(exc).__name__}: {_first_line(exc)}"
+            ) from exc
         self.shape = model_shape(model, blocks)
         self.dim0 = {name: p.shape[0] if p.dim() else 1 for name, p in model.named_parameters()}
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -72,8 +75,13 @@ class ModelProbe:
         """The step batch of this rank on the device (the trainer moves every micro-batch of a step at once)."""
         return rows * self.row_bytes
 
-    def trace(self, precision: Precision, mode: Checkpointing, rows: tuple[int, int],
-              weights_dtype: torch.dtype | None = None) -> FittedTrace:
+    def trace(
+        self,
+        precision: Precision,
+        mode: Checkpointing,
+        rows: tuple[int, int],
+        weights_dtype: torch.dtype | None = None,
+    ) -> FittedTrace:
         """The activation fit for one precision and one traced checkpointing mode, drawn through traces at
         the smallest and the largest micro-batch rows the search considers (cached). `weights_dtype`: the
         sharding backend hands the forward weights of this dtype (FSDP2's and DeepSpeed's bf16-mixed)."""
@@ -84,22 +92,33 @@ class ModelProbe:
             clone = self.spec.build_clone
             depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
             weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
-            self.progress(f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
-                          f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens)")
+            self.progress(
+                f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
+                f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens)"
+            )
             build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
             try:
-                with self.spec.trace_context():
-                    small, large = (
-                        trace_step(build, self.spec.blocks, self._batch, self.spec.loss, precision, mode, count,
-                                   weights_dtype)
-                        for count in rows
+                small, large = (
+                    trace_step(
+                        build,
+                        self.spec.blocks,
+                        self._batch,
+                        self.spec.loss,
+                        precision,
+                        mode,
+                        count,
+                        weights_dtype,
                     )
+                    for count in rows
+                )
                 self._fits[key] = fit(small, large)
             except MemtrainError:
                 raise
             except Exception as exc:  # a model or kernel the fake-tensor trace cannot run
-                raise Unsupported(f"cannot trace {precision.describe()} with checkpointing {mode.describe()}: "
-                                  f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                raise Unsupported(
+                    f"cannot trace {precision.describe()} with checkpointing {mode.describe()}: "
+                    f"{type(exc).__name__}: {_first_line(exc)}"
+                ) from exc
         return self._fits[key]
 
     def _batch(self, rows: int) -> Batch:

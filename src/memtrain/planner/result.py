@@ -32,10 +32,14 @@ class Scored:
         return (round(self.cost.total, 12), self.prediction.peak, self.plan.key())
 
     def to_dict(self, usable: int) -> dict[str, Any]:
-        return {**self.plan.summary(), "predicted_peak": self.prediction.peak,
-                "predicted_peak_is_lower_bound": self.prediction.lower_bound,
-                "predicted_step_seconds": self.cost.total, "fits": self.short(usable) == 0,
-                "short_bytes": self.short(usable)}
+        return {
+            **self.plan.summary(),
+            "predicted_peak": self.prediction.peak,
+            "predicted_peak_is_lower_bound": self.prediction.lower_bound,
+            "predicted_step_seconds": self.cost.total,
+            "fits": self.short(usable) == 0,
+            "short_bytes": self.short(usable),
+        }
 
 
 def rank(scored: Sequence[Scored], usable: int) -> tuple[tuple[Scored, ...], tuple[Scored, ...]]:

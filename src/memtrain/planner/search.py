@@ -37,15 +37,20 @@ from memtrain.strategies.checkpointing import FullCheckpointing, NoCheckpointing
 from memtrain.strategies.registry import DeviceFacts
 
 ACTIVATIONS = 3  # index of the activations component in a Vec
-STATES_ONLY = StepWalk(Walk((0.0,) * 5, (0.0,) * 5, (0.0,) * 5, "model states alone (activations not traced)"),
-                       None, traced=False)
+STATES_ONLY = StepWalk(
+    Walk((0.0,) * 5, (0.0,) * 5, (0.0,) * 5, "model states alone (activations not traced)"),
+    None,
+    traced=False,
+)
 
 
-def search(recipe: Recipe, probe: ModelProbe, target: Target, device: torch.device, *,
-           cost: CostModel | None = None) -> PlanResult:
+def search(
+    recipe: Recipe, probe: ModelProbe, target: Target, device: torch.device, *, cost: CostModel | None = None
+) -> PlanResult:
     """Evaluate every candidate of the recipe on `target`; `PlanError` (with the table) when none fits."""
-    facts = DeviceFacts(target.device_type, target.world_size, bf16=target.bf16, fp8=target.fp8,
-                        what_if=target.what_if)
+    facts = DeviceFacts(
+        target.device_type, target.world_size, bf16=target.bf16, fp8=target.fp8, what_if=target.what_if
+    )
     grid = build_grid(recipe, facts, device, probe.num_blocks)
     evaluation = _Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
     excluded = list(grid.excluded)
@@ -54,21 +59,32 @@ def search(recipe: Recipe, probe: ModelProbe, target: Target, device: torch.devi
         try:
             scored.append(evaluation.score(candidate))
         except Unsupported as exc:  # the trace of this precision and mode failed
-            reason = (f"strategies.precision={candidate.precision.name} with "
-                      f"checkpointing={candidate.checkpointing.describe()}", str(exc))
+            reason = (
+                f"strategies.precision={candidate.precision.name} with "
+                f"checkpointing={candidate.checkpointing.describe()}",
+                str(exc),
+            )
             if reason not in excluded:
                 excluded.append(reason)
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
         raise PlanError(explain_failure(recipe, target.budget, infeasible, tuple(excluded)))
-    return PlanResult(plan=ranked[0].plan, budget=target.budget, chosen=ranked[0], ranked=ranked,
-                      infeasible=infeasible, excluded=tuple(excluded))
+    return PlanResult(
+        plan=ranked[0].plan,
+        budget=target.budget,
+        chosen=ranked[0],
+        ranked=ranked,
+        infeasible=infeasible,
+        excluded=tuple(excluded),
+    )
 
 
 class _Evaluation:
     """Scores candidates, sharing traces (in the probe), walks and model-state levels between them."""
 
-    def __init__(self, recipe: Recipe, probe: ModelProbe, target: Target, cost: CostModel, grid: Grid) -> None:
+    def __init__(
+        self, recipe: Recipe, probe: ModelProbe, target: Target, cost: CostModel, grid: Grid
+    ) -> None:
         self.recipe, self.probe, self.target, self.cost = recipe, probe, target, cost
         seq = probe.seq_len
         sizes = sorted({-(-c.micro_batching.tokens(seq) // seq) for c in grid.candidates}) or [1]
@@ -78,9 +94,14 @@ class _Evaluation:
         if target.device_type == "cpu":
             self.fixed += probe.spec.host_bytes()
         self.workload = Workload(
-            numel=probe.shape.numel, block_numel=sum(p.numel for p in probe.shape.params if p.block is not None),
-            num_blocks=probe.num_blocks, hidden=probe.hidden_size, seq_len=seq, rows_per_step=per_rank,
-            world_size=target.world_size)
+            numel=probe.shape.numel,
+            block_numel=sum(p.numel for p in probe.shape.params if p.block is not None),
+            num_blocks=probe.num_blocks,
+            hidden=probe.hidden_size,
+            seq_len=seq,
+            rows_per_step=per_rank,
+            world_size=target.world_size,
+        )
         self.walks: dict[tuple[Any, ...], StepWalk] = {}
         self.states: dict[tuple[Any, ...], StateLevels] = {}
 
@@ -104,9 +125,14 @@ class _Evaluation:
             if plan.checkpointing.offloads_activations:
                 offloaded = probe.num_blocks * _kept_per_block(traces[NoCheckpointing()], tokens)
         step = self.cost.step(
-            self.workload, plan, micro_tokens=tokens, micro_steps=micro_steps,
+            self.workload,
+            plan,
+            micro_tokens=tokens,
+            micro_steps=micro_steps,
             state_bytes=levels.weights + levels.optimizer_gradients + levels.optimizer_states,
-            offloaded_activation_bytes=offloaded, device_type=target.device_type)
+            offloaded_activation_bytes=offloaded,
+            device_type=target.device_type,
+        )
         return Scored(plan, predict(levels, walk), step, levels)
 
     def _levels(self, plan: Plan, micro_steps: int) -> StateLevels:
@@ -114,14 +140,22 @@ class _Evaluation:
         if key not in self.states:  # the sharding arithmetic visits every rank: once per key
             backend = plan.sharding.build(plan.precision, plan.micro_batch_size, micro_steps)
             self.states[key] = state_levels(
-                self.probe.shape, precision=plan.precision, optimizer_states=plan.optimizer_states,
-                backend=backend, replicated=plan.sharding.replicated, world_size=self.target.world_size,
-                dim0=self.probe.dim0, fixed_bytes=self.fixed, foreach=self.target.device_type == "cuda")
+                self.probe.shape,
+                precision=plan.precision,
+                optimizer_states=plan.optimizer_states,
+                backend=backend,
+                replicated=plan.sharding.replicated,
+                world_size=self.target.world_size,
+                dim0=self.probe.dim0,
+                fixed_bytes=self.fixed,
+                foreach=self.target.device_type == "cuda",
+            )
         return self.states[key]
 
 
-def _traces(probe: ModelProbe, plan: Plan, device_type: str, rows: tuple[int, int],
-            weights_dtype: torch.dtype | None) -> Traces:
+def _traces(
+    probe: ModelProbe, plan: Plan, device_type: str, rows: tuple[int, int], weights_dtype: torch.dtype | None
+) -> Traces:
     mode = plan.checkpointing
     traces = {m: probe.trace(plan.precision, m, rows, weights_dtype) for m in mode.traced_modes(device_type)}
     if mode.offloads_activations and device_type == "cuda":

@@ -9,9 +9,8 @@ causal-LM trainer is one subclass among others.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ class ModelSpec:
         deep model then cost three blocks); None: the planner traces the whole model.
     host_bytes: -> bytes of data the trainer keeps in host memory (asked only when the device is a CPU,
         where host memory is the device).
-    trace_context: a context the trace runs in (what a model library must be told under fake tensors).
     name: what to call the model in progress lines and errors.
     """
 
@@ -44,5 +42,4 @@ class ModelSpec:
     loss: LossFn
     build_clone: Callable[[int], nn.Module] | None = None
     host_bytes: Callable[[], int] = lambda: 0
-    trace_context: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     name: str = "model"

@@ -28,13 +28,24 @@ def optimizer_cost(shape: ModelShape, optimizer_states: OptimizerStates) -> Opti
     trainable = shape.trainable
     total = optimizer_states.estimate(shape, Footprint()).optimizer_states
     per_tensor = optimizer_states.per_tensor_step_bytes
-    return OptimizerCost(per_element=(total - per_tensor * len(trainable.params)) / max(trainable.numel, 1),
-                         per_tensor=per_tensor)
+    return OptimizerCost(
+        per_element=(total - per_tensor * len(trainable.params)) / max(trainable.numel, 1),
+        per_tensor=per_tensor,
+    )
 
 
-def state_levels(shape: ModelShape, *, precision: Precision, optimizer_states: OptimizerStates,
-                 backend: ShardingBackend, replicated: bool, world_size: int, dim0: Mapping[str, int],
-                 fixed_bytes: int, foreach: bool) -> StateLevels:
+def state_levels(
+    shape: ModelShape,
+    *,
+    precision: Precision,
+    optimizer_states: OptimizerStates,
+    backend: ShardingBackend,
+    replicated: bool,
+    world_size: int,
+    dim0: Mapping[str, int],
+    fixed_bytes: int,
+    foreach: bool,
+) -> StateLevels:
     """Levels for `StateLevels`; `fixed_bytes`: buffers and the step's data; `foreach`: the optimizer runs
     torch's multi-tensor AdamW (CUDA's default); `replicated`: every rank holds every state."""
     master = precision.master_weights
@@ -43,16 +54,23 @@ def state_levels(shape: ModelShape, *, precision: Precision, optimizer_states: O
         fp = optimizer_states.estimate(shape, precision.estimate(shape, Footprint()))
         backward_gradients = shape.trainable_numel * (2 if master else 4)
         return StateLevels(
-            weights=fp.weights, optimizer_states=fp.optimizer_states,
-            gradients=backward_gradients, optimizer_gradients=fp.gradients, optimizer_extra=extra,
+            weights=fp.weights,
+            optimizer_states=fp.optimizer_states,
+            gradients=backward_gradients,
+            optimizer_gradients=fp.gradients,
+            optimizer_extra=extra,
             other=fixed_bytes + backend.state_bytes(shape, world_size).buffers,
             stored=(fp.weights, backward_gradients, fp.optimizer_states),
         )
     per_rank = backend.state_bytes(shape, world_size, optimizer_cost(shape, optimizer_states), dim0=dim0)
     fp = per_rank.footprint(Footprint())  # what the backend's `estimate` returns
     return StateLevels(
-        weights=fp.weights, optimizer_states=fp.optimizer_states, gradients=fp.gradients,
-        optimizer_gradients=fp.gradients, optimizer_extra=extra // world_size if foreach else extra,
-        other=fixed_bytes + fp.other, replicated=False,
+        weights=fp.weights,
+        optimizer_states=fp.optimizer_states,
+        gradients=fp.gradients,
+        optimizer_gradients=fp.gradients,
+        optimizer_extra=extra // world_size if foreach else extra,
+        other=fixed_bytes + fp.other,
+        replicated=False,
         stored=(per_rank.weights, per_rank.gradients, per_rank.optimizer_states),
     )

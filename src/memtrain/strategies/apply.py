@@ -36,10 +36,17 @@ class Applied:
     grad_scaler: torch.amp.GradScaler | None = None
 
 
-def apply_strategies(model: nn.Module, blocks: list[nn.Module], precision: Precision, checkpointing: Checkpointing,
-                     *, sharding: ShardingBackend | None = None, env: DistEnv | None = None,
-                     build_optimizer: OptimizerBuilder | None = None,
-                     weights_dtype: torch.dtype | None = None) -> Applied:
+def apply_strategies(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    precision: Precision,
+    checkpointing: Checkpointing,
+    *,
+    sharding: ShardingBackend | None = None,
+    env: DistEnv | None = None,
+    build_optimizer: OptimizerBuilder | None = None,
+    weights_dtype: torch.dtype | None = None,
+) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
     overrides the dtype the forward reads weights in (sharding backends that hand bf16 weights to a
@@ -53,7 +60,9 @@ def apply_strategies(model: nn.Module, blocks: list[nn.Module], precision: Preci
         return Applied(model)
     assert sharding is not None and build_optimizer is not None
     model = model.to(env.device)
-    wrapped, optimizer = sharding.prepare(model, blocks, env, lambda m: precision.build_optimizer(m, build_optimizer))
+    wrapped, optimizer = sharding.prepare(
+        model, blocks, env, lambda m: precision.build_optimizer(m, build_optimizer)
+    )
     return Applied(wrapped, optimizer, precision.grad_scaler(env.device))
 
 

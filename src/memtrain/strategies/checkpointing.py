@@ -77,7 +77,9 @@ class Checkpointing(Strategy):
     def block_modes(self, num_blocks: int, device_type: str) -> tuple[Checkpointing, ...]:
         """The traced mode each block runs in: a block-wise mode is `full` where it recomputes, `none`
         elsewhere (modes that change how a block runs override this)."""
-        return tuple(FullCheckpointing() if again else NoCheckpointing() for again in self.checkpointed(num_blocks))
+        return tuple(
+            FullCheckpointing() if again else NoCheckpointing() for again in self.checkpointed(num_blocks)
+        )
 
     def traced_modes(self, device_type: str) -> tuple[Checkpointing, ...]:
         """The modes a prediction of this one needs traces of."""

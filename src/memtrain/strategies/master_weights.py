@@ -21,8 +21,11 @@ from torch import nn
 class MasterWeightOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer built on fp32 copies of low-precision model parameters."""
 
-    def __init__(self, params: Iterable[nn.Parameter],
-                 build_inner: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        build_inner: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    ) -> None:
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [nn.Parameter(p.detach().float().clone()) for p in self.model_params]
         self.inner = build_inner(self.master_params)

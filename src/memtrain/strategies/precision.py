@@ -59,8 +59,9 @@ class Precision(Strategy):
     def swap_modules(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """Module swaps that must come first in the order (fp8's float8 linears)."""
 
-    def build_optimizer(self, model: nn.Module,
-                        build: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    def build_optimizer(
+        self, model: nn.Module, build: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
         """The optimizer over the trainable parameters (master-weight precisions wrap it)."""
         trainable = [p for p in model.parameters() if p.requires_grad]
         if self.master_weights:
@@ -93,8 +94,11 @@ class Precision(Strategy):
         stored = torch.empty((), dtype=self.stored_dtype).element_size()
         trainable = shape.trainable_numel
         if self.master_weights:
-            return footprint.with_(weights=stored * shape.numel, gradients=4 * trainable,
-                                   optimizer_states=footprint.optimizer_states + 4 * trainable)
+            return footprint.with_(
+                weights=stored * shape.numel,
+                gradients=4 * trainable,
+                optimizer_states=footprint.optimizer_states + 4 * trainable,
+            )
         return footprint.with_(weights=stored * shape.numel, gradients=stored * trainable)
 
 
@@ -164,8 +168,10 @@ class FP8(Precision):
                 "RTX 4090); found none. Use bf16-mixed, or strategies.fp8_emulate=true to emulate"
             )
         if not facts.fp8:
-            raise Unsupported("strategies.precision: fp8 needs compute capability >= 8.9 (H100, L4, RTX 4090); "
-                              "use bf16-mixed")
+            raise Unsupported(
+                "strategies.precision: fp8 needs compute capability >= 8.9 (H100, L4, RTX 4090); "
+                "use bf16-mixed"
+            )
 
     def swap_modules(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """Replace the blocks' nn.Linear layers by torchao Float8Linear (first in the order)."""
@@ -175,7 +181,11 @@ class FP8(Precision):
         inside = {name for name, m in model.named_modules() if id(m) in block_ids}
 
         def in_a_block(module: nn.Module, fqn: str) -> bool:
-            dims_ok = isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            dims_ok = (
+                isinstance(module, nn.Linear)
+                and module.in_features % 16 == 0
+                and module.out_features % 16 == 0
+            )
             return dims_ok and any(fqn.startswith(prefix + ".") for prefix in inside)
 
         config = Float8LinearConfig(emulate=self.emulate)

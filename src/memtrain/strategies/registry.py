@@ -102,8 +102,10 @@ class Registry(Generic[S]):
     def get(self, name: str) -> type[S]:
         cls = self._classes.get(name)
         if cls is None:
-            raise Unsupported(f"strategies.{self.kind}: {name!r} is not one of {', '.join(self._classes)}"
-                              f"{did_you_mean(name, self._classes)}")
+            raise Unsupported(
+                f"strategies.{self.kind}: {name!r} is not one of {', '.join(self._classes)}"
+                f"{did_you_mean(name, self._classes)}"
+            )
         return cls
 
     def create(self, name: str, options: Mapping[str, Any] | None = None) -> S:
@@ -128,4 +130,3 @@ def option(default: Any, recipe_key: str | None = None) -> Any:
     """A strategy field read from `strategies.<recipe_key>` (default `<kind>_<field name>`)."""
     metadata = {"recipe_key": recipe_key} if recipe_key else {}
     return dataclasses.field(default=default, metadata=metadata)
-

@@ -25,8 +25,9 @@ class PreemptionFlag:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)  # type: ignore[arg-type]
             self._previous = None

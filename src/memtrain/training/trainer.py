@@ -118,7 +118,9 @@ class Trainer:
         raise NotImplementedError("subclass Trainer and implement step_batch(step)")
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int | torch.Tensor]:
-        raise NotImplementedError("subclass Trainer and implement loss(model, batch) -> (loss_sum, num_tokens)")
+        raise NotImplementedError(
+            "subclass Trainer and implement loss(model, batch) -> (loss_sum, num_tokens)"
+        )
 
     def count_tokens(self, batch: Batch) -> int:
         if "labels" not in batch:
@@ -162,18 +164,17 @@ class Trainer:
         """Bytes of training data this trainer keeps in host memory (on a CPU, host memory is the device)."""
         return 0
 
-    def trace_context(self) -> contextlib.AbstractContextManager[Any]:
-        """A context the planner's fake-tensor trace of this trainer's model runs in."""
-        return contextlib.nullcontext()
-
     def model_spec(self) -> ModelSpec:
         """The job the planner predicts: this trainer's own hooks."""
         clone = self.build_model_clone
         overridden = type(self).build_model_clone is not Trainer.build_model_clone
         return ModelSpec(
-            build_model=self.build_model, blocks=self.blocks, micro_batch=self.planning_batch, loss=self.loss,
+            build_model=self.build_model,
+            blocks=self.blocks,
+            micro_batch=self.planning_batch,
+            loss=self.loss,
             build_clone=clone if overridden else None,  # type: ignore[arg-type]
-            host_bytes=self.host_data_bytes, trace_context=self.trace_context,
+            host_bytes=self.host_data_bytes,
             name=f"{type(self).__name__}.build_model()",
         )
 
@@ -184,8 +185,10 @@ class Trainer:
             model = self.build_model()
         shape = model_shape(model, self.blocks(model))
         self.planning_batch(1)
-        return (f"{type(self).__name__}: {shape.numel:,} parameters ({shape.trainable_numel:,} trainable), "
-                f"{shape.num_blocks} blocks")
+        return (
+            f"{type(self).__name__}: {shape.numel:,} parameters ({shape.trainable_numel:,} trainable), "
+            f"{shape.num_blocks} blocks"
+        )
 
     def choose_plan(self, free_bytes: int | None = None) -> PlanResult:
         """Plan the run (collective on several ranks when the recipe leaves choices open): the planner
@@ -231,14 +234,23 @@ class Trainer:
         seed_everything(self.recipe.run.seed)
         sharding.check(self.env)
         model = self.build_model()
-        applied = apply_strategies(model, self.blocks(model), plan.precision, plan.checkpointing,
-                                   sharding=sharding, env=self.env, build_optimizer=self.build_optimizer)
+        applied = apply_strategies(
+            model,
+            self.blocks(model),
+            plan.precision,
+            plan.checkpointing,
+            sharding=sharding,
+            env=self.env,
+            build_optimizer=self.build_optimizer,
+        )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         memory = self.recipe.memory
         if memory.track or memory.budget is not None:
             self.tracker = MemoryTracker(
-                sharding.unwrap(self.model), self.optimizer,
-                budget_bytes=int(memory.budget) if memory.budget is not None else None, device=self.env.device,
+                sharding.unwrap(self.model),
+                self.optimizer,
+                budget_bytes=int(memory.budget) if memory.budget is not None else None,
+                device=self.env.device,
             )
 
     def fit(self, resume: str | Path | bool | None = None) -> FitResult:
@@ -252,7 +264,11 @@ class Trainer:
             resume = bool(ckpt.list_checkpoints(self.checkpoint_root))
         start_step = self._restore(resume) if resume else self._fresh_run_dir()
         result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start_step)
-        log = MetricsLog(self.run_dir / "metrics.jsonl", start_step if resume else None) if self.env.is_main else None
+        log = (
+            MetricsLog(self.run_dir / "metrics.jsonl", start_step if resume else None)
+            if self.env.is_main
+            else None
+        )
         total = self.recipe.train.steps
         progress = make_progress(self.recipe.output.progress, total, start_step, self.env.is_main)
         started = time.perf_counter()
@@ -293,8 +309,11 @@ class Trainer:
                     result.preempted = True
                     self.save_checkpoint(step + 1)
                     if self.env.is_main:
-                        print(f"[memtrain] SIGTERM: stopped after step {step + 1} with a checkpoint; "
-                              "continue with --resume", flush=True)
+                        print(
+                            f"[memtrain] SIGTERM: stopped after step {step + 1} with a checkpoint; "
+                            "continue with --resume",
+                            flush=True,
+                        )
                     break
                 if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
                     self.save_checkpoint(step + 1)
@@ -311,8 +330,13 @@ class Trainer:
         self.step_peak.start()
         if self.tracker is not None:
             self.tracker.begin_step(step + 1)
-        lr = lr_at(step, self.recipe.train.lr, self.recipe.train.steps, self.recipe.train.warmup_steps,
-                   self.recipe.train.min_lr_ratio)
+        lr = lr_at(
+            step,
+            self.recipe.train.lr,
+            self.recipe.train.steps,
+            self.recipe.train.warmup_steps,
+            self.recipe.train.min_lr_ratio,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -338,8 +362,12 @@ class Trainer:
             report = self.tracker.end_step()
             self.memory_reports.append(report)
             self.device_peaks.append(row["peak_memory_bytes"])
-            row["tracked"] = {"peak_bytes": report.peak_bytes, "at_peak": dict(report.at_peak),
-                              "peak_phase": report.peak_phase, "peak_module": report.peak_module}
+            row["tracked"] = {
+                "peak_bytes": report.peak_bytes,
+                "at_peak": dict(report.at_peak),
+                "peak_phase": report.peak_phase,
+                "peak_module": report.peak_module,
+            }
         return row
 
     def optimizer_step(self) -> tuple[float, bool]:
@@ -417,8 +445,14 @@ class Trainer:
             try:
                 loss_total += self._micro_step(micro_batch, scale, last, counts[index] if step == 0 else None)
             except torch.OutOfMemoryError as exc:
-                self.oom_events.append({"step": step + 1, "micro_step": index + 1,
-                                        "micro_batch_size": self.plan.micro_batch_size, "error": str(exc)[:200]})
+                self.oom_events.append(
+                    {
+                        "step": step + 1,
+                        "micro_step": index + 1,
+                        "micro_batch_size": self.plan.micro_batch_size,
+                        "error": str(exc)[:200],
+                    }
+                )
                 if last and self.env.distributed:
                     raise self._unagreeable_oom(step) from None
                 failed = True
@@ -426,7 +460,9 @@ class Trainer:
             return None
         return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
 
-    def _micro_step(self, micro_batch: Batch, scale: float, last: bool, expected_tokens: int | None) -> torch.Tensor:
+    def _micro_step(
+        self, micro_batch: Batch, scale: float, last: bool, expected_tokens: int | None
+    ) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns its summed loss (detached, float64). Its
         tensors live only in this frame, so an exception here releases them."""
         assert self.model is not None
@@ -437,13 +473,18 @@ class Trainer:
                 self._check_token_count(num_tokens, expected_tokens)
             with self._phase("backward"):
                 scaled = loss_sum * scale
-                self._sharding.backward(self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled)
+                self._sharding.backward(
+                    self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled
+                )
         return loss_sum.detach().double()
 
     def _unagreeable_oom(self, step: int) -> PlanError:
         tokens = self.plan.micro_batch_tokens
-        smaller = (f"a smaller batch.micro_tokens (it was {tokens})" if tokens is not None
-                   else f"a smaller batch.micro_size (it was {self.plan.micro_batch_size})")
+        smaller = (
+            f"a smaller batch.micro_tokens (it was {tokens})"
+            if tokens is not None
+            else f"a smaller batch.micro_size (it was {self.plan.micro_batch_size})"
+        )
         return PlanError(
             f"out of memory on rank {self.env.rank} in the last micro-step of step {step + 1}, while the other "
             "ranks were synchronising it: the ranks cannot agree to redo this step (only an earlier micro-step "
@@ -471,26 +512,35 @@ class Trainer:
         else:
             predicted = result.predicted
             measured_peak = row["peak_memory_bytes"] if self.env.device.type == "cuda" else None
-            entry = {"predicted": predicted.to_dict() if predicted is not None else None,
-                     "measured": {"peak": measured_peak} if measured_peak is not None else None}
+            entry = {
+                "predicted": predicted.to_dict() if predicted is not None else None,
+                "measured": {"peak": measured_peak} if measured_peak is not None else None,
+            }
         self.calibration.append({"step": step + 1, **entry})
         budget = result.budget
         over = budget is not None and measured_peak is not None and measured_peak > budget.usable
         if self.env.is_main:
             self._write_plan_json()
         if self._any_rank(over):
-            self._recover_from_oom(step, reason=f"measured peak {format_bytes(measured_peak or 0)} passed the "
-                                   f"usable {format_bytes(budget.usable if budget else 0)}; re-planning")
+            self._recover_from_oom(
+                step,
+                reason=f"measured peak {format_bytes(measured_peak or 0)} passed the "
+                f"usable {format_bytes(budget.usable if budget else 0)}; re-planning",
+            )
 
     def _write_plan_json(self) -> None:
         result = self.plan_result
         assert result is not None
-        self._write_json(self.run_dir / "plan.json", {
-            "plan": self.plan.to_dict(), "summary": self.plan.summary(),
-            "predicted": result.predicted.to_dict() if result.predicted is not None else None,
-            "budget": result.budget.to_dict() if result.budget is not None else None,
-            "calibration": self.calibration,
-        })
+        self._write_json(
+            self.run_dir / "plan.json",
+            {
+                "plan": self.plan.to_dict(),
+                "summary": self.plan.summary(),
+                "predicted": result.predicted.to_dict() if result.predicted is not None else None,
+                "budget": result.budget.to_dict() if result.budget is not None else None,
+                "calibration": self.calibration,
+            },
+        )
 
     def _recover_from_oom(self, step: int, reason: str = "out of memory") -> None:
         """Drop the failed attempt's gradients and cached blocks, then shrink the micro-batch."""
@@ -511,8 +561,11 @@ class Trainer:
             )
         self.plan = self.plan.replace(micro_batching=smaller)
         if self.env.is_main:
-            print(f"[memtrain] {reason} at step {step + 1} with micro-batches of {current.describe()}: redoing "
-                  f"the same batch with {smaller.describe()}", flush=True)
+            print(
+                f"[memtrain] {reason} at step {step + 1} with micro-batches of {current.describe()}: redoing "
+                f"the same batch with {smaller.describe()}",
+                flush=True,
+            )
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -605,7 +658,9 @@ class Trainer:
             self._sharding.load(found.path, self.model, self.optimizer, self.env)
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # e.g. another optimizer's state
             where = optimizer_file if optimizer_file.is_file() else found.path
-            raise ckpt.CheckpointError(f"{where}: does not fit this run ({type(exc).__name__}: {exc})") from None
+            raise ckpt.CheckpointError(
+                f"{where}: does not fit this run ({type(exc).__name__}: {exc})"
+            ) from None
         if optimizer_file.is_file() and self.plan.sharding.replicated:
             self._check_optimizer_shapes(optimizer_file)
         if self.scaler is not None:
@@ -638,8 +693,12 @@ class Trainer:
         except ValueError:
             return  # an older layout of plan metadata: keep this run's plan
         current = self.plan.micro_batching
-        if (saved.get("world_size") == self.env.world_size and type(micro) is type(current)
-                and micro.rows == current.rows and micro.tokens(1) < current.tokens(1)):
+        if (
+            saved.get("world_size") == self.env.world_size
+            and type(micro) is type(current)
+            and micro.rows == current.rows
+            and micro.tokens(1) < current.tokens(1)
+        ):
             self.plan = self.plan.replace(micro_batching=micro)
 
     def _fresh_run_dir(self) -> int:

@@ -33,19 +33,32 @@ class Sharding(Strategy):
     replicated: ClassVar[bool] = True
     multi_rank: ClassVar[bool] = False
     gradient_sync: ClassVar[str] = "none"  # "all-reduce" | "reduce-scatter" | "none", per step
-    parameter_gathers: ClassVar[tuple[int, int]] = (0, 0)  # all-gathers of the weights per step, per micro-step
+    parameter_gathers: ClassVar[tuple[int, int]] = (
+        0,
+        0,
+    )  # all-gathers of the weights per step, per micro-step
     backend: str = option("fsdp2", recipe_key="sharding_backend")
     offload: str = option("none", recipe_key="sharding_offload")
     comm_hook: str = option("none", recipe_key="comm_hook")
     deepspeed_config: str | None = option(None, recipe_key="deepspeed_config")
 
-    def build(self, precision: Precision | str = "fp32", micro_batch_size: int = 1, accumulation_steps: int = 1,
-              grad_clip: float | None = None) -> ShardingBackend:
+    def build(
+        self,
+        precision: Precision | str = "fp32",
+        micro_batch_size: int = 1,
+        accumulation_steps: int = 1,
+        grad_clip: float | None = None,
+    ) -> ShardingBackend:
         """The backend for this layout, with the plan's facts it needs."""
         options = ShardingOptions(
-            backend=self.backend, offload=self.offload, comm_hook=self.comm_hook,
-            deepspeed_config=self.deepspeed_config, precision=_name(precision),
-            micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, grad_clip=grad_clip,
+            backend=self.backend,
+            offload=self.offload,
+            comm_hook=self.comm_hook,
+            deepspeed_config=self.deepspeed_config,
+            precision=_name(precision),
+            micro_batch_size=micro_batch_size,
+            accumulation_steps=accumulation_steps,
+            grad_clip=grad_clip,
         )
         return self.backend_class()(self.name, options)
 
@@ -128,9 +141,13 @@ class Zero3(_Zero):
 
 def make_sharding(name: str, **options: Any) -> ShardingBackend:
     """The backend of sharding `name` built from `ShardingOptions` fields (tests and measurements)."""
-    layout = {k: options.pop(k) for k in ("backend", "offload", "comm_hook", "deepspeed_config") if k in options}
+    layout = {
+        k: options.pop(k) for k in ("backend", "offload", "comm_hook", "deepspeed_config") if k in options
+    }
     return SHARDING.get(name)(**layout).build(
-        options.pop("precision", "fp32"), options.pop("micro_batch_size", 1), options.pop("accumulation_steps", 1),
+        options.pop("precision", "fp32"),
+        options.pop("micro_batch_size", 1),
+        options.pop("accumulation_steps", 1),
         options.pop("grad_clip", None),
     )
 

@@ -77,8 +77,9 @@ class ShardingBackend:
                 f"zero3 ('{self.name}' keeps every state on the device); set strategies.sharding_offload=none"
             )
 
-    def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
-                make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap the model (already on its device) and build the optimizer on what this rank steps."""
         return model, make_optimizer(model)
 
@@ -108,14 +109,28 @@ class ShardingBackend:
         return model
 
     # ------------------------------------------------------------------ bytes
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
-                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+    def state_bytes(
+        self,
+        shape: ModelShape,
+        world_size: int,
+        optimizer: OptimizerCost = ADAMW,
+        *,
+        dim0: Mapping[str, int] | None = None,
+        rank: int | None = None,
+    ) -> StateBytes:
         """Per-rank bytes of weights, gradients, optimizer states and backend buffers (`rank=None`:
         the most loaded rank); `dim0` maps parameter names to their leading dimension (FSDP2 padding)."""
         return replicated_bytes(shape, self.options.precision, optimizer, ddp=False)
 
-    def estimate(self, shape: ModelShape, footprint: Footprint, world_size: int,
-                 optimizer: OptimizerCost = ADAMW, *, dim0: Mapping[str, int] | None = None) -> Footprint:
+    def estimate(
+        self,
+        shape: ModelShape,
+        footprint: Footprint,
+        world_size: int,
+        optimizer: OptimizerCost = ADAMW,
+        *,
+        dim0: Mapping[str, int] | None = None,
+    ) -> Footprint:
         """`footprint` with the model-state components of the most loaded rank (pure arithmetic)."""
         return self.state_bytes(shape, world_size, optimizer, dim0=dim0).footprint(footprint)
 
@@ -145,15 +160,23 @@ class DDPBackend(ShardingBackend):
     def check(self, env: DistEnv) -> None:
         self.check_replicated_options()
 
-    def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
-                make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         optimizer = make_optimizer(model)
         if not env.distributed:
             return model, optimizer
         return ddp_hooks.wrap_ddp(model, env, self.options.comm_hook), optimizer
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
-                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+    def state_bytes(
+        self,
+        shape: ModelShape,
+        world_size: int,
+        optimizer: OptimizerCost = ADAMW,
+        *,
+        dim0: Mapping[str, int] | None = None,
+        rank: int | None = None,
+    ) -> StateBytes:
         return replicated_bytes(shape, self.options.precision, optimizer, ddp=world_size > 1)
 
     def grad_sync_scale(self, env: DistEnv) -> float:
@@ -180,7 +203,8 @@ def warn_one_rank(name: str) -> None:
     """A ZeRO stage on one rank shards nothing; it still runs (same numerics as on several ranks)."""
     warnings.warn(
         f"strategies.sharding: {name} on one rank shards nothing (every state stays whole on this rank); "
-        "running it anyway", stacklevel=3,
+        "running it anyway",
+        stacklevel=3,
     )
 
 

@@ -45,6 +45,8 @@ def wrap_ddp(model: nn.Module, env: DistEnv, comm_hook: str) -> DistributedDataP
     return ddp
 
 
-def bf16_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def bf16_hook(
+    process_group: dist.ProcessGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """torch's `bf16_compress_hook` (cast to bf16, divide by the world size, all-reduce, cast back)."""
     return default_hooks.bf16_compress_hook(process_group, bucket)

@@ -98,15 +98,21 @@ class DeepSpeedBackend(ShardingBackend):
     def config(self, model_numel: int, world_size: int) -> dict[str, Any]:
         """The DeepSpeed config this backend runs with (generated from the plan, user JSON merged)."""
         plan = dsc.DeepSpeedPlan(
-            stage=self.stage, precision=self.options.precision, offload=self.options.offload,
-            micro_batch_size=self.options.micro_batch_size, accumulation_steps=self.options.accumulation_steps,
-            world_size=world_size, grad_clip=self.options.grad_clip, model_numel=model_numel,
+            stage=self.stage,
+            precision=self.options.precision,
+            offload=self.options.offload,
+            micro_batch_size=self.options.micro_batch_size,
+            accumulation_steps=self.options.accumulation_steps,
+            world_size=world_size,
+            grad_clip=self.options.grad_clip,
+            model_numel=model_numel,
         )
         user = dsc.read_user_config(self.options.deepspeed_config) if self.options.deepspeed_config else None
         return dsc.build_config(plan, user)
 
-    def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
-                make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         import deepspeed
 
         if not env.distributed:
@@ -115,7 +121,9 @@ class DeepSpeedBackend(ShardingBackend):
             os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
         ensure_process_group(env)
         config = self.config(sum(p.numel() for p in model.parameters()), env.world_size)
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=make_optimizer(model), config=config
+        )
         return engine, optimizer
 
     def grad_sync_scale(self, env: DistEnv) -> float:
@@ -150,17 +158,34 @@ class DeepSpeedBackend(ShardingBackend):
         assert isinstance(inner, nn.Module)
         return inner
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
-                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+    def state_bytes(
+        self,
+        shape: ModelShape,
+        world_size: int,
+        optimizer: OptimizerCost = ADAMW,
+        *,
+        dim0: Mapping[str, int] | None = None,
+        rank: int | None = None,
+    ) -> StateBytes:
         zero = self.config(shape.numel, world_size)["zero_optimization"]
         default = DeepSpeedZero3Knobs()
         knobs = DeepSpeedZero3Knobs(
-            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", default.persistence_threshold)),
+            persistence_threshold=int(
+                zero.get("stage3_param_persistence_threshold", default.persistence_threshold)
+            ),
             max_reuse_distance=int(zero.get("stage3_max_reuse_distance", default.max_reuse_distance)),
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", default.prefetch_bucket)),
         )
-        return deepspeed_bytes(shape, world_size, self.options.precision, optimizer, stage=self.stage,
-                               offload=self.options.offload, knobs=knobs, rank=rank)
+        return deepspeed_bytes(
+            shape,
+            world_size,
+            self.options.precision,
+            optimizer,
+            stage=self.stage,
+            offload=self.options.offload,
+            knobs=knobs,
+            rank=rank,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
@@ -186,6 +211,7 @@ class DeepSpeedBackend(ShardingBackend):
                 "DeepSpeed's zero_to_fp32.py and start from those weights)"
             )
         loaded, _ = model.load_checkpoint(  # type: ignore[operator]
-            str(source), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+            str(source), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if loaded is None:
             raise ckpt.CheckpointError(f"{source}: DeepSpeed found no checkpoint to load")

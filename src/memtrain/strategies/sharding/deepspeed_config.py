@@ -90,8 +90,11 @@ def read_user_config(path: str) -> dict[str, Any]:
 def build_config(plan: DeepSpeedPlan, user: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config DeepSpeed runs with; `RecipeError` lists every user key that contradicts the plan."""
     user = user or {}
-    problems = [f"{USER_KEY}: remove the {section!r} section ({why})" for section, why in FORBIDDEN_SECTIONS.items()
-                if section in user]
+    problems = [
+        f"{USER_KEY}: remove the {section!r} section ({why})"
+        for section, why in FORBIDDEN_SECTIONS.items()
+        if section in user
+    ]
     for key, value in owned_keys(plan).items():
         found, given = _get(user, key)
         if found and given != "auto" and not _same(given, value):

@@ -63,7 +63,7 @@ from memtrain.strategies.sharding.state_bytes import ADAMW, OptimizerCost, State
 
 REFUSED_PRECISIONS = {
     "bf16-master": "FSDP2's bf16-mixed already keeps sharded fp32 master weights and computes in bf16; "
-                   "use strategies.precision=bf16-mixed",
+    "use strategies.precision=bf16-mixed",
     "fp16-mixed": "fp16 loss scaling over sharded gradients is not supported here; use bf16-mixed",
     "fp8": "float8 all-gathers under FSDP2 are not wired up yet; use bf16-mixed or strategies.sharding=ddp",
 }
@@ -89,10 +89,13 @@ class FSDP2Backend(ShardingBackend):
             )
         reason = REFUSED_PRECISIONS.get(self.options.precision)
         if reason is not None:
-            raise Unsupported(f"strategies.precision: {self.options.precision} with {self.name} on FSDP2: {reason}")
+            raise Unsupported(
+                f"strategies.precision: {self.options.precision} with {self.name} on FSDP2: {reason}"
+            )
 
-    def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
-                make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         if not env.distributed:
             warn_one_rank(self.name)
         ensure_process_group(env)
@@ -100,7 +103,8 @@ class FSDP2Backend(ShardingBackend):
             "mesh": init_device_mesh(env.device.type, (env.world_size,)),
             "mp_policy": self._mixed_precision(),
             "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-            if self.options.offload == "params" else OffloadPolicy(),
+            if self.options.offload == "params"
+            else OffloadPolicy(),
         }
         for block in blocks:
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
@@ -144,12 +148,26 @@ class FSDP2Backend(ShardingBackend):
                             fsdp_param._unsharded_param.grad = None
         model.reset_iter_state()  # type: ignore[operator]
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
-                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
-        return fsdp2_bytes(shape, world_size, self.options.precision, optimizer,
-                           reshard_after_forward=self.reshard_after_forward,
-                           accumulation_steps=self.options.accumulation_steps,
-                           offload=self.options.offload == "params", dim0=dim0, rank=rank)
+    def state_bytes(
+        self,
+        shape: ModelShape,
+        world_size: int,
+        optimizer: OptimizerCost = ADAMW,
+        *,
+        dim0: Mapping[str, int] | None = None,
+        rank: int | None = None,
+    ) -> StateBytes:
+        return fsdp2_bytes(
+            shape,
+            world_size,
+            self.options.precision,
+            optimizer,
+            reshard_after_forward=self.reshard_after_forward,
+            accumulation_steps=self.options.accumulation_steps,
+            offload=self.options.offload == "params",
+            dim0=dim0,
+            rank=rank,
+        )
 
     def save(self, staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
         sharded_checkpoint.save_sharded(staging, model, optimizer)

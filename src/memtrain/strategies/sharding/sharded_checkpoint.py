@@ -49,7 +49,9 @@ def detect_format(path: Path) -> Format:
         return "dcp"
     if (path / DEEPSPEED_DIR).is_dir():
         return "deepspeed"
-    raise ckpt.CheckpointError(f"{path}: holds neither model.pt, {DCP_DIR}/ nor {DEEPSPEED_DIR}/ (incomplete checkpoint)")
+    raise ckpt.CheckpointError(
+        f"{path}: holds neither model.pt, {DCP_DIR}/ nor {DEEPSPEED_DIR}/ (incomplete checkpoint)"
+    )
 
 
 def save_sharded(staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -90,7 +92,9 @@ def _load_replicated(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     set_optimizer_state_dict(model, optimizer, _keyed_by_name(by_index, model, optimizer), options=full)
 
 
-def _keyed_by_name(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _keyed_by_name(
+    state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """An optimizer state_dict keyed by parameter index, re-keyed by parameter name.
 
     Indices count the parameters of the optimizer's groups in order, so the i-th parameter of this
@@ -107,4 +111,7 @@ def _keyed_by_name(state: dict[str, Any], model: nn.Module, optimizer: torch.opt
         count = len(group["params"])
         groups.append({**group, "params": order[start : start + count]})
         start += count
-    return {"state": {order[int(index)]: value for index, value in state["state"].items()}, "param_groups": groups}
+    return {
+        "state": {order[int(index)]: value for index, value in state["state"].items()},
+        "param_groups": groups,
+    }

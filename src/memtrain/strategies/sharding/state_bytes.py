@@ -137,8 +137,9 @@ def zero_redundancy_partition(numels: Iterable[int], world_size: int) -> list[li
     return ranks
 
 
-def zero1_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost,
-                rank: int | None = None) -> StateBytes:
+def zero1_bytes(
+    shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost, rank: int | None = None
+) -> StateBytes:
     """zero1 (fsdp2 backend): DDP with ZeroRedundancyOptimizer; only the optimizer is partitioned."""
     full = replicated_bytes(shape, precision, optimizer, ddp=True)
     trainable = shape.trainable.params
@@ -148,8 +149,9 @@ def zero1_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: O
         return optimizer.bytes(sum(trainable[i].numel for i in parts[r]), len(parts[r]))
 
     mine = states(rank) if rank is not None else max(states(r) for r in range(world_size))
-    return StateBytes(weights=full.weights, gradients=full.gradients, optimizer_states=mine,
-                      buffers=full.buffers)
+    return StateBytes(
+        weights=full.weights, gradients=full.gradients, optimizer_states=mine, buffers=full.buffers
+    )
 
 
 # ----------------------------------------------------------------------------------------- FSDP2
@@ -169,19 +171,38 @@ def _groups(shape: ModelShape) -> dict[int | None, list[ParamInfo]]:
     return groups
 
 
-def fsdp2_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost, *,
-                reshard_after_forward: bool, accumulation_steps: int = 1, offload: bool = False,
-                dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+def fsdp2_bytes(
+    shape: ModelShape,
+    world_size: int,
+    precision: str,
+    optimizer: OptimizerCost,
+    *,
+    reshard_after_forward: bool,
+    accumulation_steps: int = 1,
+    offload: bool = False,
+    dim0: Mapping[str, int] | None = None,
+    rank: int | None = None,
+) -> StateBytes:
     """zero2 / zero3 on FSDP2 (`fully_shard` per block, then the root).
 
     `dim0` gives each parameter's leading dimension (by name) for the padding arithmetic; without
     it every parameter is taken as 1-D (padding of at most `world_size - 1` elements per tensor).
     """
     if rank is None:
-        per_rank = [fsdp2_bytes(shape, world_size, precision, optimizer,
-                                reshard_after_forward=reshard_after_forward,
-                                accumulation_steps=accumulation_steps, offload=offload, dim0=dim0, rank=r)
-                    for r in range(world_size)]
+        per_rank = [
+            fsdp2_bytes(
+                shape,
+                world_size,
+                precision,
+                optimizer,
+                reshard_after_forward=reshard_after_forward,
+                accumulation_steps=accumulation_steps,
+                offload=offload,
+                dim0=dim0,
+                rank=r,
+            )
+            for r in range(world_size)
+        ]
         return max(per_rank, key=lambda b: (b.peak, b.host))
     kinds = dtypes(precision)
     rows_of = dim0 or {}
@@ -214,14 +235,24 @@ def fsdp2_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: O
     prefetch = 2 * largest_block if reshard_after_forward else 0
     copies = shape.trainable_numel * 4 if accumulation_steps > 1 else 0  # fp32 unsharded accumulated grads
     if offload:
-        return StateBytes(gathered=gathered, prefetch=prefetch, gradient_copies=copies,
-                          host=states.weights + states.gradients + states.optimizer_states)
-    return StateBytes(weights=states.weights, gradients=states.gradients,
-                      optimizer_states=states.optimizer_states, gathered=gathered, prefetch=prefetch,
-                      gradient_copies=copies)
+        return StateBytes(
+            gathered=gathered,
+            prefetch=prefetch,
+            gradient_copies=copies,
+            host=states.weights + states.gradients + states.optimizer_states,
+        )
+    return StateBytes(
+        weights=states.weights,
+        gradients=states.gradients,
+        optimizer_states=states.optimizer_states,
+        gathered=gathered,
+        prefetch=prefetch,
+        gradient_copies=copies,
+    )
 
 
 # ------------------------------------------------------------------------------------- DeepSpeed
+
 
 @dataclass(frozen=True)
 class DeepSpeedZero3Knobs:
@@ -232,9 +263,17 @@ class DeepSpeedZero3Knobs:
     prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size (elements fetched ahead)
 
 
-def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimizer: OptimizerCost, *,
-                    stage: int, offload: str = "none", knobs: DeepSpeedZero3Knobs = DeepSpeedZero3Knobs(),
-                    rank: int | None = None) -> StateBytes:
+def deepspeed_bytes(
+    shape: ModelShape,
+    world_size: int,
+    precision: str,
+    optimizer: OptimizerCost,
+    *,
+    stage: int,
+    offload: str = "none",
+    knobs: DeepSpeedZero3Knobs = DeepSpeedZero3Knobs(),
+    rank: int | None = None,
+) -> StateBytes:
     """DeepSpeed ZeRO-1/2/3 with a client torch optimizer over one parameter group (`shape.params` in
     the model's parameter order, which is taken as the forward order). Model parameters are bf16
     under bf16-mixed, fp32 otherwise; master weights and moments are fp32 partitions. `offload`:
@@ -250,8 +289,12 @@ def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimize
     (an upper bound for ZeRO-3, which may partition them too), with no gradient or state.
     """
     if rank is None:
-        per_rank = [deepspeed_bytes(shape, world_size, precision, optimizer, stage=stage, offload=offload,
-                                    knobs=knobs, rank=r) for r in range(world_size)]
+        per_rank = [
+            deepspeed_bytes(
+                shape, world_size, precision, optimizer, stage=stage, offload=offload, knobs=knobs, rank=r
+            )
+            for r in range(world_size)
+        ]
         return max(per_rank, key=lambda b: (b.peak, b.host))
     element = 2 if precision == "bf16-mixed" else 4
     frozen = (shape.numel - shape.trainable_numel) * element
@@ -263,7 +306,9 @@ def deepspeed_bytes(shape: ModelShape, world_size: int, precision: str, optimize
             if p.numel <= knobs.persistence_threshold or 2 * after < knobs.max_reuse_distance:
                 kept += p.numel
             after += p.numel
-        largest_block = max((sum(p.numel for p in v) for k, v in _groups(shape).items() if k is not None), default=0)
+        largest_block = max(
+            (sum(p.numel for p in v) for k, v in _groups(shape).items() if k is not None), default=0
+        )
         states = optimizer.bytes(partition, 1) + partition * 4  # moments + fp32 master partition
         weights = partition * element
         host = states + (weights if offload == "params" else 0) if offload != "none" else 0

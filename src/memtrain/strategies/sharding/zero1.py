@@ -57,8 +57,9 @@ class Zero1Backend(DDPBackend):
                 "master-weight optimizer cannot be partitioned); use bf16-mixed, or strategies.sharding=zero2/zero3"
             )
 
-    def prepare(self, model: nn.Module, blocks: list[nn.Module], env: DistEnv,
-                make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(
+        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
         full = make_optimizer(model)
         if not env.distributed:
             warn_one_rank(self.name)
@@ -73,8 +74,15 @@ class Zero1Backend(DDPBackend):
             ) from None
         return wrapped, optimizer
 
-    def state_bytes(self, shape: ModelShape, world_size: int, optimizer: OptimizerCost = ADAMW, *,
-                    dim0: Mapping[str, int] | None = None, rank: int | None = None) -> StateBytes:
+    def state_bytes(
+        self,
+        shape: ModelShape,
+        world_size: int,
+        optimizer: OptimizerCost = ADAMW,
+        *,
+        dim0: Mapping[str, int] | None = None,
+        rank: int | None = None,
+    ) -> StateBytes:
         if world_size == 1:
             return replicated_bytes(shape, self.options.precision, optimizer, ddp=False)
         return zero1_bytes(shape, world_size, self.options.precision, optimizer, rank)
