@@ -3,7 +3,6 @@ and a resume reads the plan back from the checkpoint."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -22,9 +21,14 @@ from helpers import tiny_recipe
 
 def _every_strategy() -> list[Plan]:
     """A plan per registered strategy of each kind (the others at their defaults), plus options set."""
-    default = Plan(Precision(), FractionCheckpointing(0.25), REGISTRIES["optimizer_states"].create("8bit"),
-                   SHARDING.create("zero3", {"sharding_backend": "deepspeed", "sharding_offload": "optimizer"}),
-                   TokenBudget(16, 1, 512), world_size=4)
+    default = Plan(
+        Precision(),
+        FractionCheckpointing(0.25),
+        REGISTRIES["optimizer_states"].create("8bit"),
+        SHARDING.create("zero3", {"sharding_backend": "deepspeed", "sharding_offload": "optimizer"}),
+        TokenBudget(16, 1, 512),
+        world_size=4,
+    )
     plans = [default, default.replace(precision=FP8(emulate=True), micro_batching=MicroBatching(2, 8))]
     for kind, registry in REGISTRIES.items():
         plans += [default.replace(**{kind: cls()}) for cls in registry]
@@ -51,26 +55,41 @@ def test_not_a_plan(data: object) -> None:
 
 
 def test_plan_json_and_checkpoint_metadata_round_trip(tmp_path: Path) -> None:
-    recipe = tiny_recipe(tmp_path, strategies={"checkpointing": "fraction", "checkpointing_fraction": 0.5},
-                         batch={"global_size": 8, "micro_size": 4}, checkpoint={"every": 2, "keep": 3})
+    recipe = tiny_recipe(
+        tmp_path,
+        strategies={"checkpointing": "fraction", "checkpointing_fraction": 0.5},
+        batch={"global_size": 8, "micro_size": 4},
+        checkpoint={"every": 2, "keep": 3},
+    )
     trainer = CausalLMTrainer(recipe)
     trainer.fit()
     plan_json = json.loads((tmp_path / "run/plan.json").read_text())
     assert Plan.from_dict(plan_json["plan"]) == trainer.plan
     meta = json.loads((tmp_path / "run/checkpoints/step_00000002/meta.json").read_text())
     assert Plan.from_dict(meta["plan"]) == trainer.plan
-    assert isinstance(trainer.plan.checkpointing, FractionCheckpointing) and trainer.plan.checkpointing.fraction == 0.5
+    assert (
+        isinstance(trainer.plan.checkpointing, FractionCheckpointing)
+        and trainer.plan.checkpointing.fraction == 0.5
+    )
 
 
 def test_resume_keeps_a_micro_batch_recovery_lowered(tmp_path: Path) -> None:
     """The micro-batching saved with a checkpoint (here as an out-of-memory recovery would have left it)
     is what a resumed run continues with."""
-    recipe = tiny_recipe(tmp_path, batch={"global_size": 8, "micro_size": 8}, checkpoint={"every": 2, "keep": 3})
+    recipe = tiny_recipe(
+        tmp_path, batch={"global_size": 8, "micro_size": 8}, checkpoint={"every": 2, "keep": 3}
+    )
     first = CausalLMTrainer(recipe)
     first.setup()
     first.plan = first.plan.replace(micro_batching=MicroBatching(2, 4))
     first.fit()
-    resumed = CausalLMTrainer(tiny_recipe(tmp_path, batch={"global_size": 8, "micro_size": 8},
-                                          train={"steps": 6}, checkpoint={"every": 2, "keep": 3}))
+    resumed = CausalLMTrainer(
+        tiny_recipe(
+            tmp_path,
+            batch={"global_size": 8, "micro_size": 8},
+            train={"steps": 6},
+            checkpoint={"every": 2, "keep": 3},
+        )
+    )
     resumed.fit(resume=True)
     assert resumed.plan.micro_batching == MicroBatching(2, 4)

@@ -118,20 +118,43 @@ def test_subclass_under_torchrun_matches_one_process(tmp_path: Path) -> None:
 
     from helpers import subprocess_env
 
-    common = [RECIPE, "train.steps=4", "strategies.optimizer_states=fp32", "strategies.checkpointing=none",
-              "batch.micro_size=auto", "--trainer", TRAINER, "--no-progress"]
-    runs = {"single": [sys.executable, "-m", "memtrain", "train", "strategies.sharding=none"],
-            "ddp": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "-m", "memtrain", "train", "strategies.sharding=ddp"]}
+    common = [
+        RECIPE,
+        "train.steps=4",
+        "strategies.optimizer_states=fp32",
+        "strategies.checkpointing=none",
+        "batch.micro_size=auto",
+        "--trainer",
+        TRAINER,
+        "--no-progress",
+    ]
+    runs = {
+        "single": [sys.executable, "-m", "memtrain", "train", "strategies.sharding=none"],
+        "ddp": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "memtrain",
+            "train",
+            "strategies.sharding=ddp",
+        ],
+    }
     for name, launch in runs.items():
         out = tmp_path / name
         args = [*launch[:-1], *common[:1], launch[-1], f"run.output_dir={out}", *common[1:]]
-        done = subprocess.run(args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            args, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     single = [row["loss"] for row in read_metrics(tmp_path / "single/metrics.jsonl")]
     ddp = [row["loss"] for row in read_metrics(tmp_path / "ddp/metrics.jsonl")]
     assert len(single) == len(ddp) == 4
     assert ddp == pytest.approx(single, rel=1e-5), "the same global batch and loss on 1 and 2 ranks"
-    states = [torch.load(tmp_path / n / "checkpoints/step_00000004/model.pt", weights_only=True) for n in runs]
+    states = [
+        torch.load(tmp_path / n / "checkpoints/step_00000004/model.pt", weights_only=True) for n in runs
+    ]
     for key, value in states[0].items():
         torch.testing.assert_close(states[1][key], value, rtol=1e-4, atol=1e-6)
