@@ -1,4 +1,4 @@
-"""`memtrain train | plan | profile | validate | schema`.
+"""`memtrain train | plan | profile | validate | export | schema`.
 
 Launch several ranks with torchrun: `torchrun --nproc_per_node=2 -m memtrain train RECIPE`. Every
 user mistake (a `MemtrainError`) prints one message naming what to change and exits with code 2,
@@ -78,6 +78,17 @@ def _parser() -> argparse.ArgumentParser:
         "--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)"
     )
 
+    export = commands.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model directory (from_pretrained loads it)"
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory (holds recipe.json)")
+    export.add_argument(
+        "--step", type=int, default=None, metavar="N", help="the checkpoint's step (default: the newest)"
+    )
+    export.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="new or empty output directory"
+    )
+
     commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
     for command in (train, validate, profile, plan):
         command.add_argument(
@@ -124,6 +135,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "profile":
         return _profile(args)
+    if args.command == "export":
+        from memtrain.commands import export
+
+        return export.run(args.run_dir, args.out, args.step)
     if args.command == "plan":
         from memtrain.commands import plan
 
@@ -164,6 +179,10 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 0
 
+    if recipe.output.export == "hf":  # before training: a run that cannot be exported fails now
+        from memtrain.causal_lm.export import model_config
+
+        model_config(recipe)
     trainer = trainer_class(args.trainer)(recipe)
     try:
         trainer.setup()
@@ -174,7 +193,27 @@ def _run(args: argparse.Namespace) -> int:
             print(describe_summary(result.summary), flush=True)
     finally:
         shutdown(trainer.env)
+    if recipe.output.export == "hf" and trainer.env.is_main and not result.preempted:
+        _export_run(trainer.run_dir, result.steps_done)
     return 0
+
+
+def _export_run(run_dir: Path, step: int) -> None:
+    """`output.export: hf`: the final checkpoint as run_dir/hf (after `fit`'s closing barrier, in one
+    process: the other ranks have saved and may already have left)."""
+    from memtrain.causal_lm.export import HF_DIR, export_hf
+    from memtrain.checkpoint import list_checkpoints
+
+    if not any(c.step == step for c in list_checkpoints(run_dir / "checkpoints")):
+        print(
+            f"[memtrain] output.export: no checkpoint at the final step {step}, nothing exported; set "
+            "checkpoint.at_end: true",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    written = export_hf(run_dir, run_dir / HF_DIR, step, overwrite=True)
+    print(f"[memtrain] exported step {step} to {written} (Hugging Face format)", flush=True)
 
 
 def _profile(args: argparse.Namespace) -> int:

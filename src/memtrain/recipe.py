@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 from memtrain.errors import RecipeError, did_you_mean
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 
+LoggerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 StrategyChoice = str | list[str]
 """`auto`, one registered name, or a list of allowed names (checked against the kind's registry)."""
 
@@ -43,6 +44,11 @@ class ModelConfig(_Section):
         default=None, description="Inline transformers config: model_type plus fields (built from config)."
     )
     config_path: str | None = Field(default=None, description="Path to a transformers config.json.")
+    pretrained: str | None = Field(
+        default=None,
+        description="A Hugging Face model directory (config.json + safetensors weights, single or sharded) or "
+        "a hub id already in the local cache: fine-tune its weights.",
+    )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
 
@@ -53,10 +59,31 @@ class SyntheticData(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "text", "jsonl"] = "synthetic"
+    source: Literal["synthetic", "text", "jsonl", "dataset"] = Field(
+        default="synthetic",
+        description="dataset: through the `datasets` library (data.path: a json/jsonl/parquet/arrow/csv file, "
+        "a directory or glob of them, or a hub id in the local cache).",
+    )
     path: str | None = None
     jsonl_field: str = "text"
-    tokenizer: str = Field(default="byte", description='"byte" or a path to a tokenizers JSON file.')
+    kind: Literal["text", "chat", "prompt_completion"] = Field(
+        default="text",
+        description="text: loss on every token; chat: a messages list rendered with the tokenizer's chat "
+        "template, loss on assistant turns; prompt_completion: loss on the completion only.",
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column names when they differ from text / messages / prompt / completion, "
+        "e.g. {text: body}.",
+    )
+    split: str = Field(default="train", description="The datasets split to read (source: dataset).")
+    streaming: bool = Field(
+        default=False, description="Stream the dataset instead of loading it (larger than RAM)."
+    )
+    tokenizer: str = Field(
+        default="byte",
+        description='"byte", a tokenizers JSON file, or a Hugging Face tokenizer directory (with its chat template).',
+    )
     seq_len: int = Field(default=128, gt=0)
     packing: bool = Field(
         default=True, description="Fixed-length packing; false = one padded document per row."
@@ -131,6 +158,19 @@ class MemoryConfig(_Section):
 
 class OutputConfig(_Section):
     progress: Literal["auto", "on", "off"] = "auto"
+    loggers: list[LoggerName] = Field(
+        default_factory=lambda: list[LoggerName](["jsonl"]),
+        description="Where each step's metrics go (jsonl: metrics.jsonl in the run directory).",
+    )
+    log_every_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="A plain progress line this often when stderr is not a terminal (0: never).",
+    )
+    export: Literal["none", "hf"] = Field(
+        default="none",
+        description="hf: write a Hugging Face model directory (run_dir/hf) at the end of the run.",
+    )
 
     @field_validator("progress", mode="before")
     @classmethod

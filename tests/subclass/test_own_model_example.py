@@ -97,7 +97,7 @@ def test_subclass_recipe_needs_no_model_section(tmp_path: Path, capsys: pytest.C
 
 def test_built_in_trainer_still_needs_a_model_section(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", RECIPE]) == 2
-    assert "model: give model.config" in capsys.readouterr().err
+    assert "model: give model.pretrained" in capsys.readouterr().err
 
 
 def test_bad_trainer_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,112 +1,96 @@
-"""Datasets for the built-in causal-LM trainer: synthetic tokens, local text and jsonl files.
+"""Datasets for the built-in causal-LM trainer: synthetic tokens, local text and jsonl files, and datasets
+through the `datasets` library (`causal_lm.dataset_source`, streamed by `causal_lm.streaming`).
 
-Every sample is a 1-D token tensor of at most `seq_len + 1` tokens (inputs are `[:-1]`, targets `[1:]`).
-Batches are right-padded with `labels = -100` where there is no target, so a causal model never attends
-to padding and the loss counts only real tokens.
+Every record becomes a document (`causal_lm.sft`: which tokens carry loss for `data.kind`), and documents
+become rows (`causal_lm.packing`): one per row, or packed with position ids that restart per document.
+A `Sample` holds a row's `input_ids` and next-token `labels`; batches are right-padded with
+`labels = -100` where there is no target, so a causal model never attends to padding and the loss
+counts only real tokens.
 
-Data order is a pure function of (seed, step): `StepSampler.indices(step)` gives the global step batch.
-That makes resume exact (the data position *is* the step) and lets the trainer re-split the same batch
-after an out-of-memory error without losing or repeating a sample.
+Data order is a pure function of (seed, step): `StepSampler.indices(step)` gives the global step batch
+(a stream has its own replayable order). That makes resume exact (the data position *is* the step) and
+lets the trainer re-split the same batch after an out-of-memory error without losing or repeating a
+sample.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import torch
 
+from memtrain.causal_lm import dataset_source, packing, sft
+from memtrain.causal_lm import tokenizer as tokenizer_lib
+from memtrain.causal_lm.packing import Sample
+from memtrain.causal_lm.streaming import StreamedSamples
+from memtrain.causal_lm.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
+from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError
 from memtrain.recipe import DataConfig
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = sft.IGNORE_INDEX
 PAD_ID = 0
 
 Batch = dict[str, torch.Tensor]
 
-
-class Tokenizer(Protocol):
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: no files, no vocabulary to ship, 256 ids."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-
-class JsonTokenizer:
-    """A `tokenizers` JSON file (e.g. a trained BPE), loaded from a local path."""
-
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        self._tokenizer = HFTokenizer.from_file(str(path))
-        self.vocab_size = self._tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+__all__ = ["ByteTokenizer", "JsonTokenizer", "Sample", "Tokenizer"]
 
 
 def load_tokenizer(cfg: DataConfig) -> Tokenizer:
-    if cfg.tokenizer == "byte":
-        return ByteTokenizer()
-    path = Path(cfg.tokenizer)
-    if not path.is_file():
-        raise RecipeError([f'data.tokenizer: file not found: {path} (use "byte" or a tokenizers JSON path)'])
-    try:
-        return JsonTokenizer(path)
-    except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
-        raise RecipeError([f"data.tokenizer: {path} is not a tokenizers JSON file ({exc})"]) from None
+    return tokenizer_lib.load_tokenizer(cfg.tokenizer)
+
+
+def carries_positions(cfg: DataConfig) -> bool:
+    """Whether batches carry `position_ids` (packed documents): attention is then masked per document."""
+    return cfg.packing and cfg.source != "synthetic"
 
 
 def read_documents(cfg: DataConfig) -> list[str]:
-    """Documents of a text file (separated by blank lines) or of a jsonl file (one per line)."""
-    assert cfg.path is not None
-    path = Path(cfg.path)
-    if not path.is_file():
-        raise RecipeError([f"data.path: file not found: {path} (relative paths start at {Path.cwd()})"])
-    text = path.read_text(encoding="utf-8")
-    if cfg.source == "text":
-        return [doc.strip() for doc in text.split("\n\n") if doc.strip()]
-    docs = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    """Documents of a text file (separated by blank lines)."""
+    return [doc.strip() for doc in _read(cfg).split("\n\n") if doc.strip()]
+
+
+def read_records(cfg: DataConfig) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """The records of a jsonl file, one per line, each with where it is."""
+    for number, line in enumerate(_read(cfg).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise RecipeError([f"data.path: {path}:{number} is not valid JSON ({exc.msg})"]) from None
-        if not isinstance(record, dict) or not isinstance(record.get(cfg.jsonl_field), str):
-            raise RecipeError([f"data.jsonl_field: {path}:{number} has no string field {cfg.jsonl_field!r}"])
-        docs.append(record[cfg.jsonl_field])
-    return docs
+            raise RecipeError([f"data.path: {cfg.path}:{number} is not valid JSON ({exc.msg})"]) from None
+        if not isinstance(record, dict):
+            raise RecipeError([f"data.path: {cfg.path}:{number} is not a JSON object"])
+        yield record, f"{cfg.path}:{number}"
 
 
-def tokenize_samples(
-    docs: list[str], tokenizer: Tokenizer, seq_len: int, packing: bool
-) -> list[torch.Tensor]:
-    """Packing: one token stream cut into windows of seq_len+1 (stride seq_len, so every token is a
-    target once). No packing: one document per sample, truncated to seq_len+1 (variable lengths)."""
-    window = seq_len + 1
-    if packing:
-        separator = tokenizer.encode("\n\n")
-        stream: list[int] = []
-        for doc in docs:
-            stream.extend(tokenizer.encode(doc))
-            stream.extend(separator)
-        tokens = torch.tensor(stream, dtype=torch.long)
-        starts = range(0, max(len(tokens) - window + 1, 0), seq_len)
-        return [tokens[s : s + window] for s in starts]
-    samples = [torch.tensor(tokenizer.encode(doc)[:window], dtype=torch.long) for doc in docs]
-    return [s for s in samples if len(s) >= 2]
+def _read(cfg: DataConfig) -> str:
+    assert cfg.path is not None
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise RecipeError([f"data.path: file not found: {path} (relative paths start at {Path.cwd()})"])
+    return path.read_text(encoding="utf-8")
+
+
+def documents(cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None = None) -> list[sft.Document]:
+    """Every document of a text, jsonl or (not streamed) dataset source, in stored order."""
+    if cfg.source == "text":
+        return [sft.text_document(tokenizer, doc) for doc in read_documents(cfg)]
+    if cfg.source == "jsonl":
+        encode = sft.RecordEncoder(cfg, tokenizer)
+        return [encode(record, where) for record, where in read_records(cfg)]
+    return dataset_source.documents(cfg, tokenizer, env)
+
+
+def samples_of(docs: list[sft.Document], cfg: DataConfig, tokenizer: Tokenizer) -> list[Sample]:
+    """Packed rows, or one row per document (cut to seq_len; documents without a target dropped)."""
+    if cfg.packing:
+        return packing.pack(docs, cfg.seq_len, tokenizer.bos)
+    return [s for s in (packing.document_sample(d, cfg.seq_len) for d in docs) if s is not None]
 
 
 def synthetic_samples(num: int, seq_len: int, vocab: int, min_len: int, seed: int) -> list[torch.Tensor]:
@@ -125,27 +109,53 @@ def synthetic_samples(num: int, seq_len: int, vocab: int, min_len: int, seed: in
 
 @dataclass(frozen=True)
 class Splits:
-    train: list[torch.Tensor]
-    eval: list[torch.Tensor]
+    train: list[Sample]
+    eval: list[Sample]
+    stream: StreamedSamples | None = None  # `data.streaming`: the training samples by step (`train` is empty)
 
 
-def build_splits(cfg: DataConfig, vocab_size: int, seed: int) -> Splits:
-    """Samples of the recipe's data, shuffled once by `seed`, with the last `eval_fraction` held out."""
+def build_splits(
+    cfg: DataConfig,
+    vocab_size: int,
+    seed: int,
+    env: DistEnv | None = None,
+    global_batch: int = 1,
+    eval_rows: int = 0,
+) -> Splits:
+    """Samples of the recipe's data, shuffled once by `seed`, with the last `eval_fraction` held out.
+    A streamed dataset keeps its training samples in the stream and holds out `eval_rows` samples."""
     if cfg.source == "synthetic":
         vocab = cfg.synthetic.vocab_size or vocab_size
-        samples = synthetic_samples(
-            cfg.synthetic.num_samples, cfg.seq_len, vocab, cfg.synthetic.min_len, seed
-        )
+        tokens = synthetic_samples(cfg.synthetic.num_samples, cfg.seq_len, vocab, cfg.synthetic.min_len, seed)
+        samples = [Sample(t[:-1], t[1:]) for t in tokens]
+    elif cfg.streaming:
+        return _streamed(cfg, seed, global_batch, eval_rows)
     else:
         tokenizer = load_tokenizer(cfg)
-        samples = tokenize_samples(read_documents(cfg), tokenizer, cfg.seq_len, cfg.packing)
+        samples = samples_of(documents(cfg, tokenizer, env), cfg, tokenizer)
     if not samples:
-        raise RecipeError([f"data.path: {cfg.path} yields no sample of at least 2 tokens"])
+        raise RecipeError([f"data.path: {cfg.path} yields no sample with a target (of at least 2 tokens)"])
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     shuffled = [samples[i] for i in order]
     held_out = int(len(shuffled) * cfg.eval_fraction)
     cut = len(shuffled) - held_out
     return Splits(train=shuffled[:cut], eval=shuffled[cut:])
+
+
+def _streamed(cfg: DataConfig, seed: int, global_batch: int, eval_rows: int) -> Splits:
+    tokenizer = load_tokenizer(cfg)
+    dataset = dataset_source.load(cfg, streaming=True)
+    stream = StreamedSamples(
+        records=lambda: dataset_source.records(dataset),
+        encode=sft.RecordEncoder(cfg, tokenizer),
+        seq_len=cfg.seq_len,
+        packing=cfg.packing,
+        bos=tokenizer.bos,
+        global_batch=global_batch,
+        seed=seed,
+        eval_fraction=cfg.eval_fraction,
+    )
+    return Splits(train=[], eval=stream.eval_samples(eval_rows), stream=stream)
 
 
 class StepSampler:
@@ -170,20 +180,25 @@ class StepSampler:
         return self._perm[offset]
 
 
-def collate(samples: list[torch.Tensor], sample_ids: list[int]) -> Batch:
-    """Right-pad to the longest sample: input_ids padded with PAD_ID, labels with IGNORE_INDEX."""
-    length = max(len(s) for s in samples) - 1
-    input_ids = torch.full((len(samples), length), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        n = len(sample) - 1
-        input_ids[row, :n] = sample[:-1]
-        labels[row, :n] = sample[1:]
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "sample_ids": torch.tensor(sample_ids, dtype=torch.long),
-    }
+def collate(samples: list[Sample] | list[torch.Tensor], sample_ids: list[int]) -> Batch:
+    """Right-pad to the longest sample: input_ids padded with PAD_ID, labels with IGNORE_INDEX; packed rows
+    add `position_ids` (restarting at every document). A bare token tensor is a row of its tokens."""
+    rows = [s if isinstance(s, Sample) else Sample(s[:-1], s[1:]) for s in samples]
+    length = max(len(s) for s in rows)
+    input_ids = torch.full((len(rows), length), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    starts = torch.zeros((len(rows), length), dtype=torch.bool)
+    for row, sample in enumerate(rows):
+        n = len(sample)
+        input_ids[row, :n] = sample.input_ids
+        labels[row, :n] = sample.labels
+        if sample.starts is not None:
+            starts[row, :n] = sample.starts
+    batch = {"input_ids": input_ids, "labels": labels}
+    if any(s.starts is not None for s in rows):
+        batch["position_ids"] = packing.position_ids(starts)
+    batch["sample_ids"] = torch.tensor(sample_ids, dtype=torch.long)
+    return batch
 
 
 def trim_padding(batch: Batch) -> Batch:

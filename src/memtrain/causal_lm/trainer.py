@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.causal_lm import data as data_lib
+from memtrain.causal_lm import data_checks, pretrained
 from memtrain.errors import RecipeError, did_you_mean
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import ModelSpec
@@ -28,19 +30,41 @@ from memtrain.training.trainer import Batch, Trainer
 
 def config_dict(recipe: Recipe) -> tuple[dict[str, Any], str]:
     """The raw config mapping and the recipe key it came from."""
-    if recipe.model.config is None and recipe.model.config_path is None:
+    m = recipe.model
+    given = [
+        key
+        for key, value in (
+            ("model.config", m.config),
+            ("model.config_path", m.config_path),
+            ("model.pretrained", m.pretrained),
+        )
+        if value is not None
+    ]
+    if not given:
         raise RecipeError(
             [
-                "model: give model.config (inline, with model_type) or model.config_path "
-                "(or train your own Trainer subclass: memtrain train RECIPE --trainer FILE.py:Class)"
+                "model: give model.pretrained (a Hugging Face model directory or cached hub id), model.config "
+                "(inline, with model_type) or model.config_path (or train your own Trainer subclass: memtrain "
+                "train RECIPE --trainer FILE.py:Class)"
             ]
         )
-    if recipe.model.config is not None and recipe.model.config_path is not None:
-        raise RecipeError(["model: give only one of model.config and model.config_path"])
-    if recipe.model.config is not None:
-        return dict(recipe.model.config), "model.config"
-    assert recipe.model.config_path is not None
-    return read_json_object(recipe.model.config_path, "model.config_path"), "model.config_path"
+    if len(given) > 1:
+        raise RecipeError([f"model: give only one of {' and '.join(given)}"])
+    if m.config is not None:
+        return dict(m.config), "model.config"
+    if m.pretrained is not None:
+        directory = pretrained_directory(recipe)
+        return read_json_object(str(directory / "config.json"), "model.pretrained"), "model.pretrained"
+    assert m.config_path is not None
+    return read_json_object(m.config_path, "model.config_path"), "model.config_path"
+
+
+def pretrained_directory(recipe: Recipe) -> Path:
+    """The checked model directory of `model.pretrained` (`RecipeError` naming the key otherwise)."""
+    assert recipe.model.pretrained is not None
+    directory = pretrained.resolve(recipe.model.pretrained)
+    pretrained.check_directory(directory)
+    return directory
 
 
 def build_config(recipe: Recipe) -> Any:
@@ -49,6 +73,13 @@ def build_config(recipe: Recipe) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     raw, key = config_dict(recipe)
+    if recipe.model.pretrained is not None:  # a saved config: transformers reads it as it wrote it
+        try:
+            return AutoConfig.from_pretrained(str(pretrained_directory(recipe)), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise RecipeError(
+                [f"model.pretrained: its config.json is not a transformers config ({exc})"]
+            ) from None
     model_type = raw.pop("model_type", None)
     raw.pop("architectures", None)
     raw.pop("transformers_version", None)
@@ -141,8 +172,11 @@ def check_model_recipe(recipe: Recipe) -> None:
             f"data.seq_len: {recipe.data.seq_len} exceeds the model's maximum of {limit} positions "
             "(lower data.seq_len or raise the model config's max_position_embeddings / n_positions)"
         )
+    data_problems = data_checks.data_problems(recipe.data)
+    problems.extend(data_problems)
     vocab = getattr(config, "vocab_size", None)
-    data_vocab = _data_vocab_size(recipe)
+    tokenizer_ok = not any(p.startswith("data.tokenizer") for p in data_problems)
+    data_vocab = _data_vocab_size(recipe) if tokenizer_ok else None
     if isinstance(vocab, int) and data_vocab is not None and data_vocab > vocab:
         problems.append(
             f"model.config.vocab_size: {vocab} is smaller than the tokenizer's {data_vocab} tokens"
@@ -175,9 +209,14 @@ class CausalLMTrainer(Trainer):
         if self._data is None:
             recipe = self.recipe
             self._data = data_lib.build_splits(
-                recipe.data, int(self.model_config.vocab_size), recipe.run.seed
+                recipe.data,
+                int(self.model_config.vocab_size),
+                recipe.run.seed,
+                env=self.env,
+                global_batch=recipe.batch.global_size,
+                eval_rows=recipe.batch.global_size * recipe.train.eval_batches,
             )
-            if len(self._data.train) < recipe.batch.global_size:
+            if self._data.stream is None and len(self._data.train) < recipe.batch.global_size:
                 raise RecipeError(
                     [
                         f"batch.global_size: {recipe.batch.global_size} exceeds the {len(self._data.train)} "
@@ -191,11 +230,11 @@ class CausalLMTrainer(Trainer):
         super().setup()
 
     @property
-    def train_samples(self) -> list[torch.Tensor]:
+    def train_samples(self) -> list[data_lib.Sample]:
         return self.data.train
 
     @property
-    def eval_samples(self) -> list[torch.Tensor]:
+    def eval_samples(self) -> list[data_lib.Sample]:
         return self.data.eval
 
     @property
@@ -207,7 +246,22 @@ class CausalLMTrainer(Trainer):
         return self._sampler
 
     def build_model(self) -> nn.Module:
-        return self._from_config(self.model_config)
+        """The model of the config; with `model.pretrained`, its parameters on the meta device (buffers real)
+        until `load_weights` fills what this rank's plan keeps."""
+        if self.recipe.model.pretrained is None:
+            return self._from_config(self.model_config)
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = self._from_config(self.model_config)
+        tie = getattr(model, "tie_weights", None)  # meta parameters are created untied; the checkpoint
+        if callable(tie):  # stores a tied one once
+            tie()
+        return model
+
+    def load_weights(self, model: nn.Module) -> None:
+        if self.recipe.model.pretrained is not None:
+            pretrained.load_weights(model, pretrained_directory(self.recipe))
 
     def build_model_clone(self, num_blocks: int) -> nn.Module:
         """The model with `num_blocks` blocks (per-layer lists cut to match), for the planner's traces."""
@@ -228,23 +282,34 @@ class CausalLMTrainer(Trainer):
         return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
     def planning_batch(self, rows: int) -> Batch:
-        """Rows of the full sequence length (the longest any step can feed), as `collate` lays them out."""
-        vocab = int(self.model_config.vocab_size)
+        """Rows of the full sequence length (the longest any step can feed), as `collate` lays them out:
+        packed rows carry two documents each, so the batch has the real run's `position_ids`."""
+        vocab, seq_len = int(self.model_config.vocab_size), self.recipe.data.seq_len
         generator = torch.Generator().manual_seed(0)
-        samples = [
-            torch.randint(0, vocab, (self.recipe.data.seq_len + 1,), generator=generator) for _ in range(rows)
-        ]
+        starts = None
+        if data_lib.carries_positions(self.recipe.data):
+            starts = torch.zeros(seq_len, dtype=torch.bool)
+            starts[seq_len // 2] = True
+        samples = []
+        for _ in range(rows):
+            tokens = torch.randint(0, vocab, (seq_len + 1,), generator=generator)
+            samples.append(data_lib.Sample(tokens[:-1], tokens[1:], starts))
         return data_lib.collate(samples, list(range(rows)))
 
     def host_data_bytes(self) -> int:
-        """The token storage of the training samples (the storages behind them, each once)."""
-        storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in self.train_samples}
+        """The token storage of the training samples (the storages behind them, each once), or of a
+        stream's shuffle buffer."""
+        if self.data.stream is not None:
+            return self.data.stream.host_bytes()
+        tensors = [t for s in self.train_samples for t in s.tensors()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
     def model_spec(self) -> ModelSpec:
-        """The built-in hooks, with the traced model on `trace_sdpa()` when the recipe runs `sdpa`."""
+        """The built-in hooks, with the traced model on `trace_sdpa()` when the recipe runs `sdpa` on rows of
+        one sequence each (packed rows build the 4-D document mask, as the plain `sdpa` model does)."""
         spec = super().model_spec()
-        if self.recipe.model.attn_implementation != "sdpa":
+        if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):
             return spec
         name = trace_sdpa()
         return dataclasses.replace(
@@ -254,16 +319,21 @@ class CausalLMTrainer(Trainer):
         )
 
     def step_batch(self, step: int) -> Batch:
-        indices = self.sampler.indices(step)
         share = self.per_rank_batch_size
-        mine = indices[self.env.rank * share : (self.env.rank + 1) * share]
-        return data_lib.collate([self.train_samples[i] for i in mine], mine)
+        mine = slice(self.env.rank * share, (self.env.rank + 1) * share)
+        if self.data.stream is not None:
+            samples, ids = self.data.stream.step_samples(step)
+            return data_lib.collate(samples[mine], ids[mine])
+        indices = self.sampler.indices(step)[mine]
+        return data_lib.collate([self.train_samples[i] for i in indices], indices)
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
         return [data_lib.trim_padding(mb) for mb in super().split_batch(batch, micro_size)]
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+        # Packed rows: position ids that restart per document make transformers mask attention across them.
+        positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        logits = model(input_ids=batch["input_ids"], use_cache=False, **positions).logits
         labels = batch["labels"]
         loss_sum = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]),
@@ -291,8 +361,8 @@ TRACE_SDPA = "memtrain_trace_sdpa"
 def trace_sdpa() -> str:
     """The attention implementation the planner's trace builds an `sdpa` model with (registered once).
 
-    This trainer passes neither position ids nor a padding mask, so on real tensors every row is one
-    sequence and transformers' SDPA path relies on `is_causal` without building a mask. To find that out
+    Without packing, this trainer passes neither position ids nor a padding mask, so on real tensors every
+    row is one sequence and transformers' SDPA path relies on `is_causal` without building a mask. To find that out
     it reads the position ids (`masking_utils.find_packed_sequence_indices`); a fake tensor cannot be read,
     so under the planner's fake tensors it would assume packed sequences, build a B x 1 x s x s mask and
     select another attention kernel, which keeps other tensors for backward. The traced model therefore

@@ -2,8 +2,9 @@
 
 The order (as torchtitan's parallelize does it): precision module swaps (fp8's float8 linears) ->
 activation checkpointing (wraps the blocks' forwards) -> the precision's stored dtype -> [device ->
-sharding (wraps the model, may shard or wrap the optimizer) -> the optimizer over the trainable
-parameters, built by the precision (master weights) around the trainer's `build_optimizer`].
+sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
+plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
+around the trainer's `build_optimizer`].
 
 The trainer's setup runs all of it. The planner's trace runs the model part only (`env=None`), on a model
 of fake tensors: the optimizer's states and the sharding's bytes are arithmetic, and what the forward and
@@ -25,6 +26,7 @@ from memtrain.strategies.precision import Precision
 from memtrain.strategies.sharding.base import ShardingBackend
 
 OptimizerBuilder = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LoadWeights = Callable[[nn.Module], None]
 
 
 @dataclass
@@ -46,11 +48,17 @@ def apply_strategies(
     env: DistEnv | None = None,
     build_optimizer: OptimizerBuilder | None = None,
     weights_dtype: torch.dtype | None = None,
+    load_weights: LoadWeights | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
     overrides the dtype the forward reads weights in (sharding backends that hand bf16 weights to a
-    bf16-mixed forward)."""
+    bf16-mixed forward).
+
+    A model whose parameters are on the meta device (pretrained weights not read yet) is materialised on
+    the device and filled by `load_weights` where its plan keeps the weights: before a replicating
+    backend wraps it, or, for a backend that shards meta models (FSDP2), after sharding, so that each
+    rank reads only its shards."""
     precision.swap_modules(model, blocks)
     checkpointing.apply(model, blocks)
     dtype = weights_dtype or precision.stored_dtype
@@ -59,11 +67,53 @@ def apply_strategies(
     if env is None:
         return Applied(model)
     assert sharding is not None and build_optimizer is not None
-    model = model.to(env.device)
+    device = env.device
+
+    def materialise(target: nn.Module) -> None:
+        materialise_parameters(target, device)
+        if load_weights is not None:
+            load_weights(target)
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and not sharding.shards_meta_models:
+        materialise(model)
+        on_meta = False
+    if not on_meta:
+        model = model.to(device)
     wrapped, optimizer = sharding.prepare(
-        model, blocks, env, lambda m: precision.build_optimizer(m, build_optimizer)
+        model,
+        blocks,
+        env,
+        lambda m: precision.build_optimizer(m, build_optimizer),
+        materialise=materialise if on_meta else None,
     )
-    return Applied(wrapped, optimizer, precision.grad_scaler(env.device))
+    return Applied(wrapped, optimizer, precision.grad_scaler(device))
+
+
+def materialise_parameters(model: nn.Module, device: torch.device) -> None:
+    """Empty storage on `device` for every parameter (uninitialised: the caller fills them), keeping the
+    buffers a meta-parameter build left real (rotary tables) and the ties between parameters."""
+    buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}
+    ties = _ties(model)
+    model.to_empty(device=device)
+    for name, buffer in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
+    for name, first in ties.items():  # `Module.to_empty` gives each name of a tied parameter its own tensor
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+
+
+def _ties(model: nn.Module) -> dict[str, str]:
+    """Each later name of a parameter -> its first name."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return ties
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:

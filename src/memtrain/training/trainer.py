@@ -52,7 +52,15 @@ from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.blocks import discover_blocks, model_shape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.training.metrics import MetricsLog, make_progress
+from memtrain.training.loggers import (
+    ProgressLine,
+    check_loggers,
+    close_loggers,
+    log_row,
+    make_loggers,
+    wants_progress_line,
+)
+from memtrain.training.metrics import make_progress
 from memtrain.training.preemption import PreemptionFlag
 from memtrain.training.schedule import lr_at
 
@@ -155,6 +163,14 @@ class Trainer:
         index = torch.arange(rows) % count
         return {k: v[index] if v.dim() and v.shape[0] == count else v for k, v in batch.items()}
 
+    def load_weights(self, model: nn.Module) -> None:
+        """Fill the parameters of a model `build_model()` left on the meta device (pretrained weights),
+        once the plan has placed them: called only for such a model, with this rank's share materialised
+        (whole tensors for replicated plans, DTensor shards for FSDP2)."""
+        raise MemtrainError(
+            f"{type(self).__name__}.build_model() left parameters on the meta device; override load_weights()"
+        )
+
     def build_model_clone(self, num_blocks: int) -> nn.Module | None:
         """The same model with `num_blocks` blocks, or None. The planner traces three blocks of such a clone
         instead of the whole model (faster for deep models; the built-in causal-LM trainer builds one)."""
@@ -242,6 +258,7 @@ class Trainer:
             sharding=sharding,
             env=self.env,
             build_optimizer=self.build_optimizer,
+            load_weights=self.load_weights,
         )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         memory = self.recipe.memory
@@ -257,6 +274,8 @@ class Trainer:
         """Train `train.steps` steps. `resume=True` continues from the run's newest checkpoint, a path
         from that checkpoint (or the newest under that directory), "auto" from the newest checkpoint
         if the run has one (else it starts fresh)."""
+        output = self.recipe.output
+        check_loggers(output.loggers)  # a missing package fails before the model is built
         if self.model is None:
             self.setup()
         assert self.model is not None and self.optimizer is not None
@@ -264,13 +283,16 @@ class Trainer:
             resume = bool(ckpt.list_checkpoints(self.checkpoint_root))
         start_step = self._restore(resume) if resume else self._fresh_run_dir()
         result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start_step)
-        log = (
-            MetricsLog(self.run_dir / "metrics.jsonl", start_step if resume else None)
-            if self.env.is_main
-            else None
+        loggers = make_loggers(
+            output.loggers, self.run_dir, self.recipe, self.env.is_main, start_step if resume else None
         )
         total = self.recipe.train.steps
-        progress = make_progress(self.recipe.output.progress, total, start_step, self.env.is_main)
+        progress = make_progress(output.progress, total, start_step, self.env.is_main)
+        progress_line = ProgressLine(
+            total,
+            output.log_every_s,
+            wants_progress_line(output.progress, output.log_every_s, self.env.is_main),
+        )
         started = time.perf_counter()
         tokens_seen = 0
         bad_steps = 0
@@ -278,8 +300,7 @@ class Trainer:
             preemption = cleanup.enter_context(PreemptionFlag())
             if self.tracker is not None:
                 cleanup.enter_context(self.tracker)
-            if log is not None:
-                cleanup.callback(log.close)
+            cleanup.callback(close_loggers, loggers)
             if progress is not None:
                 cleanup.callback(progress.close)
             for step in range(start_step, total):
@@ -292,11 +313,12 @@ class Trainer:
                 if self._due(step, self.recipe.train.eval_every):
                     row["eval_loss"] = self.evaluate()
                     result.eval_losses[step + 1] = row["eval_loss"]
-                if log is not None and (self._due(step, self.recipe.train.log_every) or "eval_loss" in row):
-                    log.write(row)
+                if self._due(step, self.recipe.train.log_every) or "eval_loss" in row:
+                    log_row(loggers, row)  # rank 0 only: other ranks have no loggers
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                progress_line.update(row)
                 bad_steps = bad_steps + 1 if row["skipped"] else 0
                 if bad_steps >= self.recipe.train.max_bad_steps:
                     self.save_checkpoint(step + 1)

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.strategies.sharding.state_bytes import ADAMW, OptimizerCost, StateBytes, replicated_bytes
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+Materialise = Callable[[nn.Module], None]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class ShardingBackend:
 
     name: str
     options: ShardingOptions = field(default_factory=ShardingOptions)
+    shards_meta_models: ClassVar[bool] = False  # can wrap a meta-parameter model, then materialise shards
 
     def check(self, env: DistEnv) -> None:
         if env.distributed:
@@ -78,9 +81,16 @@ class ShardingBackend:
             )
 
     def prepare(
-        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        env: DistEnv,
+        make_optimizer: OptimizerFactory,
+        materialise: Materialise | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Wrap the model (already on its device) and build the optimizer on what this rank steps."""
+        """Wrap the model (already on its device) and build the optimizer on what this rank steps. A
+        backend with `shards_meta_models` receives a meta-parameter model and calls `materialise` on it
+        once sharded, before building the optimizer."""
         return model, make_optimizer(model)
 
     def grad_sync_scale(self, env: DistEnv) -> float:
@@ -161,7 +171,12 @@ class DDPBackend(ShardingBackend):
         self.check_replicated_options()
 
     def prepare(
-        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        env: DistEnv,
+        make_optimizer: OptimizerFactory,
+        materialise: Materialise | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         optimizer = make_optimizer(model)
         if not env.distributed:

@@ -46,6 +46,7 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
 from memtrain.strategies.sharding.base import (
+    Materialise,
     OptimizerFactory,
     ShardingBackend,
     ensure_process_group,
@@ -111,7 +112,12 @@ class DeepSpeedBackend(ShardingBackend):
         return dsc.build_config(plan, user)
 
     def prepare(
-        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        env: DistEnv,
+        make_optimizer: OptimizerFactory,
+        materialise: Materialise | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         import deepspeed
 

@@ -36,7 +36,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
 from memtrain.strategies.sharding.base import (
+    Materialise,
     OptimizerFactory,
     ShardingBackend,
     ensure_process_group,
@@ -71,6 +72,8 @@ REFUSED_PRECISIONS = {
 
 @dataclass(frozen=True)
 class FSDP2Backend(ShardingBackend):
+    shards_meta_models: ClassVar[bool] = True
+
     @property
     def reshard_after_forward(self) -> bool:
         return self.name == "zero3"
@@ -94,7 +97,12 @@ class FSDP2Backend(ShardingBackend):
             )
 
     def prepare(
-        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        env: DistEnv,
+        make_optimizer: OptimizerFactory,
+        materialise: Materialise | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         if not env.distributed:
             warn_one_rank(self.name)
@@ -110,6 +118,8 @@ class FSDP2Backend(ShardingBackend):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # The root: FSDP2's default for zero3 (kept from forward to backward), never resharded for zero2.
         fully_shard(model, reshard_after_forward=None if self.reshard_after_forward else False, **options)
+        if materialise is not None:  # a meta-parameter model: each rank fills only its shards
+            materialise(model)
         return model, make_optimizer(model)
 
     def _mixed_precision(self) -> MixedPrecisionPolicy:

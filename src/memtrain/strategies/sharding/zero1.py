@@ -32,7 +32,7 @@ from memtrain import checkpoint as ckpt
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import ModelShape
-from memtrain.strategies.sharding.base import DDPBackend, OptimizerFactory, warn_one_rank
+from memtrain.strategies.sharding.base import DDPBackend, Materialise, OptimizerFactory, warn_one_rank
 from memtrain.strategies.sharding.state_bytes import (
     ADAMW,
     OptimizerCost,
@@ -58,7 +58,12 @@ class Zero1Backend(DDPBackend):
             )
 
     def prepare(
-        self, model: nn.Module, blocks: list[nn.Module], env: DistEnv, make_optimizer: OptimizerFactory
+        self,
+        model: nn.Module,
+        blocks: list[nn.Module],
+        env: DistEnv,
+        make_optimizer: OptimizerFactory,
+        materialise: Materialise | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         full = make_optimizer(model)
         if not env.distributed:

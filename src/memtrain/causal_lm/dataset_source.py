@@ -1,0 +1,195 @@
+"""`data.source: dataset`: records through the Hugging Face `datasets` library, never from the network.
+
+`data.path` is a local json/jsonl/parquet/arrow/csv file, a glob of them, a directory of them (or one
+written by `save_to_disk`), or the id of a hub dataset already in the local cache: every load runs in
+datasets' offline mode, so a missing dataset is a one-line error instead of a download.
+
+Why tokenization goes through `Dataset.map`: its result is cached on disk under a fingerprint of the
+data, the tokenizer's files and the recipe keys that shape the documents, so a dataset is tokenized
+once; on several ranks, rank 0 tokenizes first while the others wait at a barrier, and then read its
+cache. A streamed dataset (`data.streaming`) is read record by record instead (`causal_lm.streaming`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from memtrain.causal_lm.sft import ROLES, Document, RecordEncoder, column
+from memtrain.causal_lm.tokenizer import Tokenizer
+from memtrain.distributed import DistEnv, barrier
+from memtrain.errors import RecipeError
+from memtrain.recipe import DataConfig
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+ENCODING_VERSION = "1"  # bump when the documents of a record change, so cached tokenizations are not reused
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """`HF_DATASETS_OFFLINE=1` for the duration: datasets reads its cache and never the network."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def load(cfg: DataConfig, streaming: bool) -> Any:
+    """The `data.split` of `data.path`: a `datasets.Dataset`, or an `IterableDataset` when streaming."""
+    import datasets
+
+    assert cfg.path is not None
+    path = Path(cfg.path)
+    try:
+        with offline():
+            if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+                return _from_disk(path, cfg.split, streaming)
+            if path.is_file() or glob.has_magic(cfg.path):
+                return datasets.load_dataset(
+                    _builder(cfg.path), data_files=cfg.path, split=cfg.split, streaming=streaming
+                )
+            return datasets.load_dataset(cfg.path, split=cfg.split, streaming=streaming)
+    except RecipeError:
+        raise
+    except ValueError as exc:
+        if "split" in str(exc).lower():
+            raise RecipeError([f"data.split: {' '.join(str(exc).split())}"]) from None
+        raise RecipeError([f"data.path: datasets cannot read {cfg.path} ({exc})"]) from None
+    except (FileNotFoundError, ConnectionError) as exc:
+        if path.exists() or glob.has_magic(cfg.path):
+            raise RecipeError([f"data.path: datasets cannot read {cfg.path} ({exc})"]) from None
+        cause = " ".join(str(exc).split())[:200]
+        raise RecipeError(
+            [
+                f"data.path: {cfg.path} is neither a local file, glob or directory nor a dataset in the local "
+                "Hugging Face cache (offline: nothing is downloaded; load it once with datasets.load_dataset "
+                f"where the hub is reachable) ({cause})"
+            ]
+        ) from None
+
+
+def _builder(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in BUILDERS:
+        listed = ", ".join(sorted(BUILDERS))
+        raise RecipeError(
+            [f"data.path: {path}: cannot tell the format from {suffix or 'no'} suffix ({listed})"]
+        )
+    if glob.has_magic(path) and not glob.glob(path, recursive=True):
+        raise RecipeError([f"data.path: no file matches {path}"])
+    return BUILDERS[suffix]
+
+
+def _from_disk(path: Path, split: str, streaming: bool) -> Any:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise RecipeError([f"data.split: {path} has no split {split!r} (splits: {', '.join(loaded)})"])
+        loaded = loaded[split]
+    return loaded.to_iterable_dataset() if streaming else loaded
+
+
+def column_problems(cfg: DataConfig, columns: list[str]) -> list[str]:
+    """The columns `data.kind` reads that the dataset lacks, each naming its recipe key."""
+    problems = []
+    for role in ROLES[cfg.kind]:
+        name, key = column(cfg, role)
+        if name not in columns:
+            problems.append(
+                f"{key}: {cfg.path} has no column {name!r} (columns: {', '.join(columns)}); "
+                f"name the {role} column with data.fields.{role}"
+            )
+    return problems
+
+
+def records(dataset: Any) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """Each record with where it is (for messages)."""
+    for index, record in enumerate(dataset):
+        yield record, f"row {index + 1}"
+
+
+def documents(cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None) -> list[Document]:
+    """The documents of a (not streamed) dataset, tokenized once through datasets' cache."""
+    tokenized = main_first(env, lambda: _tokenized(cfg, tokenizer))
+    docs = []
+    for batch in tokenized.iter(batch_size=1000):
+        for tokens, labels in zip(batch["tokens"], batch["labels"], strict=True):
+            docs.append(Document(tokens, labels or None))
+    return docs
+
+
+def main_first(env: DistEnv | None, work: Callable[[], T]) -> T:
+    """`work` on rank 0, then (after a barrier) on the other ranks: they find rank 0's cache. Rank 0 reaches
+    the barrier even when `work` fails, so the others fail on their own instead of waiting."""
+    if env is None or not env.distributed:
+        return work()
+    if env.is_main:
+        try:
+            return work()
+        finally:
+            barrier(env)
+    barrier(env)
+    return work()
+
+
+def _tokenized(cfg: DataConfig, tokenizer: Tokenizer) -> Any:
+    dataset = load(cfg, streaming=False)
+    problems = column_problems(cfg, dataset.column_names)
+    if problems:
+        raise RecipeError(problems)
+    return dataset.map(
+        _BatchEncoder(RecordEncoder(cfg, tokenizer)),
+        batched=True,
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        new_fingerprint=_fingerprint(dataset._fingerprint, cfg),
+        desc="memtrain: tokenizing",
+    )
+
+
+class _BatchEncoder:
+    """A batch of records (columns of lists) to columns `tokens` and `labels` ([] when every token counts)."""
+
+    def __init__(self, encoder: RecordEncoder) -> None:
+        self.encoder = encoder
+
+    def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[list[int]]]:
+        names = list(batch)
+        out: dict[str, list[list[int]]] = {"tokens": [], "labels": []}
+        for row, index in enumerate(indices):
+            doc = self.encoder({name: batch[name][row] for name in names}, f"row {index + 1}")
+            out["tokens"].append(doc.tokens)
+            out["labels"].append(doc.labels or [])
+        return out
+
+
+def _fingerprint(data: str, cfg: DataConfig) -> str:
+    """What the tokenized dataset depends on: the data, the tokenizer's files, the keys shaping documents."""
+    digest = hashlib.sha256()
+    keys = {
+        "kind": cfg.kind,
+        "fields": cfg.fields,
+        "jsonl_field": cfg.jsonl_field,
+        "tokenizer": cfg.tokenizer,
+    }
+    digest.update(json.dumps([ENCODING_VERSION, data, keys], sort_keys=True).encode())
+    source = Path(cfg.tokenizer)
+    files = sorted(source.iterdir()) if source.is_dir() else [source] if source.is_file() else []
+    for file in files:
+        if file.is_file():
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,325 @@
+"""A memtrain checkpoint as a Hugging Face model directory (`memtrain export`, `output.export: hf`).
+
+Why: a run's checkpoints are written for resuming (model, optimizer, RNG, in one of three layouts), not
+for serving or sharing. The export turns one of them into what `transformers` loads anywhere:
+config.json, model.safetensors (sharded with an index when large), generation_config.json, and the
+tokenizer files when the run used a tokenizer directory.
+
+How: the model's state is read from whichever layout the checkpoint holds, without a process group
+(an export runs in one process, possibly long after the run):
+
+- `replicated` (none / ddp / zero1 on FSDP2): `model.pt`, a plain state dict loaded with
+  `weights_only=True`;
+- `dcp` (zero2 / zero3 on FSDP2): torch.distributed.checkpoint's files, read with DCP's own
+  single-process loader for the `model` keys only (the optimizer states are never loaded);
+- `deepspeed`: DeepSpeed's `zero_to_fp32`, which merges the fp32 master partitions of every rank
+  (ZeRO-1/2/3). DeepSpeed pickles its files, so this one format is loaded with full pickle, as DeepSpeed
+  itself does on resume.
+
+The state is loaded into the model `AutoModelForCausalLM.from_config` builds from the run's recipe (or
+the config.json of `model.pretrained`), so tied weights are tied as transformers ties them and
+`save_pretrained` writes each tensor once. The directory is written into `OUT.tmp` and renamed into
+place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from memtrain import checkpoint as ckpt
+from memtrain.errors import MemtrainError
+from memtrain.recipe import Recipe, recipe_from_dict
+from memtrain.strategies.sharding.sharded_checkpoint import DCP_DIR, DEEPSPEED_DIR, detect_format
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+HF_DIR = "hf"  # the export's directory inside the run directory (`output.export: hf`)
+DEEPSPEED_TAG = "state"  # the tag memtrain's DeepSpeed backend saves under (deepspeed_backend.TAG)
+
+# Files a Hugging Face tokenizer directory may hold (slow and fast tokenizers, chat templates).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def export_hf(
+    run_dir: str | Path, out: str | Path, step: int | None = None, *, overwrite: bool = False
+) -> Path:
+    """Write checkpoint `step` of `run_dir` (default: the newest) as a Hugging Face model directory `out`.
+
+    `out` must not exist or be empty, unless `overwrite` (the run's own `run_dir/hf`, rewritten when a
+    resumed run exports again). Returns `out`.
+    """
+    run_dir, out = Path(run_dir), Path(out)
+    recipe = run_recipe(run_dir)
+    config = model_config(recipe)
+    found = pick_checkpoint(run_dir, step)
+    _check_out(out, overwrite)
+    state = load_model_state(found.path)
+    model = _model_with_state(config, state, found.path)
+    staging = out.with_name(out.name + ".tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        model.save_pretrained(staging)
+        _copy_generation_config(recipe, staging)
+        _copy_tokenizer(recipe, staging)
+        _replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+# ------------------------------------------------------------------------------------- the run
+
+
+def run_recipe(run_dir: Path) -> Recipe:
+    """The run's resolved recipe (`recipe.json`, written by rank 0 when the run started)."""
+    file = run_dir / "recipe.json"
+    if not file.is_file():
+        raise MemtrainError(f"RUN_DIR: {run_dir} holds no recipe.json (not a memtrain run directory)")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MemtrainError(f"{file}: unreadable ({exc})") from None
+    if not isinstance(raw, dict):
+        raise MemtrainError(f"{file}: must hold a JSON object")
+    return recipe_from_dict(raw, source=str(file))
+
+
+def model_config(recipe: Recipe) -> Any:
+    """The transformers config the run's model was built from; a clear error for a custom trainer's run."""
+    model = recipe.model
+    pretrained = model.pretrained
+    if pretrained is None and model.config is None and model.config_path is None:
+        raise MemtrainError(
+            "export needs a transformers model: this run's recipe has no model section (model.config, "
+            "model.config_path or model.pretrained), so it was trained by a custom --trainer; save your "
+            "model from your Trainer subclass instead"
+        )
+    if pretrained is not None:
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(pretrained, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise MemtrainError(f"model.pretrained: cannot read the config of {pretrained} ({exc})") from None
+    from memtrain.causal_lm.trainer import build_config
+
+    return build_config(recipe)
+
+
+def pick_checkpoint(run_dir: Path, step: int | None) -> ckpt.Checkpoint:
+    """Checkpoint `step` of the run, or its newest; errors name the flag to change."""
+    root = run_dir / "checkpoints"
+    found = ckpt.list_checkpoints(root)
+    if not found:
+        raise MemtrainError(
+            f"RUN_DIR: no checkpoint under {root}; train with checkpoint.at_end: true (or checkpoint.every)"
+        )
+    if step is None:
+        return found[-1]
+    for candidate in found:
+        if candidate.step == step:
+            return candidate
+    steps = ", ".join(str(c.step) for c in found)
+    raise MemtrainError(f"--step: no checkpoint at step {step} in {root} (it has steps {steps})")
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise MemtrainError(f"--out: {out} exists and is not a directory")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise MemtrainError(f"--out: {out} exists and is not empty; choose a new directory or empty it")
+
+
+# ------------------------------------------------------------------------------------- the state
+
+
+def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model's full state dict from checkpoint directory `path`, in any format memtrain writes."""
+    found = detect_format(path)
+    if found == "replicated":
+        state = ckpt.load_tensor_file(path / "model.pt")
+    elif found == "dcp":
+        state = _dcp_model_state(path / DCP_DIR)
+    else:
+        state = _deepspeed_model_state(path / DEEPSPEED_DIR)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ckpt.CheckpointError(f"{path}: its model state is not a mapping of names to tensors")
+    return state
+
+
+def _dcp_model_state(source: Path) -> dict[str, torch.Tensor]:
+    """The `model` entries of a DCP checkpoint, whole, read in this process without a process group.
+
+    DCP's single-process loader rebuilds each tensor from the saved metadata (global shapes), so the
+    shards of every rank come together here; `no_dist` keeps it off any process group this process may
+    still hold (an export at the end of a distributed run, on rank 0 only).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    loaded: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            loaded,
+            storage_reader=FileSystemReader(str(source)),
+            planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+            no_dist=True,
+        )
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ckpt.CheckpointError(f"{source}: cannot be read ({type(exc).__name__}: {exc})") from None
+    model = loaded.get("model")
+    if not isinstance(model, dict) or not model:
+        raise ckpt.CheckpointError(f"{source}: holds no model state")
+    return dict(model)
+
+
+def _deepspeed_model_state(source: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's fp32 master weights, merged from every rank's partitions by its own `zero_to_fp32`."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError:
+        raise MemtrainError(
+            f"{source}: written by DeepSpeed; exporting it needs deepspeed: pip install 'memtrain[deepspeed]'"
+        ) from None
+    tag = DEEPSPEED_TAG if (source / DEEPSPEED_TAG).is_dir() else None
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(source), tag=tag)
+    except (OSError, ValueError, KeyError, IndexError, RuntimeError, AssertionError) as exc:
+        raise ckpt.CheckpointError(
+            f"{source}: DeepSpeed cannot merge it ({type(exc).__name__}: {exc})"
+        ) from None
+    return dict(state)
+
+
+# ------------------------------------------------------------------------------------- the model
+
+
+def _model_with_state(config: Any, state: dict[str, torch.Tensor], path: Path) -> PreTrainedModel:
+    """The transformers model of `config` holding `state`, in the dtype the checkpoint stored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    dtype = _stored_dtype(state)
+    if dtype is not None and dtype != next(model.parameters()).dtype:
+        model.to(dtype)
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a shape mismatch
+        raise ckpt.CheckpointError(
+            f"{path}: does not fit the run's {config.model_type} model ({exc}); export needs a run of the "
+            "built-in causal-LM trainer"
+        ) from None
+    missing = _untied_missing(model, set(result.missing_keys))
+    problems = []
+    if missing:
+        problems.append(f"missing {_some(missing)}")
+    if result.unexpected_keys:
+        problems.append(f"unexpected {_some(result.unexpected_keys)}")
+    if problems:
+        raise ckpt.CheckpointError(
+            f"{path}: does not fit the run's {config.model_type} model ({'; '.join(problems)}); export needs a "
+            "run of the built-in causal-LM trainer"
+        )
+    model.eval()
+    return model
+
+
+def _stored_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The floating dtype most of the checkpoint's elements have (bf16 when the run stored bf16 weights)."""
+    counts: Counter[torch.dtype] = Counter()
+    for value in state.values():
+        if value.is_floating_point():
+            counts[value.dtype] += value.numel()
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _untied_missing(model: nn.Module, missing: set[str]) -> list[str]:
+    """Missing keys that are not a tied alias of a loaded tensor (a tied lm_head saved once is whole)."""
+    names_by_tensor: dict[int, set[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names_by_tensor.setdefault(id(tensor), set()).add(name)
+    untied = []
+    for key in sorted(missing):
+        aliases = next((names for names in names_by_tensor.values() if key in names), {key})
+        if aliases <= missing:
+            untied.append(key)
+    return untied
+
+
+def _some(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+# ------------------------------------------------------------------------------------- the files
+
+
+def _copy_generation_config(recipe: Recipe, staging: Path) -> None:
+    """A pretrained model's own generation_config.json (its sampling defaults) over the config's default."""
+    pretrained = recipe.model.pretrained
+    if pretrained is None:
+        return
+    from transformers import GenerationConfig
+
+    try:
+        own = GenerationConfig.from_pretrained(pretrained, local_files_only=True)
+    except (OSError, ValueError):  # it has none: keep the one save_pretrained derived from the config
+        return
+    own.save_pretrained(staging)
+
+
+def _copy_tokenizer(recipe: Recipe, staging: Path) -> None:
+    """The tokenizer files of `data.tokenizer` when it names a directory (a byte tokenizer has none)."""
+    source = Path(recipe.data.tokenizer)
+    if recipe.data.tokenizer == "byte" or not source.is_dir():
+        return
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not copied:
+        warnings.warn(f"data.tokenizer: {source} holds no tokenizer files; the export has none", stacklevel=3)
+    for name in copied:
+        shutil.copyfile(source / name, staging / name)
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Rename the finished directory into place; an existing `out` (empty, or overwritten) goes first."""
+    if out.is_dir() and any(out.iterdir()):
+        doomed = out.with_name(out.name + ".old")
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.replace(out, doomed)
+        os.replace(staging, out)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return
+    os.replace(staging, out)  # replaces an empty directory

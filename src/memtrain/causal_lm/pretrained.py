@@ -1,0 +1,166 @@
+"""Pretrained weights: a Hugging Face model directory (or a hub id in the local cache) into the plan's model.
+
+Why not `from_pretrained`: it materialises the whole model on every rank, in the checkpoint's dtype,
+before memtrain's strategies exist. Here the model is built with its parameters on the meta device
+(buffers real, e.g. rotary tables), the plan's strategies are applied to it, and only then are the
+weights read from the safetensors files (single file or sharded index) straight into what each rank
+keeps: a replicated plan reads every tensor, an FSDP2 plan reads only this rank's rows of each parameter
+(`safe_open(...).get_slice`), so no rank ever holds more than its plan keeps. Each tensor is converted to
+the parameter's dtype, which is the plan's (bf16 for bf16-master, fp32 otherwise). Only safetensors are
+read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths a recipe names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.errors import RecipeError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve(value: str, key: str = "model.pretrained") -> Path:
+    """The directory `value` names: a local directory, or a hub id in the local Hugging Face cache
+    (nothing is downloaded). `RecipeError` naming `key` otherwise."""
+    path = Path(value)
+    if path.is_dir():
+        return path
+    if path.exists() or value.startswith((".", "/")) or value.count("/") != 1:
+        raise RecipeError([f"{key}: {value} is not a directory (nor a hub id like org/name)"])
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=value, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError, or an offline cache miss of another kind
+        raise RecipeError(
+            [
+                f"{key}: {value!r} is not a local directory and not in the Hugging Face cache; download it "
+                f"first (huggingface-cli download {value}) or give its directory"
+            ]
+        ) from None
+
+
+def check_directory(directory: Path) -> None:
+    """`RecipeError` naming model.pretrained unless `directory` has a config and safetensors weights."""
+    problems = []
+    if not (directory / "config.json").is_file():
+        problems.append(f"model.pretrained: {directory} has no config.json")
+    try:
+        found = weight_files(directory)
+    except RecipeError as exc:
+        raise RecipeError([*problems, *exc.problems]) from None
+    if not found:
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        hint = (
+            f" (found {', '.join(pickled)}: pickles are not loaded; convert to safetensors)"
+            if pickled
+            else ""
+        )
+        problems.append(
+            f"model.pretrained: {directory} has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}){hint}"
+        )
+    if problems:
+        raise RecipeError(problems)
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (empty when there are none)."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise RecipeError([f"model.pretrained: {index} is not a safetensors index ({exc})"]) from None
+        return {str(name): directory / str(file) for name, file in mapping.items()}
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return {name: single for name in handle.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    except Exception as exc:  # safetensors raises its own error type for a damaged header
+        raise RecipeError(
+            [f"model.pretrained: {single} is not a readable safetensors file ({exc})"]
+        ) from None
+
+
+def load_weights(model: nn.Module, directory: Path) -> None:
+    """Fill `model`'s materialised (empty) parameters from the safetensors files of `directory`: whole
+    tensors for plain parameters, this rank's rows for FSDP2's dim-0 sharded DTensors. Tied parameters
+    (an output layer sharing the input embedding) are filled once; a parameter the files lack is an error."""
+    files = weight_files(directory)
+    filled: set[int] = set()
+    missing = []
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for name, param in _parameters(model):
+            if id(param) in filled:
+                continue
+            file = files.get(name)
+            if file is None:
+                missing.append(name)
+                continue
+            if file not in handles:
+                from safetensors import safe_open
+
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            _fill(param, handles[file], name)
+            filled.add(id(param))
+    missing = [name for name in missing if not _tied_to_filled(model, name, filled)]
+    if missing:
+        raise RecipeError(
+            [
+                f"model.pretrained: {directory} has no weights for {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''} (another model's checkpoint?)"
+            ]
+        )
+
+
+def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter by every name it has (tied ones more than once), wrappers' prefixes removed."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        yield name.replace("_checkpoint_wrapped_module.", ""), param
+
+
+def _fill(param: nn.Parameter, handle: Any, name: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if isinstance(param.data, DTensor):
+            local = param.data.to_local()
+            rows = local.shape[0] if local.dim() else 0
+            if rows:
+                dim0 = param.data.shape[0]
+                chunk = -(-dim0 // param.data.device_mesh.size())
+                start = param.data.device_mesh.get_local_rank() * chunk
+                local.copy_(handle.get_slice(name)[start : start + rows])
+            return
+        source = handle.get_tensor(name)
+        if tuple(source.shape) != tuple(param.shape):
+            raise RecipeError(
+                [
+                    f"model.pretrained: {name} has shape {tuple(source.shape)} in the checkpoint, "
+                    f"{tuple(param.shape)} in the model built from its config.json"
+                ]
+            )
+        param.data.copy_(source)
+
+
+def _tied_to_filled(model: nn.Module, name: str, filled: set[int]) -> bool:
+    """Whether parameter `name` is the same tensor as one already filled (tied weights)."""
+    target: Any = model
+    for part in name.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            return False
+    return id(target) in filled

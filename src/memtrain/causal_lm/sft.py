@@ -1,0 +1,184 @@
+"""Supervised fine-tuning documents: what each record of the data becomes, and which tokens carry loss.
+
+A `Document` is the token ids of one record and, per token, whether the model is trained to predict it.
+`data.kind` decides:
+
+- `text`: every token (a pretraining document), then the document's end (EOS);
+- `prompt_completion`: the completion and its EOS only: the prompt is context;
+- `chat`: a `messages` list rendered with the tokenizer's chat template; only the assistant turns' tokens
+  (the template's end-of-turn token included) carry loss.
+
+Why labels are found the way they are: a template that marks assistant turns with `{% generation %}`
+says exactly which tokens are the assistant's (`return_assistant_tokens_mask`). Other templates are
+rendered prefix by prefix: the text before an assistant turn (rendered with the generation prompt, so the
+turn's header is context) and the text up to its end give the turn's characters, and the rendered
+conversation is tokenized once with character offsets, so a merge across a boundary cannot shift a label.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from memtrain.causal_lm.tokenizer import PretrainedTokenizer, Tokenizer
+from memtrain.errors import RecipeError
+from memtrain.recipe import DataConfig
+
+IGNORE_INDEX = -100
+ROLES = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+
+
+@dataclass(frozen=True)
+class Document:
+    """One record's tokens; `labels[k]` is `tokens[k]` where token k is a loss target, else -100
+    (None: every token but the first is a target). A document's first token is never a target."""
+
+    tokens: list[int]
+    labels: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def column(cfg: DataConfig, role: str) -> tuple[str, str]:
+    """The column holding `role` (text, messages, prompt, completion) and the recipe key naming it."""
+    if role in cfg.fields:
+        return cfg.fields[role], f"data.fields.{role}"
+    if role == "text":
+        return cfg.jsonl_field, "data.jsonl_field"
+    return role, f"data.fields.{role}"
+
+
+def text_document(tokenizer: Tokenizer, text: str) -> Document:
+    return Document(tokenizer.bos + tokenizer.encode(text) + tokenizer.eos)
+
+
+def prompt_completion_document(tokenizer: Tokenizer, prompt: str, completion: str) -> Document:
+    context = tokenizer.bos + tokenizer.encode(prompt)
+    target = tokenizer.encode(completion) + tokenizer.eos
+    return Document(context + target, [IGNORE_INDEX] * len(context) + target)
+
+
+class ChatError(ValueError):
+    """A conversation the chat template cannot render or label (the message says why)."""
+
+
+def chat_document(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> Document:
+    """The conversation rendered by the chat template; assistant turns carry loss. A trailing EOS is added
+    (as context) when the rendering does not end with one, so that packed documents stay separated."""
+    if not isinstance(tokenizer, PretrainedTokenizer) or tokenizer.chat_template is None:
+        raise ChatError("the tokenizer has no chat template")
+    if _has_generation_block(tokenizer.chat_template):
+        tokens, mask = _marked_turns(tokenizer, messages)
+    else:
+        tokens, mask = _rendered_prefixes(tokenizer, messages)
+    labels = [t if m else IGNORE_INDEX for t, m in zip(tokens, mask, strict=True)]
+    if tokens[-len(tokenizer.eos) :] != tokenizer.eos:
+        tokens, labels = tokens + tokenizer.eos, labels + [IGNORE_INDEX] * len(tokenizer.eos)
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return Document(tokens, labels)
+
+
+def _has_generation_block(template: str) -> bool:
+    return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def _marked_turns(
+    tokenizer: PretrainedTokenizer, messages: list[dict[str, Any]]
+) -> tuple[list[int], list[int]]:
+    try:
+        out = tokenizer.hf.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+    except Exception as exc:  # jinja's TemplateError (raise_exception in the template), ValueError
+        raise ChatError(f"the chat template rejects it ({exc})") from None
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def _render(tokenizer: PretrainedTokenizer, messages: list[dict[str, Any]], prompt: bool) -> str:
+    try:
+        text = tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    except Exception as exc:  # jinja's TemplateError (raise_exception in the template), ValueError
+        raise ChatError(f"the chat template rejects it ({exc})") from None
+    return str(text)
+
+
+def _rendered_prefixes(
+    tokenizer: PretrainedTokenizer, messages: list[dict[str, Any]]
+) -> tuple[list[int], list[int]]:
+    full = _render(tokenizer, messages, prompt=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:index], prompt=True) if index else ""
+        through = _render(tokenizer, messages[: index + 1], prompt=False)
+        if not (full.startswith(before) and full.startswith(through)) or len(through) < len(before):
+            raise ChatError(
+                "the chat template renders earlier turns differently once later ones follow, so assistant "
+                "tokens cannot be found by prefix (mark them with {% generation %} in the template)"
+            )
+        spans.append((len(before), len(through)))
+    encoded = tokenizer.hf(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+class RecordEncoder:
+    """Records (mappings of columns) to documents for `data.kind`; a bad record is a `RecipeError` that names
+    the key to change and where the record is."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer) -> None:
+        self.kind = cfg.kind
+        self.tokenizer = tokenizer
+        self.columns = {role: column(cfg, role) for role in ROLES[cfg.kind]}
+
+    def __call__(self, record: Mapping[str, Any], where: str) -> Document:
+        if self.kind == "text":
+            return text_document(self.tokenizer, self._string(record, "text", where))
+        if self.kind == "prompt_completion":
+            prompt = self._string(record, "prompt", where)
+            return prompt_completion_document(
+                self.tokenizer, prompt, self._string(record, "completion", where)
+            )
+        messages = self._messages(record, where)
+        try:
+            return chat_document(self.tokenizer, messages)
+        except ChatError as exc:
+            raise RecipeError([f"data.kind: chat {where}: {exc}"]) from None
+
+    def _string(self, record: Mapping[str, Any], role: str, where: str) -> str:
+        name, key = self.columns[role]
+        value = record.get(name)
+        if not isinstance(value, str):
+            raise RecipeError([f"{key}: {where} has no string field {name!r}"])
+        return value
+
+    def _messages(self, record: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+        name, _ = self.columns["messages"]
+        messages = record.get(name)
+        problem = message_problem(messages)
+        if problem is not None:
+            raise RecipeError(
+                [
+                    f"data.kind: chat {where}: {problem} in field {name!r} (a list of {{role, content}}; "
+                    "another column is mapped with data.fields.messages)"
+                ]
+            )
+        assert isinstance(messages, list)
+        return messages
+
+
+def message_problem(messages: Any) -> str | None:
+    """Why `messages` is not a conversation, or None."""
+    if not isinstance(messages, list) or not messages:
+        return "no messages"
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            return f"message {number} has no role"
+        if not isinstance(message.get("content"), str):
+            return f"message {number} has no string content"
+    return None
