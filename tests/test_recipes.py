@@ -10,6 +10,7 @@ from memtrain.causal_lm.trainer import check_model_recipe
 from memtrain.errors import RecipeError
 from memtrain.recipe import apply_overrides, json_schema, load_recipe, recipe_from_dict
 
+import hf_cache
 from helpers import REPO, TINY_LLAMA, tiny_recipe_dict
 
 ALL_RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
@@ -20,9 +21,14 @@ def test_there_are_recipes() -> None:
 
 
 @pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: str(p.relative_to(REPO)))
-def test_every_recipe_validates(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_recipe_validates(path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every shipped recipe validates; the fine-tuning ones against a staged Hugging Face cache of their
+    model (tests/hf_cache.py) and the shipped chat data in place of `data.path: <your data>`."""
     monkeypatch.chdir(REPO)
+    hf_cache.stage(tmp_path, monkeypatch)
     recipe = load_recipe(path)
+    if recipe.data.path is not None and not Path(recipe.data.path).exists():
+        recipe = load_recipe(path, ["data.path=data/tiny_chat.jsonl"])
     check_model_recipe(recipe)
 
 

@@ -88,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--out", type=Path, required=True, metavar="DIR", help="new or empty output directory"
     )
+    export.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="a LoRA run's adapters alone, in peft's format (PeftModel.from_pretrained loads them); "
+        "default: merged into the base model",
+    )
 
     commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
     for command in (train, validate, profile, plan):
@@ -106,6 +112,10 @@ def _strategies() -> str:
     from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 
     lines = [f"  {kind}: {', '.join(REGISTRIES[kind].names())}" for kind in RECIPE_KINDS]
+    lines += [
+        f"  adapters.kind: {', '.join(REGISTRIES['adapters'].names())}",
+        f"  model.quantization: {', '.join(REGISTRIES['quantization'].names())}",
+    ]
     return "strategies (recipe key strategies.<kind>: auto, a name, or a list of names):\n" + "\n".join(lines)
 
 
@@ -138,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         from memtrain.commands import export
 
-        return export.run(args.run_dir, args.out, args.step)
+        return export.run(args.run_dir, args.out, args.step, adapters_only=args.adapters_only)
     if args.command == "plan":
         from memtrain.commands import plan
 

@@ -22,14 +22,18 @@ from typing import Any
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
 from memtrain.recipe import Recipe
+from memtrain.strategies.adapters import ADAPTERS, Adapters
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 from memtrain.strategies.checkpointing import CHECKPOINTING, Checkpointing
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
 from memtrain.strategies.precision import PRECISION, Precision
+from memtrain.strategies.quantization import QUANTIZATION, Quantization
 from memtrain.strategies.registry import DeviceFacts, Strategy
 from memtrain.strategies.sharding import SHARDING, Sharding
 from memtrain.strategies.sharding.base import ShardingBackend
+
+OPTIONAL_KINDS = ("quantization", "adapters")  # change the recipe's model: "none" unless it asks
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class Plan:
     sharding: Sharding
     micro_batching: MicroBatching
     world_size: int = 1
+    adapters: Adapters = dataclasses.field(default_factory=Adapters)
+    quantization: Quantization = dataclasses.field(default_factory=Quantization)
 
     def strategies(self) -> dict[str, Strategy]:
         return {kind: getattr(self, kind) for kind in REGISTRIES}
@@ -70,7 +76,11 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """The inverse of `to_dict` (plan.json, checkpoint metadata); `ValueError` for another layout."""
         try:
-            kinds = {kind: registry.from_dict(data[kind]) for kind, registry in REGISTRIES.items()}
+            kinds = {
+                kind: registry.from_dict(data[kind])
+                for kind, registry in REGISTRIES.items()
+                if kind in data or kind not in OPTIONAL_KINDS
+            }  # plans written before these kinds existed
             return cls(**kinds, world_size=int(data["world_size"]))
         except (KeyError, TypeError, AttributeError, Unsupported) as exc:
             raise ValueError(f"not a memtrain plan ({type(exc).__name__}: {exc})") from None
@@ -82,7 +92,8 @@ class Plan:
         """One line: each strategy with its options, e.g. `bf16-mixed, checkpointing fraction(0.5), states
         fp32, sharding none, micro 4 x 2` (4 sequences per micro-batch, 2 micro-batches per step)."""
         s = self.strategies()
-        return (
+        adapters = "".join(f"{s[k].describe()}, " for k in OPTIONAL_KINDS if s[k].name != "none")
+        return adapters + (
             f"{s['precision'].describe()}, checkpointing {s['checkpointing'].describe()}, states "
             f"{s['optimizer_states'].describe()}, sharding {s['sharding'].describe()}, micro "
             f"{s['micro_batching'].describe()}"
@@ -143,6 +154,27 @@ def micro_batching(recipe: Recipe, rows: int, size: int) -> MicroBatching:
     return MicroBatching(size, rows // size)
 
 
+def adapters_of(recipe: Recipe) -> Adapters:
+    """The recipe's `adapters:` section as its strategy."""
+    options = recipe.adapters.model_dump()
+    if isinstance(options.get("target_modules"), list):
+        options["target_modules"] = tuple(options["target_modules"])
+    return ADAPTERS.create(recipe.adapters.kind, options)
+
+
+def quantization_of(recipe: Recipe) -> Quantization:
+    """The recipe's `model.quantization` as its strategy; base quantisation needs adapters to train."""
+    quantization = QUANTIZATION.create(recipe.model.quantization, recipe.model.model_dump())
+    if quantization.name != "none" and recipe.adapters.kind == "none":
+        raise RecipeError(
+            [
+                f"model.quantization: {quantization.name} freezes the base model; add adapters "
+                "(adapters.kind: lora) so that something trains"
+            ]
+        )
+    return quantization
+
+
 def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     """The plan of a recipe that pins every choice, each strategy checked on this device."""
     assert not is_open(recipe)
@@ -151,11 +183,14 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     checkpointing = CHECKPOINTING.create(str(s.checkpointing), s.model_dump())
     optimizer_states = OPTIMIZER_STATES.create(str(s.optimizer_states), s.model_dump())
     sharding = SHARDING.create(str(s.sharding), s.model_dump())
+    adapters, quantization = adapters_of(recipe), quantization_of(recipe)
     facts = DeviceFacts.of(env.device, env.world_size)
-    for strategy in (precision, checkpointing, optimizer_states):
+    for strategy in (quantization, adapters, precision, checkpointing, optimizer_states):
         strategy.check(facts)
     sharding.check_with(env, precision)
     rows = per_rank_batch(recipe, env.world_size)
     size = rows if recipe.batch.micro_size == "auto" else int(recipe.batch.micro_size)
     batching = micro_batching(recipe, rows, size)
-    return Plan(precision, checkpointing, optimizer_states, sharding, batching, env.world_size)
+    return Plan(
+        precision, checkpointing, optimizer_states, sharding, batching, env.world_size, adapters, quantization
+    )

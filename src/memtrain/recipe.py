@@ -50,6 +50,30 @@ class ModelConfig(_Section):
         "a hub id already in the local cache: fine-tune its weights.",
     )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    quantization: str = Field(
+        default="none",
+        description="Base-weight quantisation for QLoRA: none | nf4 | fp4 | int8 (bitsandbytes).",
+    )
+    double_quant: bool = Field(
+        default=True, description="nf4/fp4: quantise the per-block scales too (QLoRA)."
+    )
+    quantization_block_size: int = Field(default=64, gt=0, description="nf4/fp4: elements per scale.")
+
+    @field_validator("quantization")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        registry = REGISTRIES["quantization"]
+        if value not in registry:
+            raise PydanticCustomError(
+                "strategy_name",
+                "'{word}' is not one of {listed}{hint}",
+                {
+                    "word": value,
+                    "listed": ", ".join(registry.names()),
+                    "hint": did_you_mean(value, registry.names()),
+                },
+            )
+        return value
 
 
 class SyntheticData(_Section):
@@ -230,6 +254,34 @@ class StrategiesConfig(_Section):
         return value
 
 
+class AdaptersConfig(_Section):
+    """Parameter-efficient fine-tuning: adapters on a frozen base (the planner plans within them)."""
+
+    kind: str = Field(default="none", description="none | lora (the adapters registry).")
+    r: int = Field(default=16, gt=0, description="LoRA rank.")
+    alpha: float = Field(
+        default=32.0, gt=0, description="LoRA scale numerator (the update is scaled by alpha / r)."
+    )
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default="all-linear",
+        description="Module names (suffixes) to adapt, or all-linear (every linear but the head).",
+    )
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        registry = REGISTRIES["adapters"]
+        if value not in registry:
+            listed = ", ".join(registry.names())
+            raise PydanticCustomError(
+                "strategy_name",
+                "'{word}' is not one of {listed}{hint}",
+                {"word": value, "listed": listed, "hint": did_you_mean(value, registry.names())},
+            )
+        return value
+
+
 class PlannerConfig(_Section):
     safety_fraction: float | None = Field(
         default=None,
@@ -263,6 +315,7 @@ class Recipe(_Section):
     output: OutputConfig = OutputConfig()
     memory: MemoryConfig = MemoryConfig()
     strategies: StrategiesConfig = StrategiesConfig()
+    adapters: AdaptersConfig = AdaptersConfig()
     planner: PlannerConfig = PlannerConfig()
 
     def output_path(self) -> Path:
@@ -476,4 +529,7 @@ def json_schema() -> dict[str, Any]:
             "default": strategies[kind].get("default"),
             "anyOf": [{"enum": names}, {"type": "array", "items": {"enum": names[1:]}}],
         }
+    defs = schema["$defs"]
+    defs["AdaptersConfig"]["properties"]["kind"]["enum"] = list(REGISTRIES["adapters"].names())
+    defs["ModelConfig"]["properties"]["quantization"]["enum"] = list(REGISTRIES["quantization"].names())
     return schema

@@ -156,6 +156,8 @@ def test_plan_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) >= {"plan", "predicted", "budget", "candidates", "cheapest_infeasible"}
     assert set(doc["plan"]) == {
+        "quantization",
+        "adapters",
         "precision",
         "checkpointing",
         "optimizer_states",

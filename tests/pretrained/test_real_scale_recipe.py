@@ -5,7 +5,6 @@ validation nor planning reads weights) and a small tokenizer with a chat templat
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,60 +12,9 @@ import pytest
 from memtrain.cli import main
 
 from helpers import REPO
+from hf_cache import HUB_ID, use_cache
 
 RECIPE = str(REPO / "recipes/llama3-8b-chat-sft.yaml")
-HUB_ID = "meta-llama/Llama-3.1-8B-Instruct"
-CONFIG = {  # meta-llama/Llama-3.1-8B-Instruct's config.json
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009],
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-}
-
-
-@pytest.fixture
-def staged_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path / "hf"
-    repo = home / "hub" / f"models--{HUB_ID.replace('/', '--')}"
-    snapshot = repo / "snapshots" / "0123456789abcdef"
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs/main").write_text("0123456789abcdef")
-    (snapshot / "config.json").write_text(json.dumps(CONFIG))
-    weight_map = {"model.embed_tokens.weight": "model-00001-of-00004.safetensors"}
-    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    for file in (REPO / "data/tiny-sft-tokenizer").iterdir():
-        shutil.copy(file, snapshot / file.name)
-    _use_cache(monkeypatch, home)
-    return snapshot
-
-
-def _use_cache(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
-    """huggingface_hub reads HF_HOME once, at import: point its constant at `home` too."""
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
 
 
 @pytest.mark.usefixtures("staged_cache")
@@ -86,6 +34,56 @@ def test_validates_and_plans_on_eight_h100(capsys: pytest.CaptureFixture[str]) -
 def test_not_downloaded_says_how(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _use_cache(monkeypatch, tmp_path / "empty")
+    use_cache(monkeypatch, tmp_path / "empty")
     assert main(["validate", RECIPE, f"data.path={REPO / 'data/tiny_chat.jsonl'}"]) == 2
     assert f"huggingface-cli download {HUB_ID}" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("staged_cache")
+def test_qlora_on_one_24gb_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 8B QLoRA what-if on a 24 GB GPU: weights are the 4-bit arithmetic (docs/STRATEGIES.md) and a
+    micro-batch and checkpointing that fit are chosen."""
+    from memtrain.strategies.quantization import QUANTIZATION
+
+    data = [f"data.path={REPO / 'data/tiny_chat.jsonl'}"]
+    recipe = str(REPO / "recipes/llama3-8b-qlora-24gb.yaml")
+    assert main(["plan", recipe, *data, "--gpu", "rtx4090-24gb", "--json"]) == 0, capsys.readouterr().err
+    doc = json.loads(capsys.readouterr().out)
+    hidden, inter, layers, vocab, kv = 4096, 14336, 32, 128256, 1024
+    linears = [
+        hidden * hidden,
+        kv * hidden,
+        kv * hidden,
+        hidden * hidden,
+        inter * hidden,
+        inter * hidden,
+        hidden * inter,
+    ]
+    rank = 16
+    lora = sum(
+        rank * (rows + cols)
+        for rows, cols in (
+            (hidden, hidden),
+            (kv, hidden),
+            (kv, hidden),
+            (hidden, hidden),
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
+        )
+    )
+    four_bit = QUANTIZATION.create("nf4").weight_bytes(linears * layers)
+    other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, head, norms: fp32 (bf16-mixed)
+    assert doc["model_states"]["weights"] == four_bit + 4 * other + 4 * layers * lora
+    assert doc["model_states"]["gradients"] == 4 * layers * lora, "only the adapters have gradients"
+    assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
+    assert doc["full_fine_tuning"]["weights"] > 4 * doc["model_states"]["weights"] / 2
+
+
+@pytest.mark.usefixtures("staged_cache")
+def test_lora_on_eight_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    data = [f"data.path={REPO / 'data/tiny_chat.jsonl'}"]
+    recipe = str(REPO / "recipes/llama3-8b-lora-8gpu.yaml")
+    assert main(["plan", recipe, *data, "--gpu", "h100-80gb", "--world-size", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "full fine-tuning would keep" in table and "more than lora" in table, table

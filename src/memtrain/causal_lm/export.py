@@ -20,10 +20,25 @@ The state is loaded into the model `AutoModelForCausalLM.from_config` builds fro
 the config.json of `model.pretrained`), so tied weights are tied as transformers ties them and
 `save_pretrained` writes each tensor once. The directory is written into `OUT.tmp` and renamed into
 place only when complete.
+
+A run with adapters (`adapters: {kind: lora}`) checkpoints the adapted model: peft's layers injected in
+place, so its state names the base linear `...q_proj.base_layer.weight` and the adapters
+`...q_proj.lora_A.default.weight`. The export injects the same adapters (`adapters_of(recipe).apply`)
+before loading, then writes one of two things:
+
+- merged (the default, and `output.export: hf`): each adapted layer merged by peft
+  (W + alpha/r B A, checked for NaNs) and replaced by its base layer, so the directory is a plain
+  Hugging Face model that needs no peft to load;
+- `adapters_only` (`memtrain export --adapters-only`): the adapters alone in peft's format
+  (adapter_config.json + adapter_model.safetensors, keys `base_model.model.<name>.lora_A.weight`), with
+  `base_model_name_or_path` = `model.pretrained` when the run had one; `peft.PeftModel.from_pretrained`
+  loads it over the base model. The model is built on the meta device for this: only the adapters'
+  names and shapes are needed, and their tensors come from the checkpoint as stored.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -37,7 +52,10 @@ from torch import nn
 
 from memtrain import checkpoint as ckpt
 from memtrain.errors import MemtrainError
+from memtrain.plan import adapters_of
 from memtrain.recipe import Recipe, recipe_from_dict
+from memtrain.strategies.adapters import Adapters
+from memtrain.strategies.registry import DeviceFacts
 from memtrain.strategies.sharding.sharded_checkpoint import DCP_DIR, DEEPSPEED_DIR, detect_format
 
 if TYPE_CHECKING:
@@ -64,33 +82,59 @@ TOKENIZER_FILES = (
 
 
 def export_hf(
-    run_dir: str | Path, out: str | Path, step: int | None = None, *, overwrite: bool = False
+    run_dir: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    *,
+    overwrite: bool = False,
+    adapters_only: bool = False,
 ) -> Path:
     """Write checkpoint `step` of `run_dir` (default: the newest) as a Hugging Face model directory `out`.
 
-    `out` must not exist or be empty, unless `overwrite` (the run's own `run_dir/hf`, rewritten when a
-    resumed run exports again). Returns `out`.
+    A run with adapters is written merged into its base model, or, with `adapters_only`, as the adapters
+    alone in peft's format. `out` must not exist or be empty, unless `overwrite` (the run's own
+    `run_dir/hf`, rewritten when a resumed run exports again). Returns `out`.
     """
     run_dir, out = Path(run_dir), Path(out)
     recipe = run_recipe(run_dir)
+    adapters = adapters_of(recipe)
+    if adapters_only and not has_adapters(adapters):
+        raise MemtrainError(
+            f"--adapters-only: the run in {run_dir} trained no adapters (its recipe's adapters.kind is "
+            f"{recipe.adapters.kind}); export the whole model without --adapters-only"
+        )
+    adapters.check(DeviceFacts.of(torch.device("cpu")))  # peft is installed
     config = model_config(recipe)
     found = pick_checkpoint(run_dir, step)
     _check_out(out, overwrite)
     state = load_model_state(found.path)
-    model = _model_with_state(config, state, found.path)
     staging = out.with_name(out.name + ".tmp")
+    if adapters_only:
+        write: Any = _adapter_writer(config, state, found.path, adapters, recipe.model.pretrained)
+    else:
+        model = _model_with_state(config, state, found.path, adapters)
+        del state
+        if has_adapters(adapters):
+            _merge_adapters(model, found.path)
+        write = model.save_pretrained
     if staging.exists():
         shutil.rmtree(staging)
     staging.parent.mkdir(parents=True, exist_ok=True)
     try:
-        model.save_pretrained(staging)
-        _copy_generation_config(recipe, staging)
+        write(staging)
+        if not adapters_only:
+            _copy_generation_config(recipe, staging)
         _copy_tokenizer(recipe, staging)
         _replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def has_adapters(adapters: Adapters) -> bool:
+    """Whether the run trained adapters (any kind but `none`)."""
+    return adapters.name != Adapters.name
 
 
 # ------------------------------------------------------------------------------------- the run
@@ -223,14 +267,22 @@ def _deepspeed_model_state(source: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------- the model
 
 
-def _model_with_state(config: Any, state: dict[str, torch.Tensor], path: Path) -> PreTrainedModel:
-    """The transformers model of `config` holding `state`, in the dtype the checkpoint stored."""
+def _model_with_state(
+    config: Any, state: dict[str, torch.Tensor], path: Path, adapters: Adapters
+) -> PreTrainedModel:
+    """The transformers model of `config`, with the run's adapters injected, holding `state`, in the dtype
+    the checkpoint stored (each adapter tensor in its own stored dtype)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
     dtype = _stored_dtype(state)
     if dtype is not None and dtype != next(model.parameters()).dtype:
         model.to(dtype)
+    adapters.apply(model)
+    for name, parameter in model.named_parameters():
+        stored = state.get(name)
+        if adapters.owns(name) and stored is not None and stored.is_floating_point():
+            parameter.data = parameter.data.to(stored.dtype)
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a shape mismatch
@@ -239,18 +291,88 @@ def _model_with_state(config: Any, state: dict[str, torch.Tensor], path: Path) -
             "built-in causal-LM trainer"
         ) from None
     missing = _untied_missing(model, set(result.missing_keys))
+    _check_fit(path, config, missing, list(result.unexpected_keys))
+    model.eval()
+    return model
+
+
+def _check_fit(path: Path, config: Any, missing: list[str], unexpected: list[str]) -> None:
     problems = []
     if missing:
         problems.append(f"missing {_some(missing)}")
-    if result.unexpected_keys:
-        problems.append(f"unexpected {_some(result.unexpected_keys)}")
+    if unexpected:
+        problems.append(f"unexpected {_some(unexpected)}")
     if problems:
         raise ckpt.CheckpointError(
             f"{path}: does not fit the run's {config.model_type} model ({'; '.join(problems)}); export needs a "
             "run of the built-in causal-LM trainer"
         )
-    model.eval()
-    return model
+
+
+def _merge_adapters(model: nn.Module, path: Path) -> None:
+    """Merge every adapted layer into its base layer (peft's own merge) and put the base layer back in
+    its place, leaving the plain transformers model (what peft's `merge_and_unload` does)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+    get_input = getattr(model, "get_input_embeddings", None)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    if tied and callable(get_input) and any(module is get_input() for _, module in layers):
+        raise MemtrainError(
+            "export: the run adapted the input embeddings of a model with tied word embeddings; merged, they "
+            "would change the output head too. Export with --adapters-only"
+        )
+    for name, layer in layers:
+        try:
+            layer.merge(safe_merge=True)
+        except ValueError as exc:  # peft: "NaNs detected in the merged weights"
+            raise ckpt.CheckpointError(f"{path}: the adapters of {name} cannot be merged ({exc})") from None
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    left = [name for name in model.state_dict() if ".lora_" in name or ".base_layer." in name]
+    if left:
+        raise ckpt.CheckpointError(f"{path}: adapters left after merging: {_some(left)}")
+
+
+def _adapter_writer(
+    config: Any, state: dict[str, torch.Tensor], path: Path, adapters: Adapters, pretrained: str | None
+) -> Any:
+    """What writes the run's adapters in peft's format (`PeftModel.save_pretrained`'s files): the
+    checkpoint's adapter tensors as stored, checked against the adapted model's names and shapes."""
+    from peft import get_peft_model_state_dict
+    from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # names and shapes only: no base weights are allocated
+        model = AutoModelForCausalLM.from_config(config)
+    adapters.apply(model)
+    owned = {name: p for name, p in model.named_parameters() if adapters.owns(name)}
+    missing = [name for name in owned if name not in state]
+    unexpected = [name for name in state if adapters.owns(name) and name not in owned]
+    _check_fit(path, config, missing, unexpected)
+    wrong = [name for name, p in owned.items() if tuple(state[name].shape) != tuple(p.shape)]
+    if wrong:
+        raise ckpt.CheckpointError(
+            f"{path}: its adapters do not fit the run's adapters section (shapes of {_some(wrong)})"
+        )
+    peft_config = copy.deepcopy(model.peft_config["default"])
+    peft_config.base_model_name_or_path = pretrained
+    peft_config.inference_mode = True
+    mine = {name: state[name] for name in owned}
+    tensors = get_peft_model_state_dict(model, state_dict=mine, save_embedding_layers=False)
+    prefixed = {f"base_model.model.{name}": t.detach().contiguous().clone() for name, t in tensors.items()}
+    if not prefixed:
+        raise ckpt.CheckpointError(f"{path}: holds no adapter tensors")
+
+    def write(directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        peft_config.save_pretrained(str(directory))  # adapter_config.json
+        save_file(prefixed, str(directory / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+
+    return write
 
 
 def _stored_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:

@@ -13,7 +13,7 @@ read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -94,7 +94,9 @@ def weight_files(directory: Path) -> dict[str, Path]:
         ) from None
 
 
-def load_weights(model: nn.Module, directory: Path) -> None:
+def load_weights(
+    model: nn.Module, directory: Path, skip: Callable[[str], bool] = lambda _name: False
+) -> None:
     """Fill `model`'s materialised (empty) parameters from the safetensors files of `directory`: whole
     tensors for plain parameters, this rank's rows for FSDP2's dim-0 sharded DTensors. Tied parameters
     (an output layer sharing the input embedding) are filled once; a parameter the files lack is an error."""
@@ -104,7 +106,7 @@ def load_weights(model: nn.Module, directory: Path) -> None:
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
         for name, param in _parameters(model):
-            if id(param) in filled:
+            if id(param) in filled or skip(name):
                 continue
             file = files.get(name)
             if file is None:
@@ -127,9 +129,10 @@ def load_weights(model: nn.Module, directory: Path) -> None:
 
 
 def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Every parameter by every name it has (tied ones more than once), wrappers' prefixes removed."""
+    """Every parameter by every name it has (tied ones more than once), by its name in the base model's
+    checkpoint: wrappers' prefixes removed (checkpoint wrappers, peft's `base_layer` of an adapted linear)."""
     for name, param in model.named_parameters(remove_duplicate=False):
-        yield name.replace("_checkpoint_wrapped_module.", ""), param
+        yield name.replace("_checkpoint_wrapped_module.", "").replace(".base_layer.", "."), param
 
 
 def _fill(param: nn.Parameter, handle: Any, name: str) -> None:

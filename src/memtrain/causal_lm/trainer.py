@@ -261,7 +261,7 @@ class CausalLMTrainer(Trainer):
 
     def load_weights(self, model: nn.Module) -> None:
         if self.recipe.model.pretrained is not None:
-            pretrained.load_weights(model, pretrained_directory(self.recipe))
+            pretrained.load_weights(model, pretrained_directory(self.recipe), skip=self.plan.adapters.owns)
 
     def build_model_clone(self, num_blocks: int) -> nn.Module:
         """The model with `num_blocks` blocks (per-layer lists cut to match), for the planner's traces."""

@@ -33,7 +33,7 @@ from memtrain.distributed import DistEnv, broadcast_object
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
 from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
-from memtrain.plan import is_open, pinned_plan
+from memtrain.plan import adapters_of, is_open, pinned_plan, quantization_of
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored
 from memtrain.planner.search import search
@@ -96,7 +96,17 @@ def plan_for_run(
     failure: MemtrainError | None = None
     if env.is_main:
         try:
-            outcome = search(recipe, ModelProbe(spec, progress=progress), target, env.device)
+            outcome = search(
+                recipe,
+                ModelProbe(
+                    spec,
+                    progress=progress,
+                    adapters=adapters_of(recipe),
+                    quantization=quantization_of(recipe),
+                ),
+                target,
+                env.device,
+            )
         except MemtrainError as exc:
             if not env.distributed:
                 raise
@@ -119,7 +129,14 @@ def plan_here(
     here = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
     budget = int(recipe.memory.budget) if recipe.memory.budget is not None else None
     target = replace(measured_target(here, budget, recipe.planner.safety_fraction), world_size=world_size)
-    return search(recipe, ModelProbe(spec, progress=progress), target, device)
+    return search(
+        recipe,
+        ModelProbe(
+            spec, progress=progress, adapters=adapters_of(recipe), quantization=quantization_of(recipe)
+        ),
+        target,
+        device,
+    )
 
 
 def plan_what_if(
@@ -133,7 +150,14 @@ def plan_what_if(
 ) -> PlanResult:
     """Plan for `world_size` ranks of a GPU that is not here."""
     target = what_if_target(world_size, gpu, memory_bytes, recipe.planner.safety_fraction)
-    return search(recipe, ModelProbe(spec, progress=progress), target, torch.device("cuda", 0))
+    return search(
+        recipe,
+        ModelProbe(
+            spec, progress=progress, adapters=adapters_of(recipe), quantization=quantization_of(recipe)
+        ),
+        target,
+        torch.device("cuda", 0),
+    )
 
 
 def calibration(result: PlanResult, measured: StepMemory) -> dict[str, Any]:

@@ -41,7 +41,8 @@ so each number is fitted as a + b·tokens from two traces and read at any micro-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +52,11 @@ from torch import nn
 from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
 from memtrain.memory.footprint import COMPONENTS
 from memtrain.memory.modules import graph_tensors
+from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
+from memtrain.strategies.quantization import Quantization
 
 Vec = tuple[float, ...]
 """Bytes per component, in `COMPONENTS` order."""
@@ -135,6 +138,8 @@ def trace_step(
     checkpointing: Checkpointing,
     micro_batch_size: int,
     weights_dtype: torch.dtype | None = None,
+    adapters: Adapters | None = None,
+    quantization: Quantization | None = None,
 ) -> StepTrace:
     """Build the model under fake tensors with the strategies applied as the trainer applies them
     (`apply_strategies`) and trace two micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes a
@@ -146,7 +151,16 @@ def trace_step(
     with mode:
         model = build_model()
         blocks = find_blocks(model)
-        apply_strategies(model, blocks, precision, checkpointing, weights_dtype=weights_dtype)
+        with _new_parameters_on_conversion():  # fake tensors cannot be swapped in place (adapters' `.to`)
+            apply_strategies(
+                model,
+                blocks,
+                precision,
+                checkpointing,
+                weights_dtype=weights_dtype,
+                adapters=adapters,
+                quantization=quantization,
+            )
         model.train()
         tracker = MemoryTracker(model)
         recorder = _Recorder(tracker, blocks)
@@ -168,6 +182,18 @@ def trace_step(
                     recorder.mark(None)
                 del loss_sum
     return StepTrace(tokens=tokens, depth=len(blocks), segments=recorder.segments)
+
+
+@contextlib.contextmanager
+def _new_parameters_on_conversion() -> Iterator[None]:
+    """torch's own switch (`torch.__future__`) for `Module.to` to give converted parameters new objects
+    instead of swapping their data in place, which fake tensors refuse; restored on exit."""
+    before = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(before)
 
 
 class _Recorder:

@@ -25,7 +25,14 @@ import torch
 
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
-from memtrain.plan import Plan, micro_batching, per_rank_batch, recipe_strategy
+from memtrain.plan import (
+    Plan,
+    adapters_of,
+    micro_batching,
+    per_rank_batch,
+    quantization_of,
+    recipe_strategy,
+)
 from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import REGISTRIES
 from memtrain.strategies.checkpointing import Checkpointing
@@ -55,6 +62,9 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
             f"strategies.{kind}", value, [recipe_strategy(recipe, kind, n) for n in names], facts, excluded
         )
 
+    adapters, quantization = adapters_of(recipe), quantization_of(recipe)
+    adapters.check(facts)  # the recipe's choices: one that cannot run is the user's error
+    quantization.check(facts)
     precisions = allowed("precision", _auto_precisions(facts))
     optimizers = allowed("optimizer_states", REGISTRIES["optimizer_states"].names())
     modes = allowed("checkpointing", REGISTRIES["checkpointing"].names())
@@ -88,6 +98,15 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     candidates = []
     for precision in precisions:
         for sharding in shardings:
+            if quantization.name != "none" and not sharding.replicated:
+                excluded.append(
+                    (
+                        f"strategies.sharding={sharding.name}",
+                        f"model.quantization={quantization.name} "
+                        "keeps the quantised base whole on every rank (use none or ddp)",
+                    )
+                )
+                continue
             try:
                 sharding.check_with(env, precision)
             except Unsupported as exc:
@@ -108,6 +127,8 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                 sharding,
                                 micro_batching(recipe, per_rank, size),
                                 world_size,
+                                adapters,
+                                quantization,
                             )
                         )
     return Grid(tuple(candidates), tuple(excluded))

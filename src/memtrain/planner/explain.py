@@ -35,6 +35,11 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         if result.chosen is not None
         else None,
         "budget": result.budget.to_dict() if result.budget is not None else None,
+        "full_fine_tuning": dict(
+            zip(("weights", "gradients", "optimizer_states"), result.full_fine_tuning, strict=True)
+        )
+        if result.full_fine_tuning is not None
+        else None,
         "candidates": [s.to_dict(usable) for s in (*result.ranked, *result.infeasible)],
         "cheapest_infeasible": result.cheapest_infeasible.to_dict(usable)
         if result.cheapest_infeasible
@@ -62,6 +67,16 @@ def describe(result: PlanResult, title: str) -> str:
     )
     stored = dict(zip(("weights", "gradients", "optimizer states"), chosen.states.stored, strict=True))
     lines.append("  kept between steps: " + ", ".join(f"{k} {_gib(v)}" for k, v in stored.items()))
+    if result.full_fine_tuning is not None:
+        full = dict(zip(stored, result.full_fine_tuning, strict=True))
+        saved = sum(full.values()) - sum(stored.values())
+        plan = result.plan
+        label = ", ".join(k.describe() for k in (plan.quantization, plan.adapters) if k.name != "none")
+        lines.append(
+            "  full fine-tuning would keep: "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in full.items())
+            + f" ({_gib(saved)} more than {label})"
+        )
     lines += ["", *table([*result.ranked[: 1 + RUNNERS_UP]], usable)]
     if len(result.ranked) > 1 + RUNNERS_UP:
         lines.append(f"  ... {len(result.ranked) - 1 - RUNNERS_UP} more plans fit")

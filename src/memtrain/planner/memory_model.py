@@ -140,7 +140,10 @@ def walk(
     depth = min(trace.depth for trace in traces.values())
     level, best, maxima, where = start, start, start, "start"
     for phase, first_index, count, clone_index, mode in _runs(modes, depth):
-        seg = traces[mode].at(SegmentKey(micro_step, phase, clone_index), tokens)
+        key = SegmentKey(micro_step, phase, clone_index)
+        if key not in traces[mode].intercept:  # e.g. no backward below the first block: a frozen embedding
+            continue
+        seg = traces[mode].at(key, tokens)
         if not replicated:
             seg = Segment(*(_without_gradients(v) for v in (seg.at_peak, seg.maxima, seg.end)))
         if phase == "fwd.release":  # only frees: the clone's `depth` blocks' share, for `count` blocks

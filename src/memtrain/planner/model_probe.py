@@ -26,9 +26,11 @@ from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
 from memtrain.planner.activations import FittedTrace, clone_depth, fit, trace_step
 from memtrain.planner.spec import Batch, ModelSpec
+from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import model_shape
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
+from memtrain.strategies.quantization import Quantization
 
 
 @dataclass
@@ -37,10 +39,13 @@ class ModelProbe:
 
     spec: ModelSpec
     progress: Callable[[str], None] = field(default=lambda _line: None)
+    adapters: Adapters = field(default_factory=Adapters)  # the recipe's: they change what trains
+    quantization: Quantization = field(default_factory=Quantization)  # the recipe's base quantisation
     shape: ModelShape = field(init=False)
     dim0: dict[str, int] = field(init=False)
     buffer_bytes: int = field(init=False)
     hidden_size: int = field(init=False)
+    linear_weights: frozenset[str] = field(init=False)  # what base quantisation would store in 4/8 bits
     seq_len: int = field(init=False)
     row_bytes: int = field(init=False)
     _fits: dict[tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None], FittedTrace] = field(
@@ -51,7 +56,8 @@ class ModelProbe:
         try:
             with torch.device("meta"):
                 model = self.spec.build_model()
-            blocks = self.spec.blocks(model)
+                blocks = self.spec.blocks(model)
+                self.adapters.apply(model)
         except MemtrainError:
             raise
         except Exception as exc:
@@ -60,6 +66,12 @@ class ModelProbe:
                 f"{type(exc).__name__}: {_first_line(exc)}"
             ) from exc
         self.shape = model_shape(model, blocks)
+        head = _output_head(model)
+        self.linear_weights = frozenset(
+            f"{name}.weight"
+            for name, module in model.named_modules()
+            if type(module) is nn.Linear and name != head and not self.adapters.owns(f"{name}.weight")
+        )
         self.dim0 = {name: p.shape[0] if p.dim() else 1 for name, p in model.named_parameters()}
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         self.hidden_size = _hidden_size(blocks)
@@ -108,6 +120,8 @@ class ModelProbe:
                         mode,
                         count,
                         weights_dtype,
+                        self.adapters,
+                        self.quantization,
                     )
                     for count in rows
                 )
@@ -123,6 +137,12 @@ class ModelProbe:
 
     def _batch(self, rows: int) -> Batch:
         return self.spec.micro_batch(rows)
+
+
+def _output_head(model: nn.Module) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((name for name, module in model.named_modules() if module is head), None)
 
 
 def _hidden_size(blocks: list[nn.Module]) -> int:

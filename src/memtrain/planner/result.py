@@ -59,6 +59,7 @@ class PlanResult:
     ranked: tuple[Scored, ...] = ()  # plans that fit, fastest first (the chosen one first)
     infeasible: tuple[Scored, ...] = ()  # plans that do not fit, fastest first
     excluded: tuple[tuple[str, str], ...] = ()  # (option, why it cannot run here)
+    full_fine_tuning: tuple[int, int, int] | None = None  # the chosen plan's stored states without adapters
 
     @property
     def predicted(self) -> Footprint | None:

@@ -9,11 +9,13 @@ picks the same plan.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from memtrain.errors import PlanError, Unsupported
+from memtrain.memory.footprint import ModelShape
 from memtrain.memory.headroom import Target
 from memtrain.plan import Plan, per_rank_batch
 from memtrain.planner.activations import FittedTrace, SegmentKey
@@ -69,13 +71,15 @@ def search(
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
         raise PlanError(explain_failure(recipe, target.budget, infeasible, tuple(excluded)))
+    chosen = ranked[0]
     return PlanResult(
-        plan=ranked[0].plan,
+        plan=chosen.plan,
         budget=target.budget,
-        chosen=ranked[0],
+        chosen=chosen,
         ranked=ranked,
         infeasible=infeasible,
         excluded=tuple(excluded),
+        full_fine_tuning=evaluation.full_fine_tuning(chosen.plan),
     )
 
 
@@ -135,8 +139,35 @@ class _Evaluation:
         )
         return Scored(plan, predict(levels, walk), step, levels)
 
+    def full_fine_tuning(self, plan: Plan) -> tuple[int, int, int] | None:
+        """What `plan` would keep between steps training every parameter of an unquantised base (what the
+        adapters save), or None for a plan without adapters."""
+        if plan.adapters.name == "none" and plan.quantization.name == "none":
+            return None
+        shape = self.probe.shape
+        full = ModelShape(
+            tuple(
+                replace(p, trainable=not plan.adapters.owns(p.name))
+                for p in shape.params
+                if not plan.adapters.owns(p.name)
+            ),
+            shape.num_blocks,
+        )
+        levels = state_levels(
+            full,
+            precision=plan.precision,
+            optimizer_states=plan.optimizer_states,
+            backend=plan.sharding.build(plan.precision, plan.micro_batch_size, plan.accumulation_steps),
+            replicated=plan.sharding.replicated,
+            world_size=self.target.world_size,
+            dim0=self.probe.dim0,
+            fixed_bytes=0,
+            foreach=False,
+        )
+        return levels.stored
+
     def _levels(self, plan: Plan, micro_steps: int) -> StateLevels:
-        key = (plan.precision, plan.optimizer_states, plan.sharding, micro_steps > 1)
+        key = (plan.precision, plan.optimizer_states, plan.sharding, micro_steps > 1, plan.quantization)
         if key not in self.states:  # the sharding arithmetic visits every rank: once per key
             backend = plan.sharding.build(plan.precision, plan.micro_batch_size, micro_steps)
             self.states[key] = state_levels(
@@ -149,6 +180,8 @@ class _Evaluation:
                 dim0=self.probe.dim0,
                 fixed_bytes=self.fixed,
                 foreach=self.target.device_type == "cuda",
+                quantization=plan.quantization,
+                linear_weights=self.probe.linear_weights,
             )
         return self.states[key]
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.planner.memory_model import StateLevels, optimizer_extra
 from memtrain.strategies.optimizer import OptimizerStates
 from memtrain.strategies.precision import Precision
+from memtrain.strategies.quantization import Quantization
 from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.strategies.sharding.state_bytes import OptimizerCost
 
@@ -34,6 +37,30 @@ def optimizer_cost(shape: ModelShape, optimizer_states: OptimizerStates) -> Opti
     )
 
 
+def quantised_levels(
+    fp: Footprint,
+    shape: ModelShape,
+    quantization: Quantization,
+    precision: Precision,
+    linear_weights: frozenset[str],
+    dim0: Mapping[str, int],
+) -> Footprint:
+    """The weights with the base linears stored by `quantization` (the transient dequantised copies are in
+    the trace: `Quantization.stand_in`)."""
+    if quantization.name == "none":
+        return fp
+    stored = torch.empty((), dtype=precision.stored_dtype).element_size()
+    compute = torch.empty((), dtype=precision.autocast_dtype or precision.stored_dtype).element_size()
+    return quantization.estimate(
+        shape,
+        fp,
+        lambda p: p.name in linear_weights,
+        param_bytes=stored,
+        compute_bytes=compute,
+        rows=lambda p: dim0.get(p.name, 1),
+    )
+
+
 def state_levels(
     shape: ModelShape,
     *,
@@ -45,6 +72,8 @@ def state_levels(
     dim0: Mapping[str, int],
     fixed_bytes: int,
     foreach: bool,
+    quantization: Quantization | None = None,
+    linear_weights: frozenset[str] = frozenset(),
 ) -> StateLevels:
     """Levels for `StateLevels`; `fixed_bytes`: buffers and the step's data; `foreach`: the optimizer runs
     torch's multi-tensor AdamW (CUDA's default); `replicated`: every rank holds every state."""
@@ -52,6 +81,7 @@ def state_levels(
     extra = optimizer_extra(shape, optimizer_states, foreach, master)
     if replicated:
         fp = optimizer_states.estimate(shape, precision.estimate(shape, Footprint()))
+        fp = quantised_levels(fp, shape, quantization or Quantization(), precision, linear_weights, dim0)
         backward_gradients = shape.trainable_numel * (2 if master else 4)
         return StateLevels(
             weights=fp.weights,

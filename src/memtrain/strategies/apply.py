@@ -1,6 +1,7 @@
 """`apply_strategies`: the one place a plan's strategies are applied to a model, in one fixed order.
 
-The order (as torchtitan's parallelize does it): precision module swaps (fp8's float8 linears) ->
+The order (as torchtitan's parallelize does it): adapters (LoRA layers added, the base frozen) ->
+precision module swaps (fp8's float8 linears) ->
 activation checkpointing (wraps the blocks' forwards) -> the precision's stored dtype -> [device ->
 sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
 plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
@@ -21,8 +22,11 @@ import torch
 from torch import nn
 
 from memtrain.distributed import DistEnv
+from memtrain.errors import Unsupported
+from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
+from memtrain.strategies.quantization import Quantization
 from memtrain.strategies.sharding.base import ShardingBackend
 
 OptimizerBuilder = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -49,6 +53,8 @@ def apply_strategies(
     build_optimizer: OptimizerBuilder | None = None,
     weights_dtype: torch.dtype | None = None,
     load_weights: LoadWeights | None = None,
+    adapters: Adapters | None = None,
+    quantization: Quantization | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
@@ -59,6 +65,26 @@ def apply_strategies(
     the device and filled by `load_weights` where its plan keeps the weights: before a replicating
     backend wraps it, or, for a backend that shards meta models (FSDP2), after sharding, so that each
     rank reads only its shards."""
+    adapters = adapters or Adapters()
+    quantization = quantization or Quantization()
+    if quantization.name != "none":  # after the weights are loaded (it reads them), before the adapters
+        compute = precision.autocast_dtype or precision.stored_dtype
+        head = _output_head(model)
+        if env is None:  # the planner's fake tensors: bitsandbytes' layers cannot hold them
+            quantization.stand_in(model, lambda name: head is not None and name == head, compute)
+        elif any(p.is_meta for p in model.parameters()):
+            if sharding is not None and sharding.shards_meta_models:
+                raise Unsupported(
+                    f"model.quantization: {quantization.name} base weights cannot be sharded by "
+                    f"{sharding.name} on FSDP2; use strategies.sharding=ddp or none"
+                )
+            materialise_parameters(model, env.device)
+            if load_weights is not None:
+                load_weights(model)
+        if env is not None:
+            quantization.apply(model.to(env.device), lambda name: head is not None and name == head, compute)
+            setattr(model, f"is_loaded_in_{quantization.bits}bit", True)  # peft's quantised LoRA layers
+    adapters.apply(model)
     precision.swap_modules(model, blocks)
     checkpointing.apply(model, blocks)
     dtype = weights_dtype or precision.stored_dtype
@@ -73,6 +99,7 @@ def apply_strategies(
         materialise_parameters(target, device)
         if load_weights is not None:
             load_weights(target)
+        adapters.initialise(target)
 
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and not sharding.shards_meta_models:
@@ -123,3 +150,10 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
         for tensor in (*model.parameters(), *model.buffers()):
             if tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor.data = tensor.data.to(dtype)
+
+
+def _output_head(model: nn.Module) -> str | None:
+    """The name of the output layer (kept unquantised, as transformers and peft keep it)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((name for name, module in model.named_modules() if module is head), None)

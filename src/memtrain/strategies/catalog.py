@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from memtrain.strategies.adapters import ADAPTERS
 from memtrain.strategies.checkpointing import CHECKPOINTING
 from memtrain.strategies.micro_batching import MICRO_BATCHING
 from memtrain.strategies.optimizer import OPTIMIZER_STATES
 from memtrain.strategies.precision import PRECISION
+from memtrain.strategies.quantization import QUANTIZATION
 from memtrain.strategies.registry import Registry
 from memtrain.strategies.sharding import SHARDING
 
 REGISTRIES: dict[str, Registry[Any]] = {
+    "quantization": QUANTIZATION,
+    "adapters": ADAPTERS,
     "precision": PRECISION,
     "checkpointing": CHECKPOINTING,
     "optimizer_states": OPTIMIZER_STATES,
@@ -24,5 +28,6 @@ REGISTRIES: dict[str, Registry[Any]] = {
     "micro_batching": MICRO_BATCHING,
 }
 
-# Kinds a recipe chooses by name under `strategies:` (micro-batching comes from `batch:`).
+# Kinds a recipe chooses by name under `strategies:` (micro-batching comes from `batch:`, adapters from
+# `adapters:`: they change the model, so the planner never chooses them).
 RECIPE_KINDS = ("precision", "checkpointing", "optimizer_states", "sharding")

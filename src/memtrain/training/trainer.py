@@ -259,6 +259,8 @@ class Trainer:
             env=self.env,
             build_optimizer=self.build_optimizer,
             load_weights=self.load_weights,
+            adapters=plan.adapters,
+            quantization=plan.quantization,
         )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         memory = self.recipe.memory

@@ -1,0 +1,118 @@
+"""Adapters: train small added weights on a frozen base model (LoRA), the memory strategy of fine-tuning.
+
+A frozen base has no gradients and no optimizer states: only the adapters' parameters get them, which is
+what the planner's arithmetic counts (every estimate reads `ParamInfo.trainable`). Adapters change the
+model, so the planner never turns them on by itself: the recipe's `adapters:` section chooses them, and
+the planner plans within them.
+
+`lora` injects peft's LoRA layers into the chosen linear layers in place (`peft.inject_adapter_in_model`:
+no wrapper model, so the trainer's blocks, hooks and loss see the same module tree), then freezes every
+parameter that is not an adapter's. On a model whose parameters are still on the meta device (pretrained
+weights not read yet), the adapters are created there too and initialised by `initialise` once the
+parameters are materialised; `owns(name)` tells the weight loader which parameters a checkpoint of the
+base model does not have.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from memtrain.errors import Unsupported
+from memtrain.strategies.registry import DeviceFacts, Registry, Strategy, option
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class Adapters(Strategy):
+    """`none`: every parameter trains as the model defines it."""
+
+    kind: ClassVar[str] = "adapters"
+    name: ClassVar[str] = "none"
+
+    def apply(self, model: nn.Module) -> None:
+        """Add the adapters to `model` in place and freeze what they leave frozen."""
+
+    def owns(self, parameter_name: str) -> bool:
+        """Whether a parameter is one of the adapters' (absent from the base model's checkpoint)."""
+        return False
+
+    def initialise(self, model: nn.Module) -> None:
+        """Initialise the adapters' parameters after a meta-device model was materialised."""
+
+
+ADAPTERS: Registry[Adapters] = Registry("adapters", Adapters)
+ADAPTERS.register(Adapters)
+
+
+@ADAPTERS.register
+@dataclass(frozen=True)
+class LoRA(Adapters):
+    """Low-rank adapters (peft): W x + (alpha / r) B A x, with A (r x in) and B (out x r) trained."""
+
+    name: ClassVar[str] = "lora"
+    r: int = option(16, recipe_key="r")
+    alpha: int = option(32, recipe_key="alpha")
+    dropout: float = option(0.0, recipe_key="dropout")
+    target_modules: tuple[str, ...] | str = option(ALL_LINEAR, recipe_key="target_modules")
+
+    def check(self, facts: DeviceFacts) -> None:
+        if importlib.util.find_spec("peft") is None:
+            raise Unsupported("adapters.kind: lora needs peft; pip install 'memtrain[lora]'")
+
+    def apply(self, model: nn.Module) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = self.target_modules
+        config = LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(targets) if isinstance(targets, tuple) else targets,
+            exclude_modules=_output_layers(model),
+        )
+        try:  # created on the meta device, then placed by `initialise`: peft's `.to` cannot move fake tensors
+            with torch.device("meta"):
+                inject_adapter_in_model(config, model)
+        except ValueError as exc:  # peft: "Target modules ... not found in the base model"
+            raise Unsupported(f"adapters.target_modules: {exc}") from None
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(self.owns(name))
+        if not any(p.is_meta for name, p in model.named_parameters() if not self.owns(name)):
+            self.initialise(model)
+
+    def owns(self, parameter_name: str) -> bool:
+        return ".lora_" in parameter_name
+
+    def initialise(self, model: nn.Module) -> None:
+        """Storage next to each adapted layer's weight (its device and dtype), then peft's LoRA init (A
+        random, B zero: the adapted model starts as the base model)."""
+        for module in model.modules():
+            reset = getattr(module, "reset_lora_parameters", None)
+            adapters: Any = getattr(module, "lora_A", None)
+            base: Any = getattr(module, "base_layer", None)
+            if not (callable(reset) and isinstance(adapters, nn.ModuleDict) and base is not None):
+                continue
+            weight = base.weight
+            lora_b: Any = getattr(module, "lora_B", None)
+            for layer in (*adapters.values(), *lora_b.values()):
+                for key, parameter in list(layer._parameters.items()):
+                    if parameter is not None and (parameter.is_meta or parameter.device != weight.device):
+                        dtype = weight.dtype if weight.is_floating_point() else torch.float32  # 4/8-bit base
+                        empty = torch.empty(parameter.shape, dtype=dtype, device=weight.device)
+                        layer._parameters[key] = nn.Parameter(empty, requires_grad=parameter.requires_grad)
+            for adapter in list(adapters.keys()):
+                reset(adapter, True)
+
+
+def _output_layers(model: nn.Module) -> list[str]:
+    """The output head stays as it is (LoRA targets the blocks' and embeddings' linears, as peft's
+    `all-linear` does for a transformers model)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return [name for name, module in model.named_modules() if head is not None and module is head]

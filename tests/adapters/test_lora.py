@@ -1,0 +1,178 @@
+"""LoRA through peft, planned: only the adapters train and only they have gradients and optimizer states,
+the planner predicts the tracker's peak, and resume and 2-rank DDP stay exact."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.errors import RecipeError
+from memtrain.training.metrics import read_metrics
+
+from helpers import REPO, subprocess_env, tiny_recipe, tiny_recipe_dict
+
+MODEL = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+LORA = {"kind": "lora", "r": 4, "alpha": 8}
+PLANS = {"fp32": {}, "bf16-mixed": {"precision": "bf16-mixed"}, "full": {"checkpointing": "full"}}
+
+
+def _recipe(tmp_path: Path, **sections: dict[str, Any]):  # type: ignore[no-untyped-def]
+    base: dict[str, dict[str, Any]] = {
+        "model": {"config": MODEL},
+        "adapters": LORA,
+        "memory": {"track": True},
+        "train": {"steps": 3},
+        "data": {"seq_len": 32, "eval_fraction": 0.0, "synthetic": {"num_samples": 16, "min_len": 0}},
+        "batch": {"global_size": 8, "micro_size": 4},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return tiny_recipe(tmp_path, **base)
+
+
+def _adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if ".lora_" in n}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_predicted_peak_and_states_are_the_adapters(tmp_path: Path, plan: str) -> None:
+    trainer = CausalLMTrainer(_recipe(tmp_path, strategies={"optimizer_states": "fp32", **PLANS[plan]}))
+    spec_result = _open_micro_prediction(tmp_path, plan)
+    trainer.setup()
+    assert trainer.model is not None and trainer.optimizer is not None
+    adapters = _adapter_params(trainer.model)
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable == set(adapters) and adapters, "only the adapters train"
+    stepped = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert stepped == {id(p) for p in adapters.values()}, "only the adapters are in the optimizer"
+    trainer.fit()
+    measured = trainer.memory_reports[-1]
+    predicted = spec_result.prediction
+    assert abs(predicted.peak - measured.peak_bytes) / measured.peak_bytes < 0.02, (predicted.peak, measured)
+    numel = sum(p.numel() for p in adapters.values())
+    weights, gradients, states = spec_result.states.stored
+    assert gradients == 4 * numel, "gradients of the adapters only"
+    assert states == 8 * numel + 4 * len(adapters), "AdamW moments and steps of the adapters only"
+    assert weights == 4 * sum(p.numel() for p in trainer.model.parameters())
+    assert measured.at_peak["optimizer_states"] == states
+
+
+def _open_micro_prediction(tmp_path: Path, plan: str) -> Any:
+    """The planner's prediction of the pinned plan, as a search over every micro-batch size makes it."""
+    from memtrain.memory.headroom import Target, budget_from
+    from memtrain.plan import adapters_of
+    from memtrain.planner.model_probe import ModelProbe
+    from memtrain.planner.search import search
+
+    recipe = _recipe(
+        tmp_path / "plan",
+        strategies={"optimizer_states": "fp32", **PLANS[plan]},
+        batch={"micro_size": "auto"},
+    )
+    probe = ModelProbe(CausalLMTrainer(recipe).model_spec(), adapters=adapters_of(recipe))
+    huge = 2**50
+    result = search(
+        recipe,
+        probe,
+        Target("cpu", 1, budget_from(huge, huge, 0, 0.0, "test"), True, False),
+        torch.device("cpu"),
+    )
+    (match,) = [s for s in result.ranked if s.plan.micro_batch_size == 4]
+    return match
+
+
+def test_lora_saves_states_next_to_full_fine_tuning(tmp_path: Path) -> None:
+    auto = {"micro_size": "auto"}
+    full = CausalLMTrainer(_recipe(tmp_path / "full", adapters={"kind": "none"}, batch=auto))
+    lora = CausalLMTrainer(_recipe(tmp_path / "lora", batch=auto))
+    states = [t.choose_plan().chosen.states.stored for t in (full, lora)]  # type: ignore[union-attr]
+    assert states[1][0] > states[0][0], "the adapters add weights"
+    assert states[1][1] < states[0][1] / 10 and states[1][2] < states[0][2] / 10, (
+        "and save gradients and states"
+    )
+
+
+def test_resume_is_bit_exact(tmp_path: Path) -> None:
+    """A run resumed from its step-2 checkpoint ends with the same adapters and losses as the run that went
+    through (the base stays frozen, the adapters and their optimizer states come back from the checkpoint)."""
+    import shutil
+
+    sections = {
+        "train": {"steps": 4, "lr": 1e-2},
+        "checkpoint": {"every": 2, "keep": 3, "at_end": True},
+        "memory": {"track": False},
+    }
+    whole = CausalLMTrainer(_recipe(tmp_path / "whole", **sections))
+    whole.fit()
+    shutil.copytree(tmp_path / "whole", tmp_path / "split")
+    shutil.rmtree(tmp_path / "split/run/checkpoints/step_00000004")
+    resumed = CausalLMTrainer(_recipe(tmp_path / "split", **sections))
+    resumed.fit(resume=True)
+    assert whole.model is not None and resumed.model is not None
+    for (name, a), b in zip(
+        whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    losses = [r["loss"] for r in read_metrics(tmp_path / "split/run/metrics.jsonl")]
+    assert losses == [r["loss"] for r in read_metrics(tmp_path / "whole/run/metrics.jsonl")]
+
+
+def test_unknown_adapter_kind_and_target(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="adapters.kind: 'lroa' is not one of none, lora"):
+        _recipe(tmp_path, adapters={"kind": "lroa"})
+    trainer = CausalLMTrainer(_recipe(tmp_path, adapters={"target_modules": ["no_such_proj"]}))
+    with pytest.raises(Exception, match="adapters.target_modules"):
+        trainer.setup()
+
+
+@pytest.mark.distributed
+def test_two_rank_ddp_matches_one_process(tmp_path: Path) -> None:
+    runs = {}
+    for name, ranks, sharding in (("one", 1, "none"), ("ddp", 2, "ddp")):
+        raw = tiny_recipe_dict(
+            tmp_path / name,
+            model={"config": MODEL},
+            adapters=LORA,
+            train={"steps": 3, "lr": 1e-2},
+            strategies={"sharding": sharding},
+            batch={"global_size": 8, "micro_size": 2},
+            checkpoint={"at_end": True},
+        )
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        launch = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+            if ranks > 1
+            else [sys.executable]
+        )
+        done = subprocess.run(
+            [*launch, "-m", "memtrain", "train", str(path), "--no-progress"],
+            cwd=REPO,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = tmp_path / name / "run"
+    losses = [[r["loss"] for r in read_metrics(runs[n] / "metrics.jsonl")] for n in runs]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    states = [torch.load(runs[n] / "checkpoints/step_00000003/model.pt", weights_only=True) for n in runs]
+    for key in states[0]:
+        torch.testing.assert_close(states[1][key], states[0][key], rtol=1e-4, atol=1e-6)
