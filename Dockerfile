@@ -1,4 +1,4 @@
-# memtrain on a CUDA PyTorch base, with the DeepSpeed, FP8 (torchao) and bitsandbytes extras.
+# memtrain on a CUDA PyTorch base, with the DeepSpeed, FP8 (torchao), bitsandbytes, LoRA (peft) and TensorBoard extras.
 # Not built in development (no Docker engine there); build with:  docker build -t memtrain .
 FROM pytorch/pytorch:2.6.0-cuda12.4-cudnn9-devel
 
@@ -13,6 +13,6 @@ COPY configs ./configs
 COPY data ./data
 COPY scripts ./scripts
 # The base image's torch satisfies memtrain's range, so pip keeps it; deepspeed builds against it.
-RUN pip install --no-build-isolation ".[deepspeed,fp8,bnb]"
+RUN pip install --no-build-isolation ".[deepspeed,fp8,bnb,lora,tensorboard]"
 ENTRYPOINT ["memtrain"]
 CMD ["--help"]

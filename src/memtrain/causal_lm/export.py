@@ -107,7 +107,7 @@ def export_hf(
     config = model_config(recipe)
     found = pick_checkpoint(run_dir, step)
     _check_out(out, overwrite)
-    state = load_model_state(found.path)
+    state = dequantised(load_model_state(found.path))
     staging = out.with_name(out.name + ".tmp")
     if adapters_only:
         write: Any = _adapter_writer(config, state, found.path, adapters, recipe.model.pretrained)
@@ -294,6 +294,39 @@ def _model_with_state(
     _check_fit(path, config, missing, list(result.unexpected_keys))
     model.eval()
     return model
+
+
+QUANT_STATE_4BIT = (
+    ".weight.quant_state.bitsandbytes__"  # the key a bitsandbytes 4-bit weight's state ends with
+)
+
+
+def dequantised(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every bitsandbytes-quantised base weight (a QLoRA run's) as a plain fp32 weight, so the
+    adapters merge into a full-precision base and the export is an ordinary transformers model. 4-bit weights
+    come back through bitsandbytes' own `dequantize_4bit` and their serialised `QuantState`; int8 ones as
+    int8 x row scale / 127 (LLM.int8's `SCB`). A state without quantised weights is returned as it is."""
+    layers4 = {k.split(QUANT_STATE_4BIT)[0] for k in state if QUANT_STATE_4BIT in k}
+    layers8 = {
+        k[: -len(".SCB")]
+        for k in state
+        if k.endswith(".SCB") and state[k[: -len("SCB")] + "weight"].dtype == torch.int8
+    }
+    if not layers4 and not layers8:
+        return state
+    import bitsandbytes.functional as bnbf
+
+    out = dict(state)
+    for layer in layers4:
+        prefix = layer + ".weight."
+        parts = {k[len(prefix) :]: out.pop(k) for k in list(out) if k.startswith(prefix)}
+        quant_state = bnbf.QuantState.from_dict(parts, device=torch.device("cpu"))
+        out[layer + ".weight"] = bnbf.dequantize_4bit(out[layer + ".weight"], quant_state).float()
+    for layer in layers8:
+        scale = out.pop(layer + ".SCB").float()
+        out.pop(layer + ".weight_format", None)
+        out[layer + ".weight"] = out[layer + ".weight"].float() * scale[:, None] / 127.0
+    return out
 
 
 def _check_fit(path: Path, config: Any, missing: list[str], unexpected: list[str]) -> None:

@@ -159,10 +159,33 @@ class ShardingBackend:
             return
         state = ckpt.load_tensor_file(path / "model.pt")
         try:
-            self.unwrap(model).load_state_dict(state)
+            load_model_state(self.unwrap(model), state)
         except RuntimeError as exc:
             raise ckpt.CheckpointError(f"{path / 'model.pt'}: does not fit this model ({exc})") from None
         optimizer.load_state_dict(ckpt.load_tensor_file(path / "optimizer.pt"))
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """`model.load_state_dict(state)`, except for bitsandbytes-quantised frozen base weights (a QLoRA run's):
+    bitsandbytes writes them with their quantisation state but cannot load them back into its layers. They
+    never train, and setup rebuilt them from the same weights with the same quantisation, so they are
+    already what the checkpoint holds; every other tensor must load, as usual."""
+    quantised = {
+        name for name, p in model.named_parameters() if not p.requires_grad and not p.is_floating_point()
+    }
+    skipped = {k for k in state if k in quantised or any(k.startswith(q + ".") for q in quantised)}
+    skipped |= {
+        k
+        for k in state
+        if k.endswith((".SCB", ".weight_format")) and k.rsplit(".", 1)[0] + ".weight" in quantised
+    }
+    if not skipped:
+        model.load_state_dict(state)
+        return
+    result = model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
+    missing = [k for k in result.missing_keys if k not in quantised and k not in skipped]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
 
 
 @dataclass(frozen=True)
