@@ -28,6 +28,22 @@ StrategyChoice = str | list[str]
 """`auto`, one registered name, or a list of allowed names (checked against the kind's registry)."""
 
 
+def _registered_name(kind: str, value: str) -> str:
+    """`value` when the `kind` registry has it, else the error naming the registered names."""
+    registry = REGISTRIES[kind]
+    if value not in registry:
+        raise PydanticCustomError(
+            "strategy_name",
+            "'{word}' is not one of {listed}{hint}",
+            {
+                "word": value,
+                "listed": ", ".join(registry.names()),
+                "hint": did_you_mean(value, registry.names()),
+            },
+        )
+    return value
+
+
 class _Section(BaseModel):
     # inf/nan are never meaningful in a recipe (YAML reads .inf and .nan as floats): reject them.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -62,18 +78,7 @@ class ModelConfig(_Section):
     @field_validator("quantization")
     @classmethod
     def _registered(cls, value: str) -> str:
-        registry = REGISTRIES["quantization"]
-        if value not in registry:
-            raise PydanticCustomError(
-                "strategy_name",
-                "'{word}' is not one of {listed}{hint}",
-                {
-                    "word": value,
-                    "listed": ", ".join(registry.names()),
-                    "hint": did_you_mean(value, registry.names()),
-                },
-            )
-        return value
+        return _registered_name("quantization", value)
 
 
 class SyntheticData(_Section):
@@ -271,15 +276,7 @@ class AdaptersConfig(_Section):
     @field_validator("kind")
     @classmethod
     def _registered(cls, value: str) -> str:
-        registry = REGISTRIES["adapters"]
-        if value not in registry:
-            listed = ", ".join(registry.names())
-            raise PydanticCustomError(
-                "strategy_name",
-                "'{word}' is not one of {listed}{hint}",
-                {"word": value, "listed": listed, "hint": did_you_mean(value, registry.names())},
-            )
-        return value
+        return _registered_name("adapters", value)
 
 
 class PlannerConfig(_Section):

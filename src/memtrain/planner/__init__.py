@@ -98,12 +98,7 @@ def plan_for_run(
         try:
             outcome = search(
                 recipe,
-                ModelProbe(
-                    spec,
-                    progress=progress,
-                    adapters=adapters_of(recipe),
-                    quantization=quantization_of(recipe),
-                ),
+                _probe(recipe, spec, progress),
                 target,
                 env.device,
             )
@@ -131,9 +126,7 @@ def plan_here(
     target = replace(measured_target(here, budget, recipe.planner.safety_fraction), world_size=world_size)
     return search(
         recipe,
-        ModelProbe(
-            spec, progress=progress, adapters=adapters_of(recipe), quantization=quantization_of(recipe)
-        ),
+        _probe(recipe, spec, progress),
         target,
         device,
     )
@@ -152,9 +145,7 @@ def plan_what_if(
     target = what_if_target(world_size, gpu, memory_bytes, recipe.planner.safety_fraction)
     return search(
         recipe,
-        ModelProbe(
-            spec, progress=progress, adapters=adapters_of(recipe), quantization=quantization_of(recipe)
-        ),
+        _probe(recipe, spec, progress),
         target,
         torch.device("cuda", 0),
     )
@@ -174,6 +165,13 @@ def calibration(result: PlanResult, measured: StepMemory) -> dict[str, Any]:
         "predicted_where": result.chosen.prediction.where if result.chosen is not None else None,
         "measured_where": f"{measured.peak_phase} {measured.peak_module}".strip(),
     }
+
+
+def _probe(recipe: Recipe, spec: ModelSpec, progress: Progress) -> ModelProbe:
+    """The trainer's model as the planner sees it, with the recipe's adapters and base quantisation."""
+    return ModelProbe(
+        spec, progress=progress, adapters=adapters_of(recipe), quantization=quantization_of(recipe)
+    )
 
 
 def _check_agreement(result: PlanResult, recipe: Recipe, env: DistEnv) -> None:

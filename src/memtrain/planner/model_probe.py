@@ -27,7 +27,7 @@ from memtrain.memory.footprint import ModelShape
 from memtrain.planner.activations import FittedTrace, clone_depth, fit, trace_step
 from memtrain.planner.spec import Batch, ModelSpec
 from memtrain.strategies.adapters import Adapters
-from memtrain.strategies.blocks import model_shape
+from memtrain.strategies.blocks import model_shape, output_head
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
@@ -66,7 +66,7 @@ class ModelProbe:
                 f"{type(exc).__name__}: {_first_line(exc)}"
             ) from exc
         self.shape = model_shape(model, blocks)
-        head = _output_head(model)
+        head = output_head(model)
         self.linear_weights = frozenset(
             f"{name}.weight"
             for name, module in model.named_modules()
@@ -137,12 +137,6 @@ class ModelProbe:
 
     def _batch(self, rows: int) -> Batch:
         return self.spec.micro_batch(rows)
-
-
-def _output_head(model: nn.Module) -> str | None:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return next((name for name, module in model.named_modules() if module is head), None)
 
 
 def _hidden_size(blocks: list[nn.Module]) -> int:

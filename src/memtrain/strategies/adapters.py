@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import Unsupported
+from memtrain.strategies.blocks import output_head
 from memtrain.strategies.registry import DeviceFacts, Registry, Strategy, option
 
 ALL_LINEAR = "all-linear"
@@ -74,7 +75,7 @@ class LoRA(Adapters):
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
             target_modules=list(targets) if isinstance(targets, tuple) else targets,
-            exclude_modules=_output_layers(model),
+            exclude_modules=[head] if (head := output_head(model)) else [],
         )
         try:  # created on the meta device, then placed by `initialise`: peft's `.to` cannot move fake tensors
             with torch.device("meta"):
@@ -108,11 +109,3 @@ class LoRA(Adapters):
                         layer._parameters[key] = nn.Parameter(empty, requires_grad=parameter.requires_grad)
             for adapter in list(adapters.keys()):
                 reset(adapter, True)
-
-
-def _output_layers(model: nn.Module) -> list[str]:
-    """The output head stays as it is (LoRA targets the blocks' and embeddings' linears, as peft's
-    `all-linear` does for a transformers model)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return [name for name, module in model.named_modules() if head is not None and module is head]

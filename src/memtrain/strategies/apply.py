@@ -24,6 +24,7 @@ from torch import nn
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.strategies.adapters import Adapters
+from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
@@ -69,7 +70,7 @@ def apply_strategies(
     quantization = quantization or Quantization()
     if quantization.name != "none":  # after the weights are loaded (it reads them), before the adapters
         compute = precision.autocast_dtype or precision.stored_dtype
-        head = _output_head(model)
+        head = output_head(model)
         if env is None:  # the planner's fake tensors: bitsandbytes' layers cannot hold them
             quantization.stand_in(model, lambda name: head is not None and name == head, compute)
         elif any(p.is_meta for p in model.parameters()):
@@ -150,10 +151,3 @@ def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
         for tensor in (*model.parameters(), *model.buffers()):
             if tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor.data = tensor.data.to(dtype)
-
-
-def _output_head(model: nn.Module) -> str | None:
-    """The name of the output layer (kept unquantised, as transformers and peft keep it)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return next((name for name, module in model.named_modules() if module is head), None)

@@ -38,3 +38,11 @@ def model_shape(model: nn.Module, blocks: list[nn.Module]) -> ModelShape:
         ParamInfo(name, p.numel(), owner.get(id(p)), p.requires_grad) for name, p in model.named_parameters()
     )
     return ModelShape(params=params, num_blocks=len(blocks))
+
+
+def output_head(model: nn.Module) -> str | None:
+    """The name of the output layer (a transformers model's `get_output_embeddings()`), which adapters and
+    base quantisation leave as it is, as transformers and peft do; None for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((name for name, module in model.named_modules() if head is not None and module is head), None)
