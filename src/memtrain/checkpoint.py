@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memtrain import json_out
 from memtrain.errors import MemtrainError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -153,7 +154,9 @@ def begin_save(root: Path, step: int) -> Path:
 def commit_save(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     """Write meta.json last, rename the staging directory into place, then prune old checkpoints."""
     staging = staging_dir(root, step)
-    write_file(staging / "meta.json", lambda h: h.write(json.dumps(meta, indent=2, sort_keys=True).encode()))
+    write_file(
+        staging / "meta.json", lambda h: h.write(json_out.dumps(meta, indent=2, sort_keys=True).encode())
+    )
     _fsync_dir(staging)
     final = root / step_dir_name(step)
     if final.exists():

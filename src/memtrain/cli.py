@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from memtrain import json_out
 from memtrain.errors import MemtrainError, TrainingStopped
 
 EXIT_USAGE = 2  # a mistake in the input: the message names what to change
@@ -235,7 +236,7 @@ def _profile(args: argparse.Namespace) -> int:
         args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out, args.trainer
     )
     if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(report, indent=2) if args.json else describe(report, out_dir))
+        print(json_out.dumps(report, indent=2) if args.json else describe(report, out_dir))
     return 0
 
 

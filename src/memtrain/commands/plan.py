@@ -9,10 +9,9 @@ Without a what-if flag it plans for this machine (its CUDA device, or on CPU the
 
 from __future__ import annotations
 
-import json
-
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from memtrain import json_out
 from memtrain.commands.trainers import trainer_class
 from memtrain.errors import PlanError
 from memtrain.memory.headroom import load_gpu
@@ -41,7 +40,11 @@ def run(
         )
     else:
         result = plan_here(recipe, spec, ranks)
-    print(json.dumps(to_json(result), indent=2) if as_json else describe(result, _title(recipe_path, result)))
+    print(
+        json_out.dumps(to_json(result), indent=2)
+        if as_json
+        else describe(result, _title(recipe_path, result))
+    )
     return 0
 
 

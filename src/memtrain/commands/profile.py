@@ -8,10 +8,10 @@ https://pytorch.org/memory_viz), and a table of the components at the peak on st
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from memtrain import json_out
 from memtrain.commands.trainers import trainer_class
 from memtrain.memory import cuda_stats
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
@@ -56,7 +56,7 @@ def run_profile(
         }
     if trainer.env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "memory.json").write_text(json.dumps(report, indent=2))
+        (out_dir / "memory.json").write_text(json_out.dumps(report, indent=2))
         write_timeline_png(trainer.tracker, out_dir / "timeline.png", trainer.memory_reports)
         write_timeline_html(trainer.tracker, out_dir / "timeline.html", trainer.memory_reports)
     return report, out_dir

@@ -14,6 +14,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from memtrain import json_out
+
 
 class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None) -> None:
@@ -39,7 +41,7 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def write(self, row: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(row) + "\n")
+        self._handle.write(json_out.dumps(row) + "\n")
         self._handle.flush()
 
     def close(self) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import random
 import time
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 from memtrain import checkpoint as ckpt
+from memtrain import json_out
 from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
 from memtrain.errors import MemtrainError, PlanError, TrainingStopped
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
@@ -762,7 +762,7 @@ class Trainer:
     @staticmethod
     def _write_json(path: Path, data: dict[str, Any]) -> None:
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        tmp.write_text(json_out.dumps(data, indent=2, sort_keys=True))
         tmp.replace(path)
 
     def _summary(self, result: FitResult, start: int, tokens: int, seconds: float) -> dict[str, Any]:
