@@ -70,3 +70,8 @@ def probe_of(recipe: Recipe) -> Any:
     from memtrain.planner.model_probe import ModelProbe
 
     return ModelProbe(CausalLMTrainer(recipe).model_spec())
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL in this process (nothing in memtrain catches a BaseException that is not an
+    Exception), to stop a run at an exact point without a child process."""

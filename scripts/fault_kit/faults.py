@@ -54,7 +54,7 @@ from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.training.trainer import Batch, FitResult
 
 KINDS = ("kill", "oom", "nan", "inf", "inf_grad", "hang", "delay")
-PHASES = ("forward", "backward", "save", "prune")
+PHASES = ("forward", "backward", "save", "prune", "replace", "truncate")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,9 @@ class Fault:
               when the gradient reaches the first block, after the later blocks' gradients exist); or
               while checkpoint `step` is saved (`phase` save: after `fraction` of `file`'s bytes are on
               disk; `phase` prune: after the checkpoint is renamed into place, part of the way through
-              deleting an older one).
+              deleting an older one; `phase` replace: when `step` is saved again, after the old checkpoint
+              is renamed aside, before the new one is renamed in); or while a rollback truncates the run
+              (`phase` truncate: after checkpoint `step` is moved to abandoned/).
     oom       raise torch.OutOfMemoryError at the same points as a mid-step kill.
     nan, inf  multiply every micro-step's loss of `step` by NaN or inf.
     inf_grad  set one gradient element to inf after the backward of `step`.
@@ -295,7 +297,7 @@ class FaultTrainer(CausalLMTrainer):
         for fault in self.harness.faults:
             if (
                 fault.kind == "kill"
-                and fault.phase in ("save", "prune")
+                and fault.phase in ("save", "prune", "replace")
                 and fault.step == step
                 and fault.rank in (self.env.rank, -1)
                 and self.first_launch
@@ -325,6 +327,10 @@ class FaultTrainer(CausalLMTrainer):
 
             with mock.patch.object(ckpt, "write_file", torn_write):
                 yield
+        elif fault.phase == "replace":
+            trash = ckpt.trash_dir(self.checkpoint_root, fault.step)
+            with self._dying_after_move(fault, lambda target: target == trash):
+                yield
         else:  # prune: the new checkpoint is in place; die part of the way through deleting an old one
             real_rmtree = shutil.rmtree
             final = self.checkpoint_root / ckpt.step_dir_name(fault.step)
@@ -342,9 +348,35 @@ class FaultTrainer(CausalLMTrainer):
             with mock.patch.object(ckpt.shutil, "rmtree", rmtree_then_die):
                 yield
 
-    def fit(self, resume: str | Path | bool | None = None) -> FitResult:
+    @contextlib.contextmanager
+    def _dying_after_move(self, fault: Fault, fatal: Callable[[Path], bool]) -> Iterator[None]:
+        """Die right after a checkpoint directory is renamed to a target for which `fatal` is true."""
+        real_move = ckpt.move_dir
+
+        def move_then_die(source: Path, target: Path) -> None:
+            real_move(source, target)
+            if fatal(target):
+                self._fire(fault)
+
+        with mock.patch.object(ckpt, "move_dir", move_then_die):
+            yield
+
+    def _dying_in_truncation(self) -> contextlib.AbstractContextManager[None]:
+        """A `truncate` kill: die once the rollback has moved checkpoint `step` to abandoned/."""
+        kills = [f for f in self.harness.faults if f.kind == "kill" and f.phase == "truncate"]
+        if not kills or not self.first_launch:
+            return contextlib.nullcontext()
+        from memtrain.training.lineage import ABANDONED_DIR
+
+        name = ckpt.step_dir_name(kills[0].step)
+        return self._dying_after_move(
+            kills[0], lambda target: target.name == name and target.parent.parent.name == ABANDONED_DIR
+        )
+
+    def fit(self, resume: str | Path | bool | None = None, allow_recipe_change: bool = False) -> FitResult:
         try:
-            return super().fit(resume)
+            with self._dying_in_truncation():
+                return super().fit(resume, allow_recipe_change)
         finally:
             self.write_ledger()
 

@@ -3,24 +3,49 @@
 Public names: `Trainer` (subclass it), `CausalLMTrainer` (any transformers causal-LM config),
 `Recipe` / `load_recipe` (typed YAML recipes), `Plan` (the strategies a run trains with) and `make_plan`
 (the planner's choice for a trainer's `model_spec()` when the recipe leaves choices open).
+
+Each name is imported on first use (PEP 562): `import memtrain` itself loads neither torch nor
+transformers, so the command line starts its own imports inside its Ctrl-C handling (torch alone takes
+seconds) and `CausalLMTrainer` costs its second only when asked for.
 """
 
-from memtrain.errors import MemtrainError, PlanError, RecipeError, Unsupported
-from memtrain.plan import Plan
-from memtrain.planner import ModelSpec, make_plan
-from memtrain.recipe import Recipe, load_recipe
-from memtrain.training.trainer import FitResult, Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memtrain.causal_lm.trainer import CausalLMTrainer
+    from memtrain.errors import MemtrainError, PlanError, RecipeError, Unsupported
+    from memtrain.plan import Plan
+    from memtrain.planner import ModelSpec, make_plan
+    from memtrain.recipe import Recipe, load_recipe
+    from memtrain.training.trainer import FitResult, Trainer
 
 __version__ = "0.1.0"
 
+_HOMES = {
+    "CausalLMTrainer": "memtrain.causal_lm.trainer",
+    "FitResult": "memtrain.training.trainer",
+    "MemtrainError": "memtrain.errors",
+    "ModelSpec": "memtrain.planner",
+    "Plan": "memtrain.plan",
+    "PlanError": "memtrain.errors",
+    "Recipe": "memtrain.recipe",
+    "RecipeError": "memtrain.errors",
+    "Trainer": "memtrain.training.trainer",
+    "Unsupported": "memtrain.errors",
+    "load_recipe": "memtrain.recipe",
+    "make_plan": "memtrain.planner",
+}
+
 
 def __getattr__(name: str) -> object:
-    # CausalLMTrainer imports transformers (about a second); load it only when asked for.
-    if name == "CausalLMTrainer":
-        from memtrain.causal_lm.trainer import CausalLMTrainer
-
-        return CausalLMTrainer
-    raise AttributeError(name)
+    if name not in _HOMES:
+        raise AttributeError(f"module 'memtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # the next lookup finds it without this function
+    return value
 
 
 __all__ = [

@@ -2,7 +2,9 @@
 
 Launch several ranks with torchrun: `torchrun --nproc_per_node=2 -m memtrain train RECIPE`. Every
 user mistake (a `MemtrainError`) prints one message naming what to change and exits with code 2,
-without a traceback.
+without a traceback. Ctrl-C exits 130 without one: during training after a checkpoint of the step in
+flight (see `training.preemption`), before it at once. key=value overrides may come before or after
+the flags.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import memtrain
 from memtrain import json_out
 from memtrain.errors import MemtrainError, TrainingStopped
+from memtrain.training.preemption import EXIT_INTERRUPTED
 
 EXIT_USAGE = 2  # a mistake in the input: the message names what to change
 EXIT_STOPPED = 3  # the run stopped itself after a checkpoint (e.g. too many non-finite steps)
+# and EXIT_INTERRUPTED, 130: Ctrl-C. A run stopped by SIGTERM with a checkpoint exits 0 (a preemption).
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_strategies(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"memtrain {memtrain.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a recipe (launch with torchrun for several ranks)")
@@ -45,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--no-progress", action="store_true", help="no progress bar (same as output.progress=off)"
+    )
+    train.add_argument(
+        "--allow-recipe-change",
+        action="store_true",
+        help="resume even though the recipe changes the training (e.g. train.lr); the change is "
+        "recorded in the run's lineage.jsonl",
     )
 
     validate = commands.add_parser("validate", help="check a recipe and its model config; print the result")
@@ -73,7 +85,10 @@ def _parser() -> argparse.ArgumentParser:
         help="plan for a GPU that is not here: a profile in configs/ (e.g. h100-80gb) or its path",
     )
     plan.add_argument(
-        "--gpu-memory", default=None, metavar="SIZE", help="plan for a GPU of this size (e.g. 24GiB)"
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="plan for a GPU of this size (e.g. 24GiB, 80GB; a bare number is GiB)",
     )
     plan.add_argument(
         "--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)"
@@ -120,26 +135,59 @@ def _strategies() -> str:
     return "strategies (recipe key strategies.<kind>: auto, a name, or a list of names):\n" + "\n".join(lines)
 
 
-# Libraries that log about optional native kernels this run does not use (torchao's CUDA/Triton
-# extensions on a CPU build, torch's pytree deprecations): errors still show.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+def _parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, but key=value overrides may also follow a flag (`train R --no-progress
+    train.steps=1`). argparse fills the overrides list from the first run of positionals only, so
+    later ones arrive as unrecognised arguments; parse_intermixed_args would fix that but does not
+    support subcommands."""
+    args, extras = parser.parse_known_args(argv)
+    late = [a for a in extras if "=" in a and not a.startswith("-")] if hasattr(args, "overrides") else []
+    unknown = [a for a in extras if a not in late]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
+# Library log lines that are not for the user of a command (errors still show): torchao's notes on
+# CUDA/Triton extensions a CPU build lacks, torch's pytree deprecations, bitsandbytes' notes on
+# optional CPU kernels (peft imports it for LoRA), and DeepSpeed's accelerator detection, which it
+# writes to stdout when imported (by an export or the DeepSpeed backend).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends", "DeepSpeed")
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def _quiet_libraries() -> None:
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.ERROR)  # for the logger's children
+        logger.addFilter(_errors_only)  # for itself: DeepSpeed resets its level when imported
+
+
+def _who() -> str:
+    rank = os.environ.get("RANK")
+    return f"memtrain (rank {rank})" if rank not in (None, "0") else "memtrain"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
     try:
+        args = _parse_args(_parser(), argv)  # the first import of torch (the registries): seconds
+        _quiet_libraries()
         return _run(args)
     except MemtrainError as exc:
-        rank = os.environ.get("RANK")
-        prefix = f"memtrain (rank {rank}): error" if rank not in (None, "0") else "memtrain: error"
-        print(f"{prefix}: {exc}", file=sys.stderr)
+        print(f"{_who()}: error: {exc}", file=sys.stderr)
         return EXIT_STOPPED if isinstance(exc, TrainingStopped) else EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (in it: training.preemption)
+        print(f"{_who()}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:
-    from memtrain.recipe import json_schema, load_recipe
+    from memtrain.recipe import json_schema
 
     if args.command == "schema":
         print(json.dumps(json_schema(), indent=2))
@@ -169,22 +217,15 @@ def _run(args: argparse.Namespace) -> int:
             args.resume = True
         if args.no_progress:
             overrides.append("output.progress=off")
-    recipe = load_recipe(args.recipe, overrides)
+    from memtrain.commands.trainers import load_checked_recipe, trainer_class
 
-    from memtrain.commands.trainers import trainer_class
-    from memtrain.distributed import shutdown
+    recipe = load_checked_recipe(args.recipe, overrides)
     from memtrain.training.trainer import describe_summary
 
     if args.command == "validate":
-        if args.trainer is None:
-            from memtrain.causal_lm.trainer import build_config, check_model_recipe
+        from memtrain.commands.trainers import validate
 
-            check_model_recipe(recipe)
-            model = build_config(recipe).model_type
-        else:
-            validated = trainer_class(args.trainer)(recipe)
-            model = validated.describe_model()
-            shutdown(validated.env)
+        model = validate(recipe, args.recipe, args.trainer)
         print(
             f"{args.recipe}: ok ({model}, {recipe.train.steps} steps, global batch {recipe.batch.global_size})"
         )
@@ -199,14 +240,14 @@ def _run(args: argparse.Namespace) -> int:
         trainer.setup()
         if trainer.env.is_main:
             print(f"[memtrain] plan: {trainer.plan.describe()}", flush=True)
-        result = trainer.fit(resume=args.resume)
+        result = trainer.fit(resume=args.resume, allow_recipe_change=args.allow_recipe_change)
         if trainer.env.is_main:
             print(describe_summary(result.summary), flush=True)
     finally:
-        shutdown(trainer.env)
+        trainer.close()
     if recipe.output.export == "hf" and trainer.env.is_main and not result.preempted:
         _export_run(trainer.run_dir, result.steps_done)
-    return 0
+    return EXIT_INTERRUPTED if result.stopped_by == "SIGINT" else 0
 
 
 def _export_run(run_dir: Path, step: int) -> None:

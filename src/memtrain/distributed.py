@@ -1,9 +1,10 @@
 """The process group and the few collectives the loop needs.
 
 torchrun (or `accelerate launch`, or the `deepspeed` launcher) sets RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT; memtrain reads nothing else from the environment. A plain `python -m
-memtrain train` is one rank with no process group. Every collective has a timeout so a dead peer
-ends the run with an error instead of a hang.
+MASTER_ADDR and MASTER_PORT; memtrain reads nothing else from the environment apart from torchrun's
+TORCHELASTIC_* (a rank under a launcher stops when the launcher dies: `launcher_watchdog`). A plain
+`python -m memtrain train` is one rank with no process group. Every collective has a timeout so a
+dead peer ends the run with an error instead of a hang.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtrain.launcher_watchdog import under_launcher, watch_launcher
+
 COLLECTIVE_TIMEOUT = timedelta(minutes=float(os.environ.get("MEMTRAIN_COLLECTIVE_TIMEOUT_MIN", "10")))
 
 
@@ -25,6 +28,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
+    group_before: bool = False  # a process group existed before memtrain started (the caller's: kept)
 
     @property
     def is_main(self) -> bool:
@@ -36,7 +40,10 @@ class DistEnv:
 
 
 def init_distributed() -> DistEnv:
-    """Join the process group torchrun describes (nccl on CUDA, gloo on CPU), or run as one rank."""
+    """Join the process group torchrun describes (nccl on CUDA, gloo on CPU), or run as one rank. Under
+    a launcher, the rank also stops when the launcher dies (`launcher_watchdog`)."""
+    if under_launcher():
+        watch_launcher()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -45,7 +52,8 @@ def init_distributed() -> DistEnv:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
+    group_before = dist.is_initialized()
+    if world_size > 1 and not group_before:
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(
@@ -56,7 +64,9 @@ def init_distributed() -> DistEnv:
             timeout=COLLECTIVE_TIMEOUT,
             **kwargs,
         )
-    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return DistEnv(
+        rank=rank, world_size=world_size, local_rank=local_rank, device=device, group_before=group_before
+    )
 
 
 def _attempt_store(rank: int, world_size: int) -> dist.Store:
@@ -95,5 +105,8 @@ def broadcast_object(obj: object, env: DistEnv) -> object:
 
 
 def shutdown(env: DistEnv) -> None:
-    if env.distributed and dist.is_initialized():
+    """Leave the process group memtrain or a backend it started created (DeepSpeed creates one even for
+    a single rank), so a run in a long-lived process (a notebook, a test) leaves none behind; a group
+    the caller created before memtrain started is the caller's to end."""
+    if dist.is_initialized() and not env.group_before:
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 
 class MemtrainError(Exception):
@@ -40,3 +41,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' for the closest choice, or '' when nothing is close."""
     matches = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f' (did you mean "{matches[0]}"?)' if matches else ""
+
+
+def shortened(value: Any, limit: int = 80) -> str:
+    """The repr of a value echoed in a message, cut to `limit` characters (a huge or deeply nested value)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -25,6 +25,7 @@ from memtrain.recipe import Recipe
 from memtrain.strategies.adapters import ADAPTERS, Adapters
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 from memtrain.strategies.checkpointing import CHECKPOINTING, Checkpointing
+from memtrain.strategies.loss import LOSS, Loss
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
 from memtrain.strategies.precision import PRECISION, Precision
@@ -34,6 +35,7 @@ from memtrain.strategies.sharding import SHARDING, Sharding
 from memtrain.strategies.sharding.base import ShardingBackend
 
 OPTIONAL_KINDS = ("quantization", "adapters")  # change the recipe's model: "none" unless it asks
+LATER_KINDS = ("loss",)  # plans written before these kinds existed ran their defaults
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Plan:
     world_size: int = 1
     adapters: Adapters = dataclasses.field(default_factory=Adapters)
     quantization: Quantization = dataclasses.field(default_factory=Quantization)
+    loss: Loss = dataclasses.field(default_factory=Loss)
 
     def strategies(self) -> dict[str, Strategy]:
         return {kind: getattr(self, kind) for kind in REGISTRIES}
@@ -79,7 +82,7 @@ class Plan:
             kinds = {
                 kind: registry.from_dict(data[kind])
                 for kind, registry in REGISTRIES.items()
-                if kind in data or kind not in OPTIONAL_KINDS
+                if kind in data or kind not in (*OPTIONAL_KINDS, *LATER_KINDS)
             }  # plans written before these kinds existed
             return cls(**kinds, world_size=int(data["world_size"]))
         except (KeyError, TypeError, AttributeError, Unsupported) as exc:
@@ -97,6 +100,7 @@ class Plan:
             f"{s['precision'].describe()}, checkpointing {s['checkpointing'].describe()}, states "
             f"{s['optimizer_states'].describe()}, sharding {s['sharding'].describe()}, micro "
             f"{s['micro_batching'].describe()}"
+            + (f", loss {s['loss'].describe()}" if s["loss"].name != "standard" else "")
         )
 
     def summary(self) -> dict[str, Any]:
@@ -183,14 +187,24 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     checkpointing = CHECKPOINTING.create(str(s.checkpointing), s.model_dump())
     optimizer_states = OPTIMIZER_STATES.create(str(s.optimizer_states), s.model_dump())
     sharding = SHARDING.create(str(s.sharding), s.model_dump())
+    loss = LOSS.create(str(s.loss), s.model_dump())
     adapters, quantization = adapters_of(recipe), quantization_of(recipe)
     facts = DeviceFacts.of(env.device, env.world_size)
-    for strategy in (quantization, adapters, precision, checkpointing, optimizer_states):
+    for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states):
         strategy.check(facts)
     sharding.check_with(env, precision)
+    loss.check_sharding(sharding)
     rows = per_rank_batch(recipe, env.world_size)
     size = rows if recipe.batch.micro_size == "auto" else int(recipe.batch.micro_size)
     batching = micro_batching(recipe, rows, size)
     return Plan(
-        precision, checkpointing, optimizer_states, sharding, batching, env.world_size, adapters, quantization
+        precision,
+        checkpointing,
+        optimizer_states,
+        sharding,
+        batching,
+        env.world_size,
+        adapters,
+        quantization,
+        loss,
     )

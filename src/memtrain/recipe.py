@@ -5,6 +5,10 @@ Why pydantic v2: it collects *all* field errors in one pass and emits a JSON sch
 checks that span sections (batch divisibility, sequence length vs the model's maximum), and
 `a.b.c=value` command-line overrides applied to the raw mapping before validation.
 
+Input is bounded before anything is built from it (`memtrain.yamlfile`: file size, values with every
+YAML alias expanded, nesting depth), and values echoed in messages are cut (`shortened`), so a 5 MB
+value makes a short error.
+
 Strategy fields take `auto`, one name, or a list of allowed names (the planner chooses among them).
 """
 
@@ -13,6 +17,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -20,8 +27,21 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from memtrain.errors import RecipeError, did_you_mean
+from memtrain.errors import RecipeError, did_you_mean, shortened
+from memtrain.jsonfile import mib
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
+from memtrain.yamlfile import MAX_RECIPE_BYTES, cut, parse_yaml, read_yaml
+
+PATH_KEYS = (
+    "run.output_dir",
+    "model.config_path",
+    "model.pretrained",
+    "data.path",
+    "data.tokenizer",
+    "strategies.deepspeed_config",
+)
+"""Recipe keys that name a file or directory (checked as paths before any is opened)."""
+NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component, of a whole path (Linux)
 
 LoggerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 StrategyChoice = str | list[str]
@@ -34,9 +54,9 @@ def _registered_name(kind: str, value: str) -> str:
     if value not in registry:
         raise PydanticCustomError(
             "strategy_name",
-            "'{word}' is not one of {listed}{hint}",
+            "{word} is not one of {listed}{hint}",
             {
-                "word": value,
+                "word": shortened(value),
                 "listed": ", ".join(registry.names()),
                 "hint": did_you_mean(value, registry.names()),
             },
@@ -179,6 +199,7 @@ class CheckpointConfig(_Section):
 class MemoryConfig(_Section):
     budget: ByteSize | None = Field(
         default=None,
+        gt=0,
         description="Simulated device budget (e.g. 1.5GiB): a real torch.OutOfMemoryError is raised the "
         "moment tracked live bytes would pass it. Implies track.",
     )
@@ -222,6 +243,10 @@ class StrategiesConfig(_Section):
         description="Share of blocks recomputed when checkpointing is 'fraction'.",
     )
     optimizer_states: StrategyChoice = "fp32"
+    loss: StrategyChoice = "standard"
+    loss_chunk_tokens: int = Field(
+        default=1024, gt=0, description="Tokens per chunk of the head and the loss when loss is 'chunked'."
+    )
     fp8_emulate: bool = Field(default=False, description="fp8 through torchao's emulation (CPU, debugging).")
     # sharding options (used by strategies.sharding)
     sharding_backend: Literal["fsdp2", "deepspeed"] = Field(
@@ -253,8 +278,8 @@ class StrategiesConfig(_Section):
             listed = ", ".join((*registry.names(), "auto"))
             raise PydanticCustomError(
                 "strategy_name",
-                "'{word}' is not one of {listed} (or a list of them){hint}",
-                {"word": name, "listed": listed, "hint": did_you_mean(name, registry.names())},
+                "{word} is not one of {listed} (or a list of them){hint}",
+                {"word": shortened(name), "listed": listed, "hint": did_you_mean(name, registry.names())},
             )
         return value
 
@@ -329,59 +354,57 @@ class Recipe(_Section):
 # ----------------------------------------------------------------------------------------- loading
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file; raise `RecipeError` listing every problem."""
+LaterChecks = Callable[[Recipe, set[str]], list[str]]
+
+
+def load_recipe(
+    path: str | Path, overrides: list[str] | None = None, later_checks: LaterChecks | None = None
+) -> Recipe:
+    """Read, override and validate a recipe file; raise `RecipeError` listing every problem.
+
+    When the schema finds problems, `later_checks(recipe, failed_sections)` (the model config, the data,
+    the output directory, a DeepSpeed config: `memtrain.commands.trainers.load_checked_recipe` passes
+    them) runs on the sections that did validate, so one pass reports every mistake. It is passed in, not
+    imported, because those checks build on the recipe (the import arrow points the other way)."""
     source = str(path)
     try:
         raw = read_yaml(Path(path))
         raw = apply_overrides(raw, overrides or [], source)
-        return recipe_from_dict(raw, source=source)
+        recipe, problems = _validate(raw)
+        if problems and recipe is not None and later_checks is not None:
+            problems += later_checks(recipe, _sections(problems))
     except RecursionError:  # the YAML parser, copying and validation all recurse per level
         raise RecipeError(
             ["the recipe is nested too deeply (hundreds of levels) to be a recipe"], source
         ) from None
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise RecipeError([f"recipe file not found: {path}"], source=str(path))
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise RecipeError(
-            [f"not UTF-8 text (byte {exc.start}): save the recipe as UTF-8"], source=str(path)
-        ) from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        if isinstance(exc, yaml.reader.ReaderError):  # a character YAML forbids: it has a position, no mark
-            where = f" at line {text.count(chr(10), 0, exc.position) + 1}"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError([f"malformed YAML{where}: {problem}"], source=str(path)) from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise RecipeError(
-            [f"the top level must be a mapping of sections, got {type(loaded).__name__}"], str(path)
-        )
-    return loaded
+    if problems or recipe is None:
+        raise RecipeError(problems, source)
+    return recipe
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "recipe") -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (values parsed as YAML) to a copy of the raw mapping."""
+    """Apply `a.b.c=value` overrides (values parsed as YAML, bounded as a recipe is) to a copy of the raw
+    mapping."""
     result = copy.deepcopy(raw)
     problems = []
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            problems.append(f"override {item!r}: expected key.path=value, e.g. train.steps=20")
+            problems.append(f"override {shortened(item)}: expected key.path=value, e.g. train.steps=20")
+            continue
+        if len(text) > MAX_RECIPE_BYTES:
+            problems.append(
+                f"override {cut(key.strip(), 80)}: the value is {len(text):,} characters, over the limit of "
+                f"{mib(MAX_RECIPE_BYTES)} for a recipe"
+            )
             continue
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = parse_yaml(text, source, key.strip()) if text.strip() else None
         except yaml.YAMLError:
             value = text
+        except RecipeError as exc:
+            problems += [f"override {line}" for line in exc.problems]
+            continue
         node = result
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -389,7 +412,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "re
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                problems.append(f"override {item!r}: {part} is not a section")
+                problems.append(f"override {shortened(item)}: {cut(part, 80)} is not a section")
                 break
             node = child
         else:
@@ -401,14 +424,34 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "re
 
 def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
     """Validate a raw mapping (paths inside it are relative to the working directory, as with torchrun)."""
-    try:
-        recipe = Recipe.model_validate(raw)
-    except ValidationError as exc:
-        raise RecipeError(_describe(exc), source=source) from None
-    problems = _cross_checks(recipe)
-    if problems:
+    recipe, problems = _validate(raw)
+    if problems or recipe is None:
         raise RecipeError(problems, source=source)
     return recipe
+
+
+def _validate(raw: dict[str, Any]) -> tuple[Recipe | None, list[str]]:
+    """(the recipe, its problems). With problems, the recipe has every section that has one at its
+    defaults (None when even that does not validate), for the checks that run on what is valid."""
+    try:
+        recipe: Recipe | None = Recipe.model_validate(raw)
+        problems: list[str] = []
+    except ValidationError as exc:
+        problems = _describe(exc)
+        invalid = _sections(problems)
+        valid = {k: v for k, v in raw.items() if k in Recipe.model_fields and k not in invalid}
+        try:
+            recipe = Recipe.model_validate(valid)
+        except ValidationError:
+            recipe = None
+    if recipe is not None:
+        problems += _cross_checks(recipe)
+    return recipe, problems
+
+
+def _sections(problems: list[str]) -> set[str]:
+    """The top-level recipe keys that problem lines name (each line starts with its dotted key)."""
+    return {re.split(r"[.: ]", line, maxsplit=1)[0] for line in problems}
 
 
 def _describe(exc: ValidationError) -> list[str]:
@@ -428,7 +471,7 @@ def _describe(exc: ValidationError) -> list[str]:
         if first["type"] == "extra_forbidden":
             parent = _model_at(loc[:-1])
             hint = did_you_mean(loc[-1], parent.model_fields) if parent else ""
-            problems.append(f"{path}: unknown key{hint}")
+            problems.append(f"{cut(path, 120)}: unknown key{hint}")
             continue
         if first["type"] == "strategy_name":
             problems.append(f"{path}: {first['msg']}")
@@ -443,16 +486,12 @@ def _describe(exc: ValidationError) -> list[str]:
                 listed = "a positive integer, " + listed
             takes_list = any("list" in str(p) for e in errors for p in e["loc"])
             suffix = " (or a list of them)" if takes_list else ""
-            problems.append(f"{path}: {word!r} is not one of {listed}{suffix}{did_you_mean(word, allowed)}")
+            problems.append(
+                f"{path}: {shortened(word)} is not one of {listed}{suffix}{did_you_mean(word, allowed)}"
+            )
         else:
-            problems.append(f"{path}: {first['msg']} (got {_short(first.get('input'))})")
+            problems.append(f"{path}: {first['msg']} (got {shortened(first.get('input'))})")
     return problems
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """The repr of a rejected input, cut to `limit` characters (a deeply nested or huge value)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _field_path(loc: list[str]) -> list[str]:
@@ -512,7 +551,42 @@ def _cross_checks(recipe: Recipe) -> list[str]:
         problems.append("batch.micro_tokens: give either batch.micro_tokens or batch.micro_size, not both")
     if isinstance(micro, int) and micro > recipe.batch.global_size:
         problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({recipe.batch.global_size})")
+    return problems + _path_problems(recipe)
+
+
+def _path_problems(recipe: Recipe) -> list[str]:
+    """Path values the filesystem would refuse with an exception (a NUL byte, a name too long, text that
+    is not Unicode), each a problem naming its key; `run.name` is a path component without run.output_dir."""
+    given = {key: _value_at(recipe, key) for key in PATH_KEYS}
+    if recipe.run.output_dir is None:
+        given["run.name"] = recipe.run.name
+    problems = []
+    for key, value in given.items():
+        problem = _path_problem(value) if isinstance(value, str) else None
+        if problem is not None:
+            problems.append(f"{key}: {problem} (got {shortened(value)})")
     return problems
+
+
+def _path_problem(value: str) -> str | None:
+    try:
+        encoded = os.fsencode(value)
+    except UnicodeError:
+        return "not valid Unicode (a lone surrogate) in a path"
+    if b"\0" in encoded:
+        return "a path cannot hold a NUL character"
+    if len(encoded) > PATH_MAX:
+        return f"a path of {len(encoded):,} bytes, over the {PATH_MAX} a path may have"
+    if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
+        return f"a path with a name over the {NAME_MAX} bytes a file name may have"
+    return None
+
+
+def _value_at(recipe: Recipe, dotted: str) -> Any:
+    value: Any = recipe
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def json_schema() -> dict[str, Any]:

@@ -160,6 +160,7 @@ def test_plan_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         "adapters",
         "precision",
         "checkpointing",
+        "loss",
         "optimizer_states",
         "sharding",
         "micro_batching",

@@ -8,11 +8,9 @@ and what went wrong.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from fault_kit import scenarios
 from fault_kit.faults import Fault
@@ -20,15 +18,6 @@ from fault_kit.recipe_fuzz import recipe_fuzz
 from fault_kit.scenarios import Outcome
 
 SEED = 0
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """In-process runs are compared bit for bit with their references: one thread, like the children."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def assert_recovered(outcome: Outcome) -> None:

@@ -30,6 +30,7 @@ from memtrain.causal_lm.streaming import StreamedSamples
 from memtrain.causal_lm.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError
+from memtrain.jsonfile import decode_utf8
 from memtrain.recipe import DataConfig
 
 IGNORE_INDEX = sft.IGNORE_INDEX
@@ -69,11 +70,13 @@ def read_records(cfg: DataConfig) -> Iterator[tuple[Mapping[str, Any], str]]:
 
 
 def _read(cfg: DataConfig) -> str:
+    """The text of `data.path`; `RecipeError` naming data.path when it is missing, unreadable or not UTF-8
+    (with the line of the first bad byte)."""
     assert cfg.path is not None
     path = Path(cfg.path)
     if not path.is_file():
         raise RecipeError([f"data.path: file not found: {path} (relative paths start at {Path.cwd()})"])
-    return path.read_text(encoding="utf-8")
+    return decode_utf8(path.read_bytes(), path, "data.path")
 
 
 def documents(cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None = None) -> list[sft.Document]:
@@ -146,7 +149,7 @@ def _streamed(cfg: DataConfig, seed: int, global_batch: int, eval_rows: int) -> 
     tokenizer = load_tokenizer(cfg)
     dataset = dataset_source.load(cfg, streaming=True)
     stream = StreamedSamples(
-        records=lambda: dataset_source.records(dataset),
+        records=lambda: dataset_source.records(dataset, cfg.path),
         encode=sft.RecordEncoder(cfg, tokenizer),
         seq_len=cfg.seq_len,
         packing=cfg.packing,

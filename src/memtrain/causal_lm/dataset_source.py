@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -62,6 +63,8 @@ def load(cfg: DataConfig, streaming: bool) -> Any:
             return datasets.load_dataset(cfg.path, split=cfg.split, streaming=streaming)
     except RecipeError:
         raise
+    except datasets.exceptions.DatasetGenerationError as exc:  # a file its reader cannot parse or decode
+        raise RecipeError([f"data.path: datasets cannot read {cfg.path} ({_cause(exc)})"]) from None
     except ValueError as exc:
         if "split" in str(exc).lower():
             raise RecipeError([f"data.split: {' '.join(str(exc).split())}"]) from None
@@ -115,10 +118,29 @@ def column_problems(cfg: DataConfig, columns: list[str]) -> list[str]:
     return problems
 
 
-def records(dataset: Any) -> Iterator[tuple[Mapping[str, Any], str]]:
-    """Each record with where it is (for messages)."""
-    for index, record in enumerate(dataset):
+def records(dataset: Any, path: str | None) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """Each record with where it is (for messages). A record the reader cannot parse or decode (a stream
+    reads lazily) is a `RecipeError` naming data.path and the row."""
+    rows = iter(dataset)
+    for index in itertools.count():
+        try:
+            record = next(rows)
+        except StopIteration:
+            return
+        except RecipeError:
+            raise
+        except Exception as exc:  # pyarrow, pandas and datasets raise their own types (ArrowInvalid...)
+            raise RecipeError(
+                [f"data.path: datasets cannot read {path} at row {index + 1} ({_cause(exc)})"]
+            ) from None
         yield record, f"row {index + 1}"
+
+
+def _cause(exc: BaseException) -> str:
+    """A library error in one line: its type, and its message cut to 200 characters."""
+    while exc.__cause__ is not None:  # datasets wraps the reader's error
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 
 
 def documents(cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None) -> list[Document]:

@@ -12,7 +12,6 @@ read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import RecipeError
+from memtrain.jsonfile import read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,25 +72,38 @@ def check_directory(directory: Path) -> None:
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (empty when there are none)."""
+    """Tensor name -> the safetensors file holding it (empty when there are none). A single file's header
+    is read here; the shards of an index are opened by `load_weights`."""
     index = directory / INDEX_FILE
     if index.is_file():
-        try:
-            mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise RecipeError([f"model.pretrained: {index} is not a safetensors index ({exc})"]) from None
-        return {str(name): directory / str(file) for name, file in mapping.items()}
+        mapping = read_json_object(str(index), "model.pretrained").get("weight_map")
+        if not isinstance(mapping, dict) or not all(isinstance(f, str) for f in mapping.values()):
+            raise RecipeError(
+                [f"model.pretrained: {index} is not a safetensors index (no weight_map of file names)"]
+            )
+        return {str(name): directory / file for name, file in mapping.items()}
     single = directory / SINGLE_FILE
     if not single.is_file():
         return {}
+    return {name: single for name in _tensor_names(single)}
+
+
+def _open(file: Path) -> Any:
     from safetensors import safe_open
 
+    return safe_open(str(file), framework="pt", device="cpu")
+
+
+def _tensor_names(file: Path) -> list[str]:
+    """The tensors in a safetensors file's header; `RecipeError` naming model.pretrained otherwise."""
     try:
-        with safe_open(str(single), framework="pt", device="cpu") as handle:
-            return {name: single for name in handle.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+        with _open(file) as handle:
+            return list(handle.keys())
     except Exception as exc:  # safetensors raises its own error type for a damaged header
         raise RecipeError(
-            [f"model.pretrained: {single} is not a readable safetensors file ({exc})"]
+            [
+                f"model.pretrained: {file} is not a readable safetensors file ({' '.join(str(exc).split())[:200]})"
+            ]
         ) from None
 
 
@@ -112,11 +125,16 @@ def load_weights(
             if file is None:
                 missing.append(name)
                 continue
-            if file not in handles:
-                from safetensors import safe_open
-
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            _fill(param, handles[file], name)
+            try:
+                if file not in handles:
+                    handles[file] = stack.enter_context(_open(file))
+                _fill(param, handles[file], name)
+            except RecipeError:
+                raise
+            except Exception as exc:  # a missing shard, a file cut short, a damaged header
+                raise RecipeError(
+                    [f"model.pretrained: cannot read {name} from {file} ({' '.join(str(exc).split())[:200]})"]
+                ) from None
             filled.add(id(param))
     missing = [name for name in missing if not _tied_to_filled(model, name, filled)]
     if missing:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memtrain.causal_lm.tokenizer import PretrainedTokenizer, Tokenizer
-from memtrain.errors import RecipeError
+from memtrain.errors import RecipeError, shortened
 from memtrain.recipe import DataConfig
 
 IGNORE_INDEX = -100
@@ -136,6 +136,14 @@ class RecordEncoder:
         self.tokenizer = tokenizer
         self.columns = {role: column(cfg, role) for role in ROLES[cfg.kind]}
 
+    def check(self, record: Mapping[str, Any], where: str) -> None:
+        """The checks of `__call__` without tokenizing: the fields `data.kind` reads, as valid Unicode."""
+        if self.kind == "chat":
+            self._messages(record, where)
+            return
+        for role in ROLES[self.kind]:
+            self._string(record, role, where)
+
     def __call__(self, record: Mapping[str, Any], where: str) -> Document:
         if self.kind == "text":
             return text_document(self.tokenizer, self._string(record, "text", where))
@@ -154,7 +162,8 @@ class RecordEncoder:
         name, key = self.columns[role]
         value = record.get(name)
         if not isinstance(value, str):
-            raise RecipeError([f"{key}: {where} has no string field {name!r}"])
+            raise RecipeError([f"{key}: {where} has no string field {shortened(name)}"])
+        _check_unicode(value, f"{where}: field {shortened(name)}")
         return value
 
     def _messages(self, record: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
@@ -169,7 +178,21 @@ class RecordEncoder:
                 ]
             )
         assert isinstance(messages, list)
+        for number, message in enumerate(messages, start=1):
+            for part in ("role", "content"):
+                _check_unicode(message[part], f"{where}: field {shortened(name)}, message {number}'s {part}")
         return messages
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """`RecipeError` naming data.path when `text` cannot be encoded (a lone surrogate such as "\\ud800",
+    which JSON allows and every tokenizer refuses)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RecipeError(
+            [f"data.path: {what} is not valid Unicode ({exc.reason} at character {exc.start})"]
+        ) from None
 
 
 def message_problem(messages: Any) -> str | None:

@@ -10,11 +10,13 @@ the chat template. Byte-level stays the default because it needs no files; a dir
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 from memtrain.causal_lm.pretrained import resolve
 from memtrain.errors import RecipeError
+from memtrain.jsonfile import mib
 
 # Files of which a Hugging Face tokenizer directory holds at least one.
 TOKENIZER_FILES = (
@@ -29,6 +31,7 @@ TOKENIZER_FILES = (
 # End-of-document tokens looked up in a bare `tokenizers` JSON file, which names no EOS of its own.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|eos|>")
 BLANK_LINE = "\n\n"  # the document separator of tokenizers without an end-of-document token
+MAX_JSON_FILE_BYTES = 256 * 2**20  # a tokenizer's JSON file, read whole (the largest real ones: ~35 MB)
 
 
 class Tokenizer(Protocol):
@@ -40,6 +43,13 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, without special tokens."""
         ...
+
+
+def id_space(ids: Iterable[int]) -> int:
+    """The ids a tokenizer can produce span 0..max: its count of tokens is not enough, because a vocabulary
+    may skip ids (a tokenizer.json edited by hand, tokens removed), and the model's embedding must hold the
+    largest id, or training fails with an index error deep in the first step."""
+    return max(ids, default=-1) + 1
 
 
 class ByteTokenizer:
@@ -64,7 +74,7 @@ class JsonTokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tokenizer = HFTokenizer.from_file(str(path))
-        self.vocab_size = self._tokenizer.get_vocab_size()
+        self.vocab_size = id_space(self._tokenizer.get_vocab(with_added_tokens=True).values())
         plain, special = self.encode("a"), self._tokenizer.encode("a").ids
         prefix = len(special) - len(plain)
         self.bos: list[int] = (
@@ -85,7 +95,8 @@ class PretrainedTokenizer:
 
         self.directory = directory
         self.hf: Any = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        self.vocab_size = len(self.hf)  # added special tokens included (`hf.vocab_size` leaves them out)
+        # added special tokens included (`hf.vocab_size` leaves them out), and ids past the count
+        self.vocab_size = max(len(self.hf), id_space(self.hf.get_vocab().values()))
         eos = self.hf.eos_token_id
         self.eos = [int(eos)] if eos is not None else self.encode(BLANK_LINE)
         probe = self.hf("a", add_special_tokens=True)["input_ids"]
@@ -109,6 +120,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
         spec = str(path)
     files = sorted(path.iterdir()) if path.is_dir() else [path] if path.is_file() else []
     stamp = tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file())
+    for name, _, size in stamp:
+        if name.endswith(".json") and size > MAX_JSON_FILE_BYTES:
+            raise RecipeError(
+                [f"data.tokenizer: {name} is {size:,} bytes, over the limit of {mib(MAX_JSON_FILE_BYTES)}"]
+            )
     return _load(spec, stamp)
 
 

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks, pretrained
-from memtrain.errors import RecipeError, did_you_mean
+from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import ModelSpec
 from memtrain.recipe import Recipe
+from memtrain.strategies.loss import bound_loss
 from memtrain.training.trainer import Batch, Trainer
 
 
@@ -87,14 +87,18 @@ def build_config(recipe: Recipe) -> Any:
         raise RecipeError([f"{key}.model_type: required (e.g. llama, gpt2, mistral, qwen2)"])
     if model_type not in CONFIG_MAPPING:
         hint = did_you_mean(model_type, CONFIG_MAPPING.keys())
-        raise RecipeError([f"{key}.model_type: unknown transformers model type {model_type!r}{hint}"])
+        raise RecipeError(
+            [f"{key}.model_type: unknown transformers model type {shortened(model_type)}{hint}"]
+        )
     bad = [
-        f"{key}.{name}: must be a positive integer (got {raw[name]!r})"
+        f"{key}.{name}: must be a positive integer (got {shortened(raw[name])})"
         for name in _SIZES
         if raw.get(name) is not None
         and (isinstance(raw[name], bool) or not isinstance(raw[name], int) or raw[name] <= 0)
     ]
-    if bad:  # before transformers, whose own checks would not name the field (or would pass)
+    # before transformers, whose own checks would not name the field (or would pass)
+    bad = bad or _head_problems(raw, key)
+    if bad:
         raise RecipeError(bad)
     vocab = raw.get("vocab_size")
     if isinstance(vocab, int):
@@ -111,7 +115,7 @@ def build_config(recipe: Recipe) -> Any:
         text = " ".join(str(exc).split())
         field = re.match(r"Validation error for field '(\w+)'", text)
         where = f"{key}.{field.group(1)}" if field else key
-        raise RecipeError([f"{where}: the {model_type} config rejects these values ({text})"]) from None
+        raise RecipeError([f"{where}: the {model_type} config rejects these values ({text[:300]})"]) from None
     # transformers keeps a field it does not know as a plain attribute (a misspelt num_hidden_layers
     # would silently build the default depth); legacy fields it understands (rope_theta) it consumes.
     default = AutoConfig.for_model(model_type)
@@ -119,9 +123,35 @@ def build_config(recipe: Recipe) -> Any:
     if unknown:
         known = [a for a in dir(default) if not a.startswith("_")]
         raise RecipeError(
-            [f"{key}.{f}: not a field of the {model_type} config{did_you_mean(f, known)}" for f in unknown]
+            [
+                f"{key}.{f[:80]}: not a field of the {model_type} config{did_you_mean(f, known)}"
+                for f in unknown
+            ]
         )
     return config
+
+
+# Head counts that must divide: (the divided size, the count) under the names of the common configs. A
+# config with its own head_dim may have hidden_size != heads x head_dim (e.g. Gemma, Qwen3).
+_DIVISIONS = (
+    ("hidden_size", "num_attention_heads"),
+    ("n_embd", "n_head"),
+    ("num_attention_heads", "num_key_value_heads"),
+)
+
+
+def _head_problems(raw: dict[str, Any], key: str) -> list[str]:
+    """Head counts that do not divide: torch would fail in the first forward with a shape error."""
+    problems = []
+    for size, count in _DIVISIONS:
+        total, heads = raw.get(size), raw.get(count)
+        if size != "num_attention_heads" and raw.get("head_dim") is not None:
+            continue
+        if isinstance(total, int) and isinstance(heads, int) and total % heads:
+            problems.append(
+                f"{key}.{count}: {heads} does not divide {key}.{size} ({total}); each head needs an equal share"
+            )
+    return problems
 
 
 # Size fields (of the common configs) that must be positive: torch would fail deep inside the model
@@ -163,34 +193,76 @@ def max_positions(config: Any) -> int | None:
 
 
 def check_model_recipe(recipe: Recipe) -> None:
-    """Checks that need the model config: sequence length and vocabulary size."""
-    config = build_config(recipe)
-    problems = []
+    """`RecipeError` listing every problem of `model_problems`."""
+    problems = model_problems(recipe)
+    if problems:
+        raise RecipeError(problems)
+
+
+def model_problems(recipe: Recipe) -> list[str]:
+    """Every problem of the model config, the data, and the two together (sequence length, vocabulary):
+    the data is checked even when the model config is wrong, so one pass reports both."""
+    try:
+        config, problems = build_config(recipe), []
+    except RecipeError as exc:
+        config, problems = None, exc.problems
+    data_problems = data_checks.data_problems(recipe.data)
+    problems += data_problems
+    if config is None:
+        return problems
     limit = max_positions(config)
     if limit is not None and recipe.data.seq_len > limit:
         problems.append(
             f"data.seq_len: {recipe.data.seq_len} exceeds the model's maximum of {limit} positions "
             "(lower data.seq_len or raise the model config's max_position_embeddings / n_positions)"
         )
-    data_problems = data_checks.data_problems(recipe.data)
-    problems.extend(data_problems)
     vocab = getattr(config, "vocab_size", None)
     tokenizer_ok = not any(p.startswith("data.tokenizer") for p in data_problems)
     data_vocab = _data_vocab_size(recipe) if tokenizer_ok else None
     if isinstance(vocab, int) and data_vocab is not None and data_vocab > vocab:
+        _, key = config_dict(recipe)
+        field = "model.config.vocab_size" if key == "model.config" else f"{key} (its vocab_size)"
         problems.append(
-            f"model.config.vocab_size: {vocab} is smaller than the tokenizer's {data_vocab} tokens"
+            f"{field}: {vocab} is smaller than {_vocab_source(recipe, data_vocab)}; ids past the vocabulary "
+            "would fail in the embedding"
         )
-    if problems:
-        raise RecipeError(problems)
+    return problems
 
 
 def _data_vocab_size(recipe: Recipe) -> int | None:
+    """The number of token ids the data can hold: every id of the tokenizer, added and special tokens
+    included (`len(tokenizer)`, not only its base vocabulary)."""
     if recipe.data.source == "synthetic":
         return recipe.data.synthetic.vocab_size
-    if recipe.data.tokenizer == "byte":
-        return data_lib.ByteTokenizer.vocab_size
     return data_lib.load_tokenizer(recipe.data).vocab_size
+
+
+def _vocab_source(recipe: Recipe, ids: int) -> str:
+    if recipe.data.source == "synthetic":
+        return f"data.synthetic.vocab_size ({ids})"
+    return f"the tokenizer's {ids} tokens (added and special tokens included)"
+
+
+# Config fields of transformers families whose logits are not `head(hidden)`: (field, the value that
+# means no post-processing). A chunked loss applies the bare head, so it refuses these.
+_LOGIT_POSTPROCESSING = (
+    ("final_logit_softcapping", None),  # Gemma-2/3: tanh soft-capping
+    ("logit_scale", 1.0),  # Cohere
+    ("logits_scaling", 1.0),  # Granite: logits / scaling
+    ("output_multiplier_scale", 1.0),  # Falcon-H1: logits * scale
+)
+
+
+def check_chunked_loss(config: Any) -> None:
+    """`Unsupported` when the model post-processes its logits, which `strategies.loss=chunked` (the bare
+    head applied to the hidden states) would not reproduce."""
+    for field, plain in _LOGIT_POSTPROCESSING:
+        value = getattr(config, field, plain)
+        if value is not None and value != plain:
+            raise Unsupported(
+                f"strategies.loss: chunked applies the bare output head, but this {config.model_type} model "
+                f"post-processes its logits ({field}={value}); use strategies.loss=standard"
+            )
 
 
 class CausalLMTrainer(Trainer):
@@ -227,6 +299,10 @@ class CausalLMTrainer(Trainer):
 
     def setup(self) -> None:
         _ = self.data  # tokenize before the model and the tracker exist (what `host_data_bytes` counts)
+        if self._plan is None:
+            self.choose_plan()
+        if self.plan.loss.recomputes_head:  # a pinned chunked loss this model cannot use: before building it
+            check_chunked_loss(self.model_config)
         super().setup()
 
     @property
@@ -332,15 +408,16 @@ class CausalLMTrainer(Trainer):
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         # Packed rows: position ids that restart per document make transformers mask attention across them.
+        """The summed token losses and the token count, computed by the plan's loss strategy (`chunked`: the
+        model returns its hidden states and the head runs a chunk of tokens at a time)."""
         positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
-        logits = model(input_ids=batch["input_ids"], use_cache=False, **positions).logits
+        binding = bound_loss(model)
+        if binding.strategy.recomputes_head:
+            check_chunked_loss(self.model_config)
+        with binding.deferring_head():
+            output = model(input_ids=batch["input_ids"], use_cache=False, **positions).logits
         labels = batch["labels"]
-        loss_sum = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]),
-            labels.reshape(-1),
-            ignore_index=data_lib.IGNORE_INDEX,
-            reduction="sum",
-        )
+        loss_sum = binding(output, labels, data_lib.IGNORE_INDEX)
         return loss_sum, (labels != data_lib.IGNORE_INDEX).sum()
 
     def eval_batches(self) -> Iterable[Batch]:

@@ -9,15 +9,20 @@ Without a what-if flag it plans for this machine (its CUDA device, or on CPU the
 
 from __future__ import annotations
 
+import re
+import sys
+
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from memtrain import json_out
-from memtrain.commands.trainers import trainer_class
+from memtrain.commands.trainers import load_checked_recipe, trainer_class
 from memtrain.errors import PlanError
 from memtrain.memory.headroom import load_gpu
 from memtrain.planner import PlanResult, plan_here, plan_what_if
 from memtrain.planner.explain import describe, to_json
-from memtrain.recipe import load_recipe
+
+BARE_NUMBER = re.compile(r"\s*(\d+\.?\d*|\.\d+)\s*")  # --gpu-memory without a unit
+GIB = 2**30
 
 
 def run(
@@ -30,11 +35,11 @@ def run(
     gpu_memory: str | None,
     world_size: int | None,
 ) -> int:
-    recipe = load_recipe(recipe_path, overrides)
-    ranks = world_size or 1
+    ranks = _ranks(world_size)
+    memory = _bytes(gpu_memory) if gpu_memory is not None else None
+    recipe = load_checked_recipe(recipe_path, overrides)
     spec = trainer_class(trainer)(recipe).model_spec()
-    if gpu is not None or gpu_memory is not None:
-        memory = _bytes(gpu_memory) if gpu_memory is not None else None
+    if gpu is not None or memory is not None:
         result = plan_what_if(
             recipe, spec, ranks, gpu=load_gpu(gpu) if gpu is not None else None, memory_bytes=memory
         )
@@ -53,8 +58,24 @@ def _title(recipe_path: str, result: PlanResult) -> str:
     return f"memtrain plan: {recipe_path} on {ranks} rank{'s' if ranks != 1 else ''}"
 
 
+def _ranks(world_size: int | None) -> int:
+    if world_size is not None and world_size < 1:
+        raise PlanError(f"--world-size: must be at least 1 (it was {world_size})")
+    return world_size or 1
+
+
 def _bytes(text: str) -> int:
-    try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
-    except ValidationError:
-        raise PlanError(f"--gpu-memory: {text!r} is not a size; write e.g. 24GiB or 80GB") from None
+    """--gpu-memory: a size with a unit as pydantic's ByteSize reads it (24GiB, 24000MiB; 24GB and 80G
+    are decimal, 10**9 bytes per GB), or a bare number, read as GiB (nobody means 24 bytes), which is
+    said on stderr so that JSON on stdout stays clean."""
+    if BARE_NUMBER.fullmatch(text):
+        size = int(float(text) * GIB)
+        print(f"[memtrain] --gpu-memory {text}: no unit given, read as {text.strip()} GiB", file=sys.stderr)
+    else:
+        try:
+            size = int(TypeAdapter(ByteSize).validate_python(text))
+        except ValidationError:
+            raise PlanError(f"--gpu-memory: {text!r} is not a size; write e.g. 24GiB or 80GB") from None
+    if size <= 0:
+        raise PlanError(f"--gpu-memory: must be more than 0 (it was {text!r})")
+    return size

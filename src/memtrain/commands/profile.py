@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memtrain import json_out
-from memtrain.commands.trainers import trainer_class
+from memtrain.commands.trainers import load_checked_recipe, trainer_class
 from memtrain.memory import cuda_stats
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
 from memtrain.recipe import load_recipe
@@ -30,7 +30,7 @@ def run_profile(
 ) -> tuple[dict[str, Any], Path]:
     """Train `steps` steps of the recipe under the tracker with the built-in trainer or `trainer_spec`
     (`--trainer FILE.py:Class`); returns (memory.json content, output dir)."""
-    probe = load_recipe(recipe_path, overrides)
+    probe = load_checked_recipe(recipe_path, overrides)
     out_dir = out or probe.output_path() / "profile"
     recipe = load_recipe(
         recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}", *PROFILE_OVERRIDES]

@@ -3,7 +3,12 @@
 
 The file is the user's own training code, run as `python file.py` would run it (as torchrun runs a
 script); it is imported once per process under a module name of its own, so every rank of a torchrun
-launch loads the same class.
+launch loads the same class. A file Python cannot read (not UTF-8, a syntax error) is a one-line
+`MemtrainError` naming `--trainer` and the line; an exception the file's own code raises while it is
+imported keeps its traceback (it is the user's code, and the traceback says where).
+
+`recipe_problems` is every check `memtrain train` makes before it builds the model, for `memtrain
+validate` and for the one pass of `memtrain.recipe.load_recipe`.
 """
 
 from __future__ import annotations
@@ -11,9 +16,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Set
 from pathlib import Path
 
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, RecipeError
+from memtrain.recipe import Recipe, load_recipe
+from memtrain.training import preflight
 from memtrain.training.trainer import Trainer
 
 
@@ -50,6 +58,9 @@ def _load_file(path: Path) -> object:
     sys.path.insert(0, str(path.resolve().parent))  # the file's own imports of its neighbours
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as exc:  # also how Python reports a file that is not UTF-8
+        del sys.modules[module_name]
+        raise MemtrainError(f"--trainer: {path}, line {exc.lineno}: {exc.msg}") from None
     except Exception:
         del sys.modules[module_name]
         raise
@@ -61,3 +72,65 @@ def _import(name: str) -> object:
         return importlib.import_module(name)
     except ImportError as exc:
         raise MemtrainError(f"--trainer: cannot import {name} ({exc})") from None
+
+
+def recipe_problems(recipe: Recipe, *, model: bool, skip: Set[str] = frozenset()) -> list[str]:
+    """Every problem `memtrain train` would find before it builds the model, found without building or
+    writing anything: with `model`, the built-in trainer's model config and data
+    (`causal_lm.trainer.model_problems`); then the run's own checks (`training.preflight.recipe_problems`).
+    Sections named in `skip` failed validation and stand at their defaults, so they are not checked."""
+    problems = []
+    if model and not {"model", "data"} & skip:
+        from memtrain.causal_lm.trainer import model_problems
+
+        problems += model_problems(recipe)
+    return problems + preflight.recipe_problems(recipe, skip)
+
+
+def load_checked_recipe(path: str | Path, overrides: list[str]) -> Recipe:
+    """`load_recipe`, and when the schema finds problems, also every later check (`recipe_problems`) on
+    the sections that validated, so the user sees every mistake in one pass."""
+    return load_recipe(path, overrides, later_checks=_later_checks)
+
+
+def _later_checks(recipe: Recipe, failed_sections: set[str]) -> list[str]:
+    model = any(
+        v is not None for v in (recipe.model.config, recipe.model.config_path, recipe.model.pretrained)
+    )
+    return recipe_problems(recipe, model=model, skip=failed_sections)
+
+
+def validate(recipe: Recipe, source: str, spec: str | None) -> str:
+    """`memtrain validate`: every check of `memtrain train` before step 1 that writes nothing, in the order
+    train meets them (the `--trainer` file, then the recipe, then the model); the model in words, or a
+    `RecipeError` listing every problem."""
+    trainer_class(spec)
+    problems = recipe_problems(recipe, model=spec is None)
+    if problems:
+        raise RecipeError(problems, source)
+    return _validated_model(recipe, source, spec)
+
+
+def _validated_model(recipe: Recipe, source: str, spec: str | None) -> str:
+    """The model part of `memtrain validate`'s line, after the checks that need the model on the meta
+    device (`training.preflight.model_problems`)."""
+    if spec is None:
+        from transformers import AutoModelForCausalLM
+
+        from memtrain.causal_lm.trainer import build_config
+
+        config = build_config(recipe)
+        described = config.model_type
+        problems = preflight.model_problems(recipe, lambda: AutoModelForCausalLM.from_config(config))
+    else:
+        from memtrain.distributed import shutdown
+
+        trainer = trainer_class(spec)(recipe)
+        try:
+            described = trainer.describe_model()
+            problems = preflight.model_problems(recipe, trainer.build_model)
+        finally:
+            shutdown(trainer.env)
+    if problems:
+        raise RecipeError(problems, source)
+    return described

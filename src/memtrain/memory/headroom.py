@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from memtrain.distributed import DistEnv
-from memtrain.errors import PlanError, did_you_mean
+from memtrain.errors import PlanError, RecipeError, did_you_mean
+from memtrain.yamlfile import read_yaml
 
 CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parents[3] / "configs")
 NCCL_RESERVE_BYTES = 512 * 2**20  # NCCL's communicator buffers, allocated at the first collective
@@ -78,16 +78,29 @@ def load_gpu(name: str) -> GpuProfile:
                 f"--gpu: no GPU profile {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}"
             )
         path = found[0]
-    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    major, _, minor = str(raw["compute_capability"]).partition(".")
-    return GpuProfile(
-        name=str(raw["name"]),
-        memory_bytes=int(raw["memory_bytes"]),
-        compute_capability=(int(major), int(minor or 0)),
-        bf16=bool(raw["bf16"]),
-        fp8=bool(raw["fp8"]),
-        cuda_context_bytes=int(raw["cuda_context_bytes"]),
-    )
+    return _read_profile(path)
+
+
+def _read_profile(path: Path) -> GpuProfile:
+    """The profile in `path`, read as a recipe is (bounded YAML, UTF-8); `PlanError` naming --gpu and
+    the file when it cannot be read or lacks a field."""
+    try:
+        raw = read_yaml(path)
+        major, _, minor = str(raw["compute_capability"]).partition(".")
+        return GpuProfile(
+            name=str(raw["name"]),
+            memory_bytes=int(raw["memory_bytes"]),
+            compute_capability=(int(major), int(minor or 0)),
+            bf16=bool(raw["bf16"]),
+            fp8=bool(raw["fp8"]),
+            cuda_context_bytes=int(raw["cuda_context_bytes"]),
+        )
+    except RecipeError as exc:
+        raise PlanError(f"--gpu: {path}: {'; '.join(exc.problems)}") from None
+    except KeyError as exc:
+        raise PlanError(f"--gpu: {path} is not a GPU profile: it has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"--gpu: {path} is not a GPU profile ({exc})") from None
 
 
 def budget_from(total: int, free: int, reserve: int, safety: float, source: str) -> MemoryBudget:

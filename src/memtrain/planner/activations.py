@@ -55,6 +55,7 @@ from memtrain.memory.modules import graph_tensors
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 
@@ -140,6 +141,7 @@ def trace_step(
     weights_dtype: torch.dtype | None = None,
     adapters: Adapters | None = None,
     quantization: Quantization | None = None,
+    loss: Loss | None = None,
 ) -> StepTrace:
     """Build the model under fake tensors with the strategies applied as the trainer applies them
     (`apply_strategies`) and trace two micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes a
@@ -160,6 +162,7 @@ def trace_step(
                 weights_dtype=weights_dtype,
                 adapters=adapters,
                 quantization=quantization,
+                loss=loss,
             )
         model.train()
         tracker = MemoryTracker(model)

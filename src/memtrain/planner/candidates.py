@@ -13,6 +13,7 @@ Micro-batch sizes are the divisors of the per-rank batch (or the pinned size; wi
 knob offer their `search_variants` (`fraction`: `strategies.checkpointing_fraction` when pinned, else
 `planner.checkpointing_fractions`); variants that recompute the same blocks as another candidate are
 dropped as duplicates. With one rank, `auto` sharding is `none`: every other layout shards nothing there.
+A loss that cannot run with a sharding (`chunked` on DeepSpeed ZeRO-3) leaves the grid for that sharding.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from memtrain.plan import (
 from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import REGISTRIES
 from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import PRECISION
 from memtrain.strategies.registry import DeviceFacts
-from memtrain.strategies.sharding import SHARDING
+from memtrain.strategies.sharding import SHARDING, Sharding
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     precisions = allowed("precision", _auto_precisions(facts))
     optimizers = allowed("optimizer_states", REGISTRIES["optimizer_states"].names())
     modes = allowed("checkpointing", REGISTRIES["checkpointing"].names())
+    losses = allowed("loss", REGISTRIES["loss"].names())
     multi_rank = tuple(cls.name for cls in SHARDING if cls.multi_rank) if world_size > 1 else ("none",)
     shardings = _allowed(
         "strategies.sharding",
@@ -116,22 +119,42 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                     (f"strategies.sharding={sharding.name} with precision {precision.name}", str(exc))
                 )
                 continue
-            for mode in checkpointing:
-                for optimizer in optimizers:
-                    for size in sizes:
-                        candidates.append(
-                            Plan(
-                                precision,
-                                mode,
-                                optimizer,
-                                sharding,
-                                micro_batching(recipe, per_rank, size),
-                                world_size,
-                                adapters,
-                                quantization,
+            for loss in _with_sharding(losses, sharding, _pinned(s.loss) and _pinned(s.sharding), excluded):
+                for mode in checkpointing:
+                    for optimizer in optimizers:
+                        for size in sizes:
+                            candidates.append(
+                                Plan(
+                                    precision,
+                                    mode,
+                                    optimizer,
+                                    sharding,
+                                    micro_batching(recipe, per_rank, size),
+                                    world_size,
+                                    adapters,
+                                    quantization,
+                                    loss,
+                                )
                             )
-                        )
     return Grid(tuple(candidates), tuple(excluded))
+
+
+def _with_sharding(
+    losses: Sequence[Loss], sharding: Sharding, pinned: bool, excluded: list[tuple[str, str]]
+) -> list[Loss]:
+    """The losses that can run with `sharding` (a pinned pair that cannot is the user's error)."""
+    kept = []
+    for loss in losses:
+        try:
+            loss.check_sharding(sharding)
+            kept.append(loss)
+        except Unsupported as exc:
+            if pinned:
+                raise
+            reason = (f"strategies.loss={loss.name} with sharding {sharding.name}", str(exc))
+            if reason not in excluded:
+                excluded.append(reason)
+    return kept
 
 
 def _auto_precisions(facts: DeviceFacts) -> list[str]:

@@ -8,6 +8,7 @@ each a count (FLOPs, bytes) divided by a rate:
   the precision's compute class, slowed by small micro-batches: a micro-batch of t tokens runs at t / (t + t_half) of full speed;
 - recompute: checkpointed blocks run their forward again (`Checkpointing.recompute`: "forward", all of
   it; "elementwise", a device-dependent share);
+- the loss: `chunked` runs the head's forward again in backward (2 FLOPs per head weight per token);
 - a fixed cost per micro-step (kernel launches, Python, hooks), which makes accumulation cost something;
 - the optimizer step: bytes of weights, gradients and states it streams, at device-memory bandwidth, times
   the state format's `relative_step_cost` (dequantising 8-bit states costs more than fp32 AdamW);
@@ -87,6 +88,7 @@ class Workload:
     seq_len: int
     rows_per_step: int  # sequences per rank per step
     world_size: int
+    head_numel: int = 0  # the output head's weight (a chunked loss recomputes its forward)
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,8 @@ class CostModel:
         share = {"forward": 1.0, "elementwise": s.selective_recompute}.get(plan.checkpointing.recompute, 0.0)
         calls = micro_steps * sum(recomputed) if plan.checkpointing.recompute != "none" else 0
         recompute = forward_of_blocks * recomputed_share * share + calls * s.checkpoint_call_s
+        if plan.loss.recomputes_head:
+            recompute += tokens * 2 * w.head_numel / rate
         factor = plan.optimizer_states.relative_step_cost.get(device_type, 1.0)
         optimizer = 2 * state_bytes / s.memory_bandwidth * factor
         communication = self._communication(w, plan, micro_steps) * (1 - COMM_OVERLAP)

@@ -3,7 +3,7 @@
 The shape (every parameter's size, block and whether it trains; leading dimensions for FSDP2's padding;
 buffer bytes) comes from the trainer's `build_model()` on the meta device: no memory, a 70B model in
 about a second. Activations come from `activations.trace_step` under fake tensors, at two micro-batch
-sizes, once per (precision, checkpointing mode); the fits are cached, so a search over hundreds of
+sizes, once per (precision, checkpointing mode, loss); the fits are cached, so a search over hundreds of
 candidates costs a handful of traces. When the trainer can build the model at a reduced depth
 (`ModelSpec.build_clone`), a clone of at most three blocks is traced; otherwise the whole model is.
 
@@ -29,6 +29,7 @@ from memtrain.planner.spec import Batch, ModelSpec
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import model_shape, output_head
 from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 
@@ -48,8 +49,9 @@ class ModelProbe:
     linear_weights: frozenset[str] = field(init=False)  # what base quantisation would store in 4/8 bits
     seq_len: int = field(init=False)
     row_bytes: int = field(init=False)
-    _fits: dict[tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None], FittedTrace] = field(
-        init=False, default_factory=dict
+    head_numel: int = field(init=False)  # the output head's weight (what `chunked` recomputes)
+    _fits: dict[tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss], FittedTrace] = (
+        field(init=False, default_factory=dict)
     )
 
     def __post_init__(self) -> None:
@@ -67,6 +69,8 @@ class ModelProbe:
             ) from exc
         self.shape = model_shape(model, blocks)
         head = output_head(model)
+        weight = None if head is None else getattr(model.get_submodule(head), "weight", None)
+        self.head_numel = weight.numel() if isinstance(weight, torch.Tensor) else 0
         self.linear_weights = frozenset(
             f"{name}.weight"
             for name, module in model.named_modules()
@@ -93,17 +97,21 @@ class ModelProbe:
         mode: Checkpointing,
         rows: tuple[int, int],
         weights_dtype: torch.dtype | None = None,
+        loss: Loss | None = None,
     ) -> FittedTrace:
         """The activation fit for one precision and one traced checkpointing mode, drawn through traces at
         the smallest and the largest micro-batch rows the search considers (cached). `weights_dtype`: the
-        sharding backend hands the forward weights of this dtype (FSDP2's and DeepSpeed's bf16-mixed)."""
+        sharding backend hands the forward weights of this dtype (FSDP2's and DeepSpeed's bf16-mixed).
+        `loss`: the plan's loss strategy (standard by default)."""
+        loss = loss or Loss()
         if rows[0] == rows[1]:
             rows = (rows[0], 2 * rows[0])
-        key = (precision, mode, rows, weights_dtype)
+        key = (precision, mode, rows, weights_dtype, loss)
         if key not in self._fits:
             clone = self.spec.build_clone
             depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
             weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
+            weights += f", loss {loss.describe()}" if loss.name != "standard" else ""
             self.progress(
                 f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
                 f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens)"
@@ -122,6 +130,7 @@ class ModelProbe:
                         weights_dtype,
                         self.adapters,
                         self.quantization,
+                        loss,
                     )
                     for count in rows
                 )

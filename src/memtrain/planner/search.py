@@ -61,9 +61,10 @@ def search(
         try:
             scored.append(evaluation.score(candidate))
         except Unsupported as exc:  # the trace of this precision and mode failed
+            loss = f" and loss={candidate.loss.name}" if candidate.loss.name != "standard" else ""
             reason = (
                 f"strategies.precision={candidate.precision.name} with "
-                f"checkpointing={candidate.checkpointing.describe()}",
+                f"checkpointing={candidate.checkpointing.describe()}{loss}",
                 str(exc),
             )
             if reason not in excluded:
@@ -102,6 +103,7 @@ class _Evaluation:
             block_numel=sum(p.numel for p in probe.shape.params if p.block is not None),
             num_blocks=probe.num_blocks,
             hidden=probe.hidden_size,
+            head_numel=probe.head_numel,
             seq_len=seq,
             rows_per_step=per_rank,
             world_size=target.world_size,
@@ -121,7 +123,15 @@ class _Evaluation:
             weights = torch.bfloat16 if plan.sharding.hands_bf16_weights(plan.precision) else None
             traces = _traces(probe, plan, target.device_type, self.rows, weights)
             replicated = plan.sharding.replicated
-            key = (plan.precision, plan.checkpointing, tokens, micro_steps > 1, replicated, weights)
+            key = (
+                plan.precision,
+                plan.checkpointing,
+                plan.loss,
+                tokens,
+                micro_steps > 1,
+                replicated,
+                weights,
+            )
             if key not in self.walks:
                 modes = plan.checkpointing.block_modes(probe.num_blocks, target.device_type)
                 self.walks[key] = step_walk(traces, modes, tokens, micro_steps, replicated)
@@ -190,7 +200,10 @@ def _traces(
     probe: ModelProbe, plan: Plan, device_type: str, rows: tuple[int, int], weights_dtype: torch.dtype | None
 ) -> Traces:
     mode = plan.checkpointing
-    traces = {m: probe.trace(plan.precision, m, rows, weights_dtype) for m in mode.traced_modes(device_type)}
+    traces = {
+        m: probe.trace(plan.precision, m, rows, weights_dtype, plan.loss)
+        for m in mode.traced_modes(device_type)
+    }
     if mode.offloads_activations and device_type == "cuda":
         traces[mode] = offload_trace(traces[NoCheckpointing()], traces[FullCheckpointing()])
     return traces

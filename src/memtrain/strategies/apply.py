@@ -2,7 +2,8 @@
 
 The order (as torchtitan's parallelize does it): adapters (LoRA layers added, the base frozen) ->
 precision module swaps (fp8's float8 linears) ->
-activation checkpointing (wraps the blocks' forwards) -> the precision's stored dtype -> [device ->
+activation checkpointing (wraps the blocks' forwards) -> the loss (binds to the model; `chunked` defers the
+output head's forward to it) -> the precision's stored dtype -> [device ->
 sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
 plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
 around the trainer's `build_optimizer`].
@@ -26,6 +27,7 @@ from memtrain.errors import Unsupported
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 from memtrain.strategies.sharding.base import ShardingBackend
@@ -56,6 +58,7 @@ def apply_strategies(
     load_weights: LoadWeights | None = None,
     adapters: Adapters | None = None,
     quantization: Quantization | None = None,
+    loss: Loss | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
@@ -88,6 +91,8 @@ def apply_strategies(
     adapters.apply(model)
     precision.swap_modules(model, blocks)
     checkpointing.apply(model, blocks)
+    head_name = output_head(model)
+    (loss or Loss()).apply(model, None if head_name is None else model.get_submodule(head_name))
     dtype = weights_dtype or precision.stored_dtype
     if dtype != torch.float32:
         cast_floating(model, dtype)

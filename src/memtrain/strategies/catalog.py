@@ -11,6 +11,7 @@ from typing import Any
 
 from memtrain.strategies.adapters import ADAPTERS
 from memtrain.strategies.checkpointing import CHECKPOINTING
+from memtrain.strategies.loss import LOSS
 from memtrain.strategies.micro_batching import MICRO_BATCHING
 from memtrain.strategies.optimizer import OPTIMIZER_STATES
 from memtrain.strategies.precision import PRECISION
@@ -23,6 +24,7 @@ REGISTRIES: dict[str, Registry[Any]] = {
     "adapters": ADAPTERS,
     "precision": PRECISION,
     "checkpointing": CHECKPOINTING,
+    "loss": LOSS,
     "optimizer_states": OPTIMIZER_STATES,
     "sharding": SHARDING,
     "micro_batching": MICRO_BATCHING,
@@ -30,4 +32,4 @@ REGISTRIES: dict[str, Registry[Any]] = {
 
 # Kinds a recipe chooses by name under `strategies:` (micro-batching comes from `batch:`, adapters from
 # `adapters:`: they change the model, so the planner never chooses them).
-RECIPE_KINDS = ("precision", "checkpointing", "optimizer_states", "sharding")
+RECIPE_KINDS = ("precision", "checkpointing", "loss", "optimizer_states", "sharding")

@@ -31,7 +31,7 @@ import gc
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from torch import nn
 
 from memtrain import checkpoint as ckpt
 from memtrain import json_out
-from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
+from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
 from memtrain.errors import MemtrainError, PlanError, TrainingStopped
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.plan import Plan
@@ -52,6 +52,7 @@ from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.blocks import discover_blocks, model_shape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
+from memtrain.training import lineage, run_lock
 from memtrain.training.loggers import (
     ProgressLine,
     check_loggers,
@@ -76,7 +77,8 @@ class FitResult:
     losses: list[float] = field(default_factory=list)
     eval_losses: dict[int, float] = field(default_factory=dict)
     steps_done: int = 0
-    preempted: bool = False  # stopped by SIGTERM after a checkpoint
+    preempted: bool = False  # stopped by a signal after a checkpoint
+    stopped_by: str | None = None  # that signal: "SIGTERM" (exit 0) or "SIGINT" (Ctrl-C, exit 130)
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -108,6 +110,7 @@ class Trainer:
         self.memory_reports: list[StepMemory] = []
         self.oom_events: list[dict[str, Any]] = []  # out-of-memory errors recovered from, in order
         self.device_peaks: list[int] = []  # the cheap per-step peak, kept beside tracked reports
+        self.segment: lineage.Segment | None = None  # rank 0: the lineage fit() continues (in meta.json)
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -261,6 +264,7 @@ class Trainer:
             load_weights=self.load_weights,
             adapters=plan.adapters,
             quantization=plan.quantization,
+            loss=plan.loss,
         )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         memory = self.recipe.memory
@@ -271,19 +275,47 @@ class Trainer:
                 budget_bytes=int(memory.budget) if memory.budget is not None else None,
                 device=self.env.device,
             )
+        # What would fail late (an output directory that cannot take a checkpoint, a full disk, a budget
+        # below the weights) fails now: rank 0 checks, every rank raises.
+        from memtrain.training import preflight
 
-    def fit(self, resume: str | Path | bool | None = None) -> FitResult:
+        found = []
+        if self.env.is_main:
+            found = preflight.run_problems(self.recipe, plan, self.plan_result, sharding.unwrap(self.model))
+        preflight.agree(found, self._any_rank(bool(found)))
+
+    def close(self) -> None:
+        """Free the model and optimizer, then leave the process group. The order matters under gloo: a
+        DDP reducer holds the group, and freeing the reducer after the group has left the registry runs
+        the group's destructor while holding the GIL, which deadlocks with a gloo thread that still needs
+        the GIL to release the last collective's tensors (pytorch#56297). Freed first, the reducer drops
+        its reference while the registry still holds one, and the group is destroyed by
+        `destroy_process_group`, which releases the GIL."""
+        self.model = None
+        self.optimizer = None
+        gc.collect()
+        shutdown(self.env)
+
+    def fit(self, resume: str | Path | bool | None = None, allow_recipe_change: bool = False) -> FitResult:
         """Train `train.steps` steps. `resume=True` continues from the run's newest checkpoint, a path
         from that checkpoint (or the newest under that directory), "auto" from the newest checkpoint
-        if the run has one (else it starts fresh)."""
-        output = self.recipe.output
-        check_loggers(output.loggers)  # a missing package fails before the model is built
+        if the run has one (else it starts fresh). A checkpoint older than the run's newest truncates
+        the run, one of another run forks it (`memtrain.training.lineage`); a resume whose recipe
+        changes the training needs `allow_recipe_change`. One process at a time writes a run directory
+        (`memtrain.training.run_lock`)."""
+        check_loggers(self.recipe.output.loggers)  # a missing package fails before the model is built
         if self.model is None:
             self.setup()
+        with self._run_dir_lock():  # before anything in the run directory is written or cleaned
+            return self._fit(resume, allow_recipe_change)
+
+    def _fit(self, resume: str | Path | bool | None, allow_recipe_change: bool) -> FitResult:
+        output = self.recipe.output
         assert self.model is not None and self.optimizer is not None
+        self._recover_run_dir()
         if resume == "auto":
             resume = bool(ckpt.list_checkpoints(self.checkpoint_root))
-        start_step = self._restore(resume) if resume else self._fresh_run_dir()
+        start_step = self._restore(resume, allow_recipe_change) if resume else self._fresh_run_dir()
         result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start_step)
         loggers = make_loggers(
             output.loggers, self.run_dir, self.recipe, self.env.is_main, start_step if resume else None
@@ -331,11 +363,13 @@ class Trainer:
                     )
                 if self._any_rank(preemption.raised):
                     result.preempted = True
+                    interrupted = self._any_rank(preemption.signal_name == "SIGINT")  # Ctrl-C wins
+                    result.stopped_by = "SIGINT" if interrupted else "SIGTERM"
                     self.save_checkpoint(step + 1)
                     if self.env.is_main:
                         print(
-                            f"[memtrain] SIGTERM: stopped after step {step + 1} with a checkpoint; "
-                            "continue with --resume",
+                            f"[memtrain] {result.stopped_by}: stopped after step {step + 1} with a "
+                            "checkpoint; continue with --resume",
                             flush=True,
                         )
                     break
@@ -614,48 +648,76 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def save_checkpoint(self, step: int) -> Path:
-        """Atomically save everything needed to continue exactly after `step` steps."""
+        """Atomically save everything needed to continue exactly after `step` steps. A full disk (or
+        quota) on any rank is the same one-line `DiskFullError` on every rank: the staging directory is
+        removed and the previous checkpoint stays."""
         assert self.model is not None and self.optimizer is not None
         root = self.checkpoint_root
         staging = ckpt.staging_dir(root, step)
         if self.env.is_main:
             ckpt.begin_save(root, step)
         barrier(self.env)
+        self._save_agreed(step, lambda: self._write_checkpoint_files(staging))
+        self._save_agreed(step, lambda: self._commit_checkpoint(step) if self.env.is_main else None)
+        return root / ckpt.step_dir_name(step)
+
+    def _write_checkpoint_files(self, staging: Path) -> None:
+        assert self.model is not None and self.optimizer is not None
         self._sharding.save(staging, self.model, self.optimizer, self.env)
         if self.env.is_main and self.scaler is not None:
             ckpt.save_tensor_file(staging / "grad_scaler.pt", self.scaler.state_dict())
         ckpt.save_tensor_file(staging / f"rng_rank{self.env.rank}.pt", ckpt.rng_state())
-        barrier(self.env)
-        final = root / ckpt.step_dir_name(step)
-        if self.env.is_main:
-            meta = {
-                "step": step,
-                "world_size": self.env.world_size,
-                "plan": self.plan.to_dict(),
-                "recipe_fingerprint": self.recipe.fingerprint(),
-                "skipped_steps": self.skipped_steps,
-                "model_section": self.recipe.to_dict()["model"],
-                "saved_at": time.time(),
-            }
-            final = ckpt.commit_save(root, step, meta, self.recipe.checkpoint.keep)
-        barrier(self.env)
-        return final
 
-    def _restore(self, resume: str | Path | bool) -> int:
+    def _commit_checkpoint(self, step: int) -> None:
+        segment = self.segment
+        recipe = self.recipe.to_dict()
+        meta = {
+            "step": step,
+            "world_size": self.env.world_size,
+            "plan": self.plan.to_dict(),
+            "recipe_fingerprint": self.recipe.fingerprint(),
+            "recipe": recipe,  # what a resume compares its recipe with (lineage.check_recipe)
+            "lineage": segment.lineage if segment is not None else None,
+            "parent": segment.parent if segment is not None else None,
+            "skipped_steps": self.skipped_steps,
+            "model_section": recipe["model"],
+            "saved_at": time.time(),
+        }
+        ckpt.commit_save(self.checkpoint_root, step, meta, self.recipe.checkpoint.keep)
+
+    def _save_agreed(self, step: int, write: Callable[[], None]) -> None:
+        """Run one part of a save, then agree with the other ranks (this is the save's barrier), so that a
+        full disk on one rank stops every rank with the same error instead of leaving them waiting."""
+        full = False
+        try:
+            write()
+        except Exception as exc:
+            if not ckpt.is_disk_full(exc):
+                raise
+            full = True
+        if self._any_rank(full):
+            if self.env.is_main:
+                ckpt.abort_save(self.checkpoint_root, step)
+            raise ckpt.disk_full_error(self.checkpoint_root, step) from None
+
+    def _restore(self, resume: str | Path | bool, allow_recipe_change: bool = False) -> int:
         """Load the checkpoint to resume from; with `checkpoint.fallback`, an unreadable newest checkpoint
         falls back to the previous one (the error names each file that failed). The ranks agree on each
-        candidate, so a file only one rank reads (its RNG state) moves them all to the same checkpoint."""
+        candidate, so a file only one rank reads (its RNG state) moves them all to the same checkpoint.
+        Then the run's lineage goes on from the checkpoint loaded (`_continue_lineage`)."""
         location = self.checkpoint_root if resume is True else Path(str(resume))
         found = ckpt.find_checkpoint(location)
+        event = self._resume_event(found)
         candidates = [found]
         if self.recipe.checkpoint.fallback and found.path.parent == location:
             candidates += [c for c in reversed(ckpt.list_checkpoints(location)) if c.step < found.step]
         for index, candidate in enumerate(candidates):
             try:
-                step, problem = self._load_checkpoint(candidate), None
+                step, problem = self._load_checkpoint(candidate, allow_recipe_change), None
             except ckpt.CheckpointError as exc:
                 step, problem = -1, str(exc)
             if not self._any_rank(problem is not None):
+                self._continue_lineage(event, candidate)
                 return step
             problem = problem or f"{candidate.path}: another rank could not load it (see its error)"
             if index + 1 == len(candidates):
@@ -664,11 +726,27 @@ class Trainer:
                 print(f"[memtrain] {problem}; falling back to {candidates[index + 1].path}", flush=True)
         raise AssertionError("unreachable")
 
-    def _load_checkpoint(self, found: ckpt.Checkpoint) -> int:
-        """Load `found` into the run; the plan changes only once every file has loaded."""
+    def _resume_event(self, found: ckpt.Checkpoint) -> str:
+        """'resume' from this run's newest checkpoint, 'truncate' from an older one of this run, 'fork'
+        from another run's (this run must hold no checkpoint then)."""
+        own = ckpt.list_checkpoints(self.checkpoint_root)
+        if found.path.parent.resolve() == self.checkpoint_root.resolve():
+            return "truncate" if found.step < own[-1].step else "resume"
+        if own:
+            raise ckpt.CheckpointError(
+                f"{found.path} belongs to another run: resuming from it forks that run into run.output_dir "
+                f"{self.run_dir}, which already holds checkpoints (newest: step {own[-1].step}); set "
+                "run.output_dir to a new directory, or resume from a checkpoint of this run"
+            )
+        return "fork"
+
+    def _load_checkpoint(self, found: ckpt.Checkpoint, allow_recipe_change: bool = False) -> int:
+        """Load `found` into the run; the plan changes only once every file has loaded. A recipe that
+        changes the training is refused first (`lineage.check_recipe`) unless `allow_recipe_change`."""
         assert self.model is not None and self.optimizer is not None
         meta = found.meta
-        if meta.get("model_section") != self.recipe.to_dict()["model"]:
+        current = self.recipe.to_dict()
+        if meta.get("model_section") != current["model"]:
             raise ckpt.CheckpointError(
                 f"{found.path / 'meta.json'}: saved for a different model section; resume with the same "
                 "model: settings or start a new run.output_dir"
@@ -677,6 +755,9 @@ class Trainer:
             raise ckpt.CheckpointError(
                 f"{found.path}: is at step {found.step}, past train.steps={self.recipe.train.steps}"
             )
+        if not allow_recipe_change:
+            unfinished = lineage.unfinished_segment(self.run_dir, found, meta)
+            lineage.check_recipe(found, meta, current, unfinished["recipe"] if unfinished else None)
         optimizer_file = found.path / "optimizer.pt"
         try:
             self._sharding.load(found.path, self.model, self.optimizer, self.env)
@@ -725,6 +806,26 @@ class Trainer:
         ):
             self.plan = self.plan.replace(micro_batching=micro)
 
+    def _continue_lineage(self, event: str, loaded: ckpt.Checkpoint) -> None:
+        """Rank 0 (which alone writes meta.json): start this segment of the run's lineage
+        (`memtrain.training.lineage`) from the checkpoint just loaded, and record it. Its lineage id is a
+        new one unless it resumes the newest checkpoint's, or continues a segment that started from the
+        same checkpoint and died before saving."""
+        if not self.env.is_main:
+            return
+        meta = loaded.meta
+        unfinished = lineage.unfinished_segment(self.run_dir, loaded, meta) if event != "truncate" else None
+        if unfinished is not None:
+            lineage_id = str(unfinished["lineage"])
+        elif event == "resume" and meta.get("lineage"):
+            lineage_id = str(meta["lineage"])
+        else:
+            lineage_id = lineage.new_lineage_id()
+        self.segment = lineage.Segment(lineage_id, lineage.parent_of(loaded, meta))
+        if event == "fork":
+            self._write_run_files()
+        lineage.record_segment(self.run_dir, event, self.segment, loaded, self.recipe.to_dict(), unfinished)
+
     def _fresh_run_dir(self) -> int:
         existing = ckpt.list_checkpoints(self.checkpoint_root)
         if existing:
@@ -733,11 +834,45 @@ class Trainer:
                 "pass --resume to continue it, or set run.output_dir to a new directory"
             )
         if self.env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._write_json(self.run_dir / "recipe.json", self.recipe.to_dict())
-            self._write_plan_json()
+            self.segment = lineage.Segment(lineage.new_lineage_id(), None)
+            self._write_run_files()
+            start = {"event": "start", "lineage": self.segment.lineage, "parent": None}
+            lineage.append_record(self.run_dir, {**start, "recipe": self.recipe.to_dict()})
         barrier(self.env)
         return 0
+
+    def _write_run_files(self) -> None:
+        """recipe.json and plan.json of a run that starts here (fresh, or forked from another run)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._write_json(self.run_dir / "recipe.json", self.recipe.to_dict())
+        self._write_plan_json()
+
+    @contextlib.contextmanager
+    def _run_dir_lock(self) -> Iterator[None]:
+        """Rank 0 holds the run directory's lock (`run_lock`) while the body runs; the ranks agree on
+        whether it got it, so every rank stops with the same error and none waits in a collective."""
+        held: run_lock.RunLock | None = None
+        in_use: run_lock.RunDirInUse | None = None
+        if self.env.is_main:
+            try:
+                held = run_lock.acquire(self.run_dir)
+            except run_lock.RunDirInUse as exc:
+                in_use = exc
+        if self._any_rank(in_use is not None):
+            raise in_use or run_lock.in_use_error(self.run_dir)
+        try:
+            yield
+        finally:
+            if held is not None:
+                held.release()
+
+    def _recover_run_dir(self) -> None:
+        """Rank 0, under the lock, before any rank lists checkpoints: put back a checkpoint a crash left
+        renamed aside, remove stale staging directories, finish a truncation a crash interrupted."""
+        if self.env.is_main:
+            ckpt.recover(self.checkpoint_root)
+            lineage.finish_truncation(self.run_dir)
+        barrier(self.env)
 
     # ------------------------------------------------------------------------------------ helpers
 

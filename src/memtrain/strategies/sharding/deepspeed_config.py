@@ -18,6 +18,12 @@ Generated defaults that are not owned: bucket sizes are DeepSpeed's defaults cap
 size (the ZeRO-2 reduce bucket is allocated whole in every backward: 5e8 elements are 2 GB in fp32
 whatever the model), progress printing off, and `zero_force_ds_cpu_optimizer=false` so that offload
 keeps the recipe's torch optimizer (DeepSpeedCPUAdam would change the numerics).
+
+The user's JSON is checked when it is read (`read_user_config`, before the model is built): sections
+that must be objects are objects, the keys memtrain sets or owns have JSON values of their type, and
+the forbidden sections are absent. `training.deepspeed_checks` adds the contradictions the recipe alone decides
+(ZeRO stage, precision, clipping, offload, batch sizes when pinned), so `memtrain validate` reports
+them without a plan.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from memtrain.errors import RecipeError
+from memtrain.errors import RecipeError, shortened
 from memtrain.jsonfile import read_json_object
 
 DEEPSPEED_BUCKET_DEFAULT = 500_000_000  # reduce/allgather bucket elements (DeepSpeed's default)
@@ -36,6 +42,31 @@ FORBIDDEN_SECTIONS = {
     "optimizer": "memtrain builds the optimizer from train: (and strategies.optimizer_states)",
     "scheduler": "memtrain sets the learning rate every step from train: (lr, warmup_steps, min_lr_ratio)",
 }
+SECTIONS = (
+    "zero_optimization",
+    "zero_optimization.offload_optimizer",
+    "zero_optimization.offload_param",
+    "bf16",
+    "fp16",
+)
+"""Dotted keys that must hold JSON objects when present (memtrain sets keys inside them)."""
+KEY_TYPES: dict[str, str] = {
+    "train_micro_batch_size_per_gpu": "integer",
+    "gradient_accumulation_steps": "integer",
+    "train_batch_size": "integer",
+    "gradient_clipping": "number",
+    "zero_optimization.stage": "integer",
+    "zero_optimization.offload_optimizer.device": "string",
+    "zero_optimization.offload_param.device": "string",
+    "bf16.enabled": "boolean",
+    "fp16.enabled": "boolean",
+    "steps_per_print": "integer",
+    "zero_force_ds_cpu_optimizer": "boolean",
+    "zero_optimization.reduce_bucket_size": "number",
+    "zero_optimization.allgather_bucket_size": "number",
+    "zero_optimization.stage3_prefetch_bucket_size": "number",
+}
+"""The JSON type of each key memtrain owns or generates (owned keys also take "auto")."""
 
 
 @dataclass(frozen=True)
@@ -84,24 +115,52 @@ def default_keys(plan: DeepSpeedPlan) -> dict[str, Any]:
 
 
 def read_user_config(path: str) -> dict[str, Any]:
-    return read_json_object(path, USER_KEY)
+    """The user's JSON; `RecipeError` listing every section of the wrong shape, key of the wrong type and
+    forbidden section."""
+    user = read_json_object(path, USER_KEY)
+    problems = shape_problems(user)
+    if problems:
+        raise RecipeError(problems)
+    return user
 
 
-def build_config(plan: DeepSpeedPlan, user: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The config DeepSpeed runs with; `RecipeError` lists every user key that contradicts the plan."""
-    user = user or {}
+def shape_problems(user: dict[str, Any]) -> list[str]:
+    """Forbidden sections, sections that are not objects, and owned or generated keys of the wrong type."""
     problems = [
         f"{USER_KEY}: remove the {section!r} section ({why})"
         for section, why in FORBIDDEN_SECTIONS.items()
         if section in user
     ]
-    for key, value in owned_keys(plan).items():
+    for section in SECTIONS:
+        found, value = _get(user, section)
+        if found and not isinstance(value, dict):
+            problems.append(f"{USER_KEY}: {section} must be a JSON object (got {shortened(value)})")
+    for key, kind in KEY_TYPES.items():
+        found, value = _get(user, key)
+        auto = value == "auto" and key not in ("steps_per_print", "zero_force_ds_cpu_optimizer")
+        if found and not auto and not _is(value, kind):
+            problems.append(f"{USER_KEY}: {key} must be a JSON {kind} (got {shortened(value)})")
+    return problems
+
+
+def contradictions(user: dict[str, Any], owned: dict[str, Any]) -> list[str]:
+    """A line for every key of `owned` that the user's JSON sets to another value of its type ("auto"
+    agrees; a value of the wrong type is `shape_problems`' to report)."""
+    problems = []
+    for key, value in owned.items():
         found, given = _get(user, key)
-        if found and given != "auto" and not _same(given, value):
+        if found and given != "auto" and _is(given, KEY_TYPES[key]) and not _same(given, value):
             problems.append(
-                f"{USER_KEY}: {key}={given!r} contradicts the recipe's plan ({key}={value!r}); remove it from the "
-                "JSON or change the recipe"
+                f"{USER_KEY}: {key}={shortened(given)} contradicts the recipe's plan ({key}={value!r}); remove it "
+                "from the JSON or change the recipe"
             )
+    return problems
+
+
+def build_config(plan: DeepSpeedPlan, user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config DeepSpeed runs with; `RecipeError` lists every user key that contradicts the plan."""
+    user = user or {}
+    problems = shape_problems(user) + contradictions(user, owned_keys(plan))
     if problems:
         raise RecipeError(problems)
     config: dict[str, Any] = {}
@@ -111,6 +170,20 @@ def build_config(plan: DeepSpeedPlan, user: dict[str, Any] | None = None) -> dic
     for key, value in owned_keys(plan).items():
         _set(config, key, value)
     return config
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "boolean" or isinstance(value, bool):
+        return kind == "boolean" and isinstance(value, bool)
+    if kind == "integer":
+        return isinstance(value, int)
+    if kind == "number":
+        return isinstance(value, (int, float))
+    return isinstance(value, str)
+
+
+def names(choice: str | list[str]) -> list[str]:
+    return [choice] if isinstance(choice, str) else choice
 
 
 def _same(given: Any, wanted: Any) -> bool:

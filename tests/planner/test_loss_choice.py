@@ -1,0 +1,64 @@
+"""The planner's loss choice: `chunked` when it lets a faster plan fit, `standard` when memory is to spare
+(the same plan minus the head's recompute), and `standard` only for a model that post-processes logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from memtrain.strategies.loss import Chunked, Loss
+
+from planner_cases import MODEL, cpu_target, plan_on, planner_recipe
+
+BIG_VOCAB = {**MODEL, "vocab_size": 8192, "num_hidden_layers": 2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> object:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_chunked_when_it_lets_a_faster_plan_fit(tmp_path: Path) -> None:
+    recipe = planner_recipe(
+        tmp_path, model={"config": BIG_VOCAB}, strategies={"loss": "auto", "loss_chunk_tokens": 32}
+    )
+    plentiful = plan_on(recipe, cpu_target())
+    fastest = plentiful.plan
+    assert fastest.loss == Loss()  # memory to spare: the same plan without the head's recompute
+    scored = {(s.plan.loss.name, s.plan.replace(loss=Loss())): s for s in plentiful.ranked}
+    with_chunked = scored[("chunked", fastest)]
+    assert with_chunked.prediction.peak < scored[("standard", fastest)].prediction.peak
+    # a budget the fastest plan fits only with the chunked loss: the planner takes it over every standard
+    # plan that fits (smaller micro-batches, recomputation), which are slower
+    tight = plan_on(recipe, cpu_target(with_chunked.prediction.peak))
+    assert tight.plan == fastest.replace(loss=Chunked(32)), tight.plan.describe()
+    standard_fits = [s for s in tight.ranked if s.plan.loss == Loss()]
+    assert standard_fits and all(s.cost.total > tight.chosen.cost.total for s in standard_fits)
+
+
+def test_softcapping_model_plans_with_standard(tmp_path: Path) -> None:
+    gemma2 = {
+        "model_type": "gemma2",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+    }
+    recipe = planner_recipe(
+        tmp_path,
+        model={"config": gemma2, "attn_implementation": "eager"},
+        strategies={"loss": "auto", "checkpointing": "none", "optimizer_states": "fp32"},
+    )
+    result = plan_on(recipe, cpu_target())
+    assert result.plan.loss == Loss()
+    assert all(s.plan.loss == Loss() for s in (*result.ranked, *result.infeasible))
+    assert any("final_logit_softcapping" in reason for _, reason in result.excluded), result.excluded

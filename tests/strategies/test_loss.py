@@ -1,0 +1,150 @@
+"""The loss strategy: `chunked` computes what `standard` computes (loss and gradients), keeps a fraction of
+its memory at a large vocabulary, and is refused for models whose logits are not `head(hidden)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from memtrain.causal_lm.trainer import CausalLMTrainer, check_chunked_loss
+from memtrain.errors import Unsupported
+from memtrain.memory import MemoryTracker
+from memtrain.plan import Plan
+from memtrain.strategies.apply import apply_strategies
+from memtrain.strategies.blocks import discover_blocks
+from memtrain.strategies.checkpointing import NoCheckpointing
+from memtrain.strategies.loss import Chunked, Loss, bound_loss
+from memtrain.strategies.precision import BF16Mixed, Precision
+
+from helpers import TINY_LLAMA, tiny_recipe
+
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 64,
+    "vocab_size": 96,
+}
+
+
+def _model(config: dict[str, Any], loss: Loss, precision: Precision | None = None) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    apply_strategies(model, discover_blocks(model), precision or Precision(), NoCheckpointing(), loss=loss)
+    return model
+
+
+def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    binding = bound_loss(model)
+    with binding.deferring_head():
+        output = model(input_ids=ids, use_cache=False).logits
+    loss = binding(output, labels, -100)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _batch(vocab: int, rows: int = 3, seq: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (rows, seq), generator=generator)
+    labels = torch.randint(0, vocab, (rows, seq), generator=generator)
+    labels[0, :5] = -100  # prompt tokens without loss
+    labels[2, -3:] = -100  # padding
+    return ids, labels
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, TINY_GPT2], ids=["llama", "gpt2-tied"])
+def test_chunked_equals_standard_fp32(config: dict[str, Any]) -> None:
+    ids, labels = _batch(config["vocab_size"])
+    loss, grads = _step(_model(config, Loss()), ids, labels)
+    chunked_loss, chunked_grads = _step(_model(config, Chunked(chunk_tokens=7)), ids, labels)  # 39 tokens
+    torch.testing.assert_close(chunked_loss, loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == chunked_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_chunked_equals_standard_bf16_autocast() -> None:
+    ids, labels = _batch(TINY_LLAMA["vocab_size"])
+    results = []
+    for loss in (Loss(), Chunked(chunk_tokens=5)):
+        model = _model(TINY_LLAMA, loss, BF16Mixed())
+        with BF16Mixed().autocast(torch.device("cpu")):
+            results.append(_step(model, ids, labels))
+    (loss, grads), (chunked_loss, chunked_grads) = results
+    torch.testing.assert_close(chunked_loss, loss, rtol=1e-3, atol=1e-3)
+    for name, grad in grads.items():  # bf16 matmuls over other partial sums: bf16 resolution, as a norm
+        assert (chunked_grads[name] - grad).norm() <= 1e-2 * grad.norm(), name
+
+
+def _step_peak(loss: Loss, read_loss: bool = True) -> int:
+    """The tracked peak of forward + backward of a 64-wide, 32768-token llama on 4 x 256 tokens; without
+    `read_loss`, of a loss that reads the hidden states only (the decoder's own share)."""
+    config = {**TINY_LLAMA, "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 32768}
+    config.update(max_position_embeddings=256, tie_word_embeddings=True)
+    ids, labels = _batch(32768, rows=4, seq=256)
+    model = _model(config, loss)
+    binding = bound_loss(model)
+    tracker = MemoryTracker(model)
+    with tracker:
+        tracker.begin_step(0)
+        with tracker.phase("forward"), binding.deferring_head():
+            output = model(input_ids=ids, use_cache=False).logits
+        value = binding(output, labels, -100) if read_loss else output.float().sum()
+        with tracker.phase("backward"):
+            value.backward()
+        del output, value
+        return tracker.end_step().peak_bytes
+
+
+def test_chunked_cuts_the_loss_memory_by_80_percent_at_a_32k_vocabulary() -> None:
+    decoder = _step_peak(Chunked(), read_loss=False)
+    standard = _step_peak(Loss()) - decoder
+    chunked = _step_peak(Chunked(chunk_tokens=128)) - decoder
+    print(f"loss memory: standard {standard:,} B, chunked(128) {chunked:,} B")
+    assert chunked <= 0.2 * standard, (standard, chunked)
+
+
+def test_softcapping_family_is_refused_for_chunked() -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma2", final_logit_softcapping=30.0)
+    with pytest.raises(Unsupported, match="final_logit_softcapping"):
+        check_chunked_loss(config)
+    check_chunked_loss(AutoConfig.for_model("llama"))  # a plain head: nothing to refuse
+
+
+def test_pinned_chunked_trains_like_standard(tmp_path: Path) -> None:
+    """Through the real trainer: the losses of three steps agree, and the plan records the loss."""
+    losses = []
+    for name in ("standard", "chunked"):
+        recipe = tiny_recipe(
+            tmp_path / name, train={"steps": 3}, strategies={"loss": name, "loss_chunk_tokens": 24}
+        )
+        trainer = CausalLMTrainer(recipe)
+        result = trainer.fit()
+        assert trainer.plan.loss.name == name
+        losses.append(result.losses)
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_plan_json_without_a_loss_still_loads() -> None:
+    plan = Plan.from_dict(
+        {
+            "precision": {"name": "fp32"},
+            "checkpointing": {"name": "none"},
+            "optimizer_states": {"name": "fp32"},
+            "sharding": {"name": "none"},
+            "micro_batching": {"name": "sequences", "size": 2, "accumulation_steps": 1},
+            "world_size": 1,
+        }
+    )
+    assert plan.loss == Loss()
+    assert Plan.from_dict(plan.replace(loss=Chunked(256)).to_dict()).loss == Chunked(256)
