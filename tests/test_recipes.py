@@ -117,3 +117,33 @@ def test_model_from_config_path(tmp_path: Path) -> None:
 def test_schema_lists_sections() -> None:
     schema = json_schema()
     assert {"run", "model", "data", "batch", "train", "checkpoint", "strategies"} <= set(schema["properties"])
+
+
+@pytest.mark.parametrize(
+    ("targets", "expected"),
+    [
+        (
+            ["q_proj", "аll-linеаr"],
+            "is not a module name (ASCII letters, digits, '_' and '.') (did you mean \"all-linear\"?)",
+        ),
+        (["all-linear", "q_proj"], "all-linear stands alone"),
+        (["q_proj", "v proj"], "is not a module name"),
+    ],
+)
+def test_adapter_targets_are_module_names(tmp_path: Path, targets: list[str], expected: str) -> None:
+    """peft ignores a target that matches nothing when another matches: a look-alike letter (the fuzzer's
+    Cyrillic 'а'), a space or all-linear inside a list would train without the adapters asked for."""
+    raw = tiny_recipe_dict(tmp_path, adapters={"kind": "lora", "target_modules": targets})
+    with pytest.raises(RecipeError) as caught:
+        recipe_from_dict(raw)
+    (problem,) = caught.value.problems
+    assert problem.startswith("adapters.target_modules:") and expected in problem
+
+
+def test_adapter_targets_accept_names_paths_and_all_linear(tmp_path: Path) -> None:
+    def targets(value: object) -> object:
+        raw = tiny_recipe_dict(tmp_path, adapters={"kind": "lora", "target_modules": value})
+        return recipe_from_dict(raw).adapters.target_modules
+
+    assert targets(["q_proj", "mlp.down_proj", "h.0.attn"]) == ["q_proj", "mlp.down_proj", "h.0.attn"]
+    assert targets("all-linear") == targets(["all-linear"]) == "all-linear"

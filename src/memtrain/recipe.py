@@ -41,6 +41,7 @@ PATH_KEYS = (
     "strategies.deepspeed_config",
 )
 """Recipe keys that name a file or directory (checked as paths before any is opened)."""
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")  # e.g. q_proj, mlp.down_proj, h.0.attn
 NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component, of a whole path (Linux)
 
 LoggerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
@@ -302,6 +303,27 @@ class AdaptersConfig(_Section):
     @classmethod
     def _registered(cls, value: str) -> str:
         return _registered_name("adapters", value)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, value: list[str] | str) -> list[str] | str:
+        """Each entry is a module name (suffix) as PyTorch spells them: peft silently ignores a name that
+        matches nothing when another one matches, so a typo, a look-alike letter or `all-linear` inside
+        a list would train without the adapters the user asked for."""
+        if value == ["all-linear"]:
+            return "all-linear"
+        for name in [] if isinstance(value, str) else value:
+            if name == "all-linear" and len(value) > 1:
+                raise PydanticCustomError(
+                    "module_name", "all-linear stands alone (target_modules: all-linear), not in a list"
+                )
+            if not MODULE_NAME.fullmatch(name) and name != "all-linear":
+                raise PydanticCustomError(
+                    "module_name",
+                    "{word} is not a module name (ASCII letters, digits, '_' and '.'){hint}",
+                    {"word": shortened(name), "hint": did_you_mean(name, ["all-linear"])},
+                )
+        return value
 
 
 class PlannerConfig(_Section):

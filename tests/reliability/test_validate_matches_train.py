@@ -131,6 +131,10 @@ CASES: dict[str, Case] = {
     "attention heads do not divide": _model(num_attention_heads=3, num_key_value_heads=1),
     "tokenizer larger than the vocabulary": _big_tokenizer,
     "tokenizer ids past its token count": _sparse_tokenizer,
+    "lora target matching no module": lambda tmp: (
+        _recipe(tmp, adapters={"kind": "lora", "target_modules": ["q_proj", "vproj"]}),
+        [],
+    ),
     "output_dir is a file": _output_dir("a-file"),
     "output_dir under a file": _output_dir("a-file/run"),
     "memory.budget of 1 byte, pinned plan": lambda tmp: (_recipe(tmp, memory={"budget": 1}), []),

@@ -70,6 +70,8 @@ class LoRA(Adapters):
         from peft import LoraConfig, inject_adapter_in_model
 
         targets = self.target_modules
+        if isinstance(targets, tuple):
+            check_targets(model, targets)
         config = LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,
@@ -109,3 +111,16 @@ class LoRA(Adapters):
                         layer._parameters[key] = nn.Parameter(empty, requires_grad=parameter.requires_grad)
             for adapter in list(adapters.keys()):
                 reset(adapter, True)
+
+
+def check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """`Unsupported` naming every target that matches no module: peft adapts the targets that match and
+    ignores the others, so a misspelt name would train with fewer adapters than the recipe asked for."""
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise Unsupported(
+            f"adapters.target_modules: {', '.join(map(repr, unmatched))} match no module of the model "
+            f"(its linear layers: {', '.join(leaves[:12])}{', ...' if len(leaves) > 12 else ''})"
+        )

@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 from memtrain.distributed import DistEnv
-from memtrain.errors import MemtrainError, RecipeError
+from memtrain.errors import MemtrainError, RecipeError, Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.plan import Plan, is_open, per_rank_batch, pinned_plan, quantization_of
 from memtrain.planner.result import PlanResult
 from memtrain.recipe import Recipe
+from memtrain.strategies.adapters import check_targets
 from memtrain.strategies.blocks import model_shape
 from memtrain.training import deepspeed_checks
 
@@ -113,20 +114,34 @@ def _problems_of(check: Callable[[], object]) -> list[str]:
 
 
 def model_problems(recipe: Recipe, build_model: Callable[[], nn.Module]) -> list[str]:
-    """`budget_problem` before any model exists: the recipe's pinned plan on this device (a plan this
-    device cannot run is the planner's to report), `build_model` run on the meta device."""
-    if recipe.memory.budget is None or is_open(recipe):
-        return []
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        plan = pinned_plan(recipe, DistEnv(rank=0, world_size=world_size, local_rank=0, device=device))
-    except MemtrainError:
+    """The checks that need the model, built on the meta device by `build_model` only when one applies:
+    adapter targets that match no module, and `budget_problem` for the recipe's pinned plan on this
+    device (a plan this device cannot run is the planner's to report)."""
+    targets = recipe.adapters.target_modules
+    check_adapters = recipe.adapters.kind != "none" and not isinstance(targets, str)
+    plan = _pinned_here(recipe) if recipe.memory.budget is not None and not is_open(recipe) else None
+    if not check_adapters and plan is None:
         return []
     with torch.device("meta"):
         model = build_model()
-    problem = budget_problem(recipe, plan, model_shape(model, []))
-    return [problem] if problem is not None else []
+    problems = []
+    if check_adapters:
+        try:
+            check_targets(model, tuple(targets))
+        except Unsupported as exc:
+            problems.append(str(exc))
+    problem = budget_problem(recipe, plan, model_shape(model, [])) if plan is not None else None
+    return problems + ([problem] if problem is not None else [])
+
+
+def _pinned_here(recipe: Recipe) -> Plan | None:
+    """The recipe's pinned plan on this device, or None when this device cannot run it."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        return pinned_plan(recipe, DistEnv(rank=0, world_size=world_size, local_rank=0, device=device))
+    except MemtrainError:
+        return None
 
 
 def run_problems(recipe: Recipe, plan: Plan, planned: PlanResult | None, model: nn.Module) -> list[str]:
