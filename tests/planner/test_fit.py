@@ -20,12 +20,7 @@ from planner_cases import planner_recipe
 BUDGETS = [3_200_000, 4_000_000, 5_000_000, 6_500_000, 9_000_000, 12_000_000]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> object:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

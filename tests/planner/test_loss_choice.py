@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from memtrain.strategies.loss import Chunked, Loss
 
@@ -15,12 +14,7 @@ from planner_cases import MODEL, cpu_target, plan_on, planner_recipe
 BIG_VOCAB = {**MODEL, "vocab_size": 8192, "num_hidden_layers": 2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> object:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_chunked_when_it_lets_a_faster_plan_fit(tmp_path: Path) -> None:

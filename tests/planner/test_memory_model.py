@@ -38,12 +38,7 @@ FP32, NONE = Precision(), NoCheckpointing()
 TOLERANCE = 0.02  # measured worst case here: 0.9% (a size between the two traced ones)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> object:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=[f"{p}-{c}-{o}-micro{m}" for p, c, _, o, m in PLANS])
