@@ -173,16 +173,23 @@ def _who() -> str:
     return f"memtrain (rank {rank})" if rank not in (None, "0") else "memtrain"
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write: the ranks of a job share a pipe, and `print` writes the text and
+    its newline separately, so two ranks' errors could run into one line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parse_args(_parser(), argv)  # the first import of torch (the registries): seconds
         _quiet_libraries()
         return _run(args)
     except MemtrainError as exc:
-        print(f"{_who()}: error: {exc}", file=sys.stderr)
+        _say(f"{_who()}: error: {exc}")
         return EXIT_STOPPED if isinstance(exc, TrainingStopped) else EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (in it: training.preemption)
-        print(f"{_who()}: interrupted", file=sys.stderr)
+        _say(f"{_who()}: interrupted")
         return EXIT_INTERRUPTED
 
 
