@@ -16,18 +16,9 @@ from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import RecipeError
 from memtrain.training.metrics import read_metrics
 
-from helpers import REPO, subprocess_env, tiny_recipe, tiny_recipe_dict
+from helpers import REPO, TINY_LLAMA, subprocess_env, tiny_recipe, tiny_recipe_dict
 
-MODEL = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-}
+MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "vocab_size": 256}
 LORA = {"kind": "lora", "r": 4, "alpha": 8}
 PLANS = {"fp32": {}, "bf16-mixed": {"precision": "bf16-mixed"}, "full": {"checkpointing": "full"}}
 

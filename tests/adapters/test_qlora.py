@@ -13,20 +13,11 @@ import torch
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import RecipeError
 
-from helpers import tiny_recipe
+from helpers import TINY_LLAMA, tiny_recipe
 
 pytest.importorskip("bitsandbytes")
 
-MODEL = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-}
+MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "vocab_size": 256}
 PLANS = {
     "nf4-fp32": ("nf4", {}),
     "nf4-bf16-mixed": ("nf4", {"precision": "bf16-mixed"}),
