@@ -11,7 +11,8 @@
 # Steps (time box each): setup (seconds with a CUDA torch present; 600 s when it must download one),
 # `pytest -m gpu` (60 s: fp8, paged-8bit, activation-offload streams, allocator stats, memory_viz
 # snapshot, the planner against the allocator), scripts/estimator_accuracy.py (85 s),
-# scripts/bench_fit_budget.py (200 s), scripts/bench_vs_peers.py --quick (75 s): 420 s plus setup. Outputs in DIR: summary.md and summary.json (every step's status, time and reason,
+# scripts/bench_loss.py --device cuda (45 s: standard / chunked / fused loss memory and time),
+# scripts/bench_fit_budget.py (200 s), scripts/bench_vs_peers.py --quick (75 s): 465 s plus setup. Outputs in DIR: summary.md and summary.json (every step's status, time and reason,
 # the environment, each step's own results), one .json and .md per benchmark, pytest_gpu.xml, log.txt.
 # Exit status: 0 when no step failed (skipped steps do not fail), 1 otherwise.
 #
@@ -154,7 +155,7 @@ else
   fi
 fi
 if [ $SETUP_OK = 0 ]; then
-  for name in pytest_gpu estimator_accuracy fit_budget vs_peers; do record "$name" skipped 0 "setup failed"; done
+  for name in pytest_gpu estimator_accuracy loss fit_budget vs_peers; do record "$name" skipped 0 "setup failed"; done
 else
   export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"
   export PYTHONUNBUFFERED=1
@@ -219,6 +220,7 @@ EOF
     fi
   }
   bench estimator_accuracy 85 estimator_accuracy.py --time-budget 65 -- --model tiny --seq-len 32 --plans 3
+  bench loss 45 bench_loss.py --device cuda --vocab 32768 131072 -- --vocab 4096
   bench fit_budget 200 bench_fit_budget.py --time-budget 170 -- --cpu-smoke --model tiny --seq-len 64 --budgets 24 --steps 2
   bench vs_peers 75 bench_vs_peers.py --quick --reps 1 --steps 20 --no-track -- --model tiny --reps 1 --steps 3 --tools hand,memtrain --no-track
   if [ "$CUDA" = 0 ]; then

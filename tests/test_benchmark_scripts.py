@@ -75,9 +75,10 @@ def test_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     steps = {s["step"]: s for s in summary["steps"]}
-    assert list(steps) == ["setup", "pytest_gpu", "estimator_accuracy", "fit_budget", "vs_peers"]
+    benchmarks = ("pytest_gpu", "estimator_accuracy", "loss", "fit_budget", "vs_peers")
+    assert list(steps) == ["setup", *benchmarks]
     assert steps["setup"]["status"] == "ok" and summary["failed"] == []
-    for name in ("pytest_gpu", "estimator_accuracy", "fit_budget", "vs_peers"):
+    for name in benchmarks:
         assert steps[name]["status"] == "skipped", steps[name]
         assert steps[name]["reason"].startswith("needs CUDA"), steps[name]
     assert "SKIPPED" in (tmp_path / "pytest_gpu.log").read_text()  # each gpu test printed its reason

@@ -1,5 +1,6 @@
-"""The loss strategy: `chunked` computes what `standard` computes (loss and gradients), keeps a fraction of
-its memory at a large vocabulary, and is refused for models whose logits are not `head(hidden)`."""
+"""The loss strategy: `chunked` and `fused` compute what `standard` computes (loss and gradients), keep a
+fraction of its memory at a large vocabulary, and are refused for models whose logits are not
+`head(hidden)`."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from memtrain.causal_lm.trainer import CausalLMTrainer, check_chunked_loss
+from memtrain.causal_lm.trainer import CausalLMTrainer, check_bare_head_loss
 from memtrain.errors import Unsupported
 from memtrain.memory import MemoryTracker
 from memtrain.plan import Plan
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.checkpointing import NoCheckpointing
-from memtrain.strategies.loss import Chunked, Loss, bound_loss
+from memtrain.strategies.loss import Chunked, Fused, Loss, bound_loss
 from memtrain.strategies.precision import BF16Mixed, Precision
 
 from helpers import TINY_LLAMA, tiny_recipe
@@ -60,21 +61,23 @@ def _batch(vocab: int, rows: int = 3, seq: int = 13) -> tuple[torch.Tensor, torc
     return ids, labels
 
 
+@pytest.mark.parametrize("kind", [Chunked, Fused])
 @pytest.mark.parametrize("config", [TINY_LLAMA, TINY_GPT2], ids=["llama", "gpt2-tied"])
-def test_chunked_equals_standard_fp32(config: dict[str, Any]) -> None:
+def test_chunked_and_fused_equal_standard_fp32(config: dict[str, Any], kind: type[Chunked]) -> None:
     ids, labels = _batch(config["vocab_size"])
     loss, grads = _step(_model(config, Loss()), ids, labels)
-    chunked_loss, chunked_grads = _step(_model(config, Chunked(chunk_tokens=7)), ids, labels)  # 39 tokens
+    chunked_loss, chunked_grads = _step(_model(config, kind(chunk_tokens=7)), ids, labels)  # 39 tokens
     torch.testing.assert_close(chunked_loss, loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == chunked_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_chunked_equals_standard_bf16_autocast() -> None:
+@pytest.mark.parametrize("kind", [Chunked, Fused])
+def test_chunked_and_fused_equal_standard_bf16_autocast(kind: type[Chunked]) -> None:
     ids, labels = _batch(TINY_LLAMA["vocab_size"])
     results = []
-    for loss in (Loss(), Chunked(chunk_tokens=5)):
+    for loss in (Loss(), kind(chunk_tokens=5)):
         model = _model(TINY_LLAMA, loss, BF16Mixed())
         with BF16Mixed().autocast(torch.device("cpu")):
             results.append(_step(model, ids, labels))
@@ -104,27 +107,29 @@ def _step_peak(loss: Loss, read_loss: bool = True) -> int:
         return tracker.end_step().peak_bytes
 
 
-def test_chunked_cuts_the_loss_memory_by_80_percent_at_a_32k_vocabulary() -> None:
-    decoder = _step_peak(Chunked(), read_loss=False)
+@pytest.mark.parametrize("kind", [Chunked, Fused])
+def test_chunked_and_fused_cut_the_loss_memory_by_80_percent_at_a_32k_vocabulary(kind: type[Chunked]) -> None:
+    decoder = _step_peak(kind(), read_loss=False)
     standard = _step_peak(Loss()) - decoder
-    chunked = _step_peak(Chunked(chunk_tokens=128)) - decoder
-    print(f"loss memory: standard {standard:,} B, chunked(128) {chunked:,} B")
-    assert chunked <= 0.2 * standard, (standard, chunked)
+    cut = _step_peak(kind(chunk_tokens=128)) - decoder
+    print(f"loss memory: standard {standard:,} B, {kind.name}(128) {cut:,} B")
+    assert cut <= 0.2 * standard, (standard, cut)
 
 
-def test_softcapping_family_is_refused_for_chunked() -> None:
+def test_softcapping_family_is_refused_for_chunked_and_fused() -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model("gemma2", final_logit_softcapping=30.0)
-    with pytest.raises(Unsupported, match="final_logit_softcapping"):
-        check_chunked_loss(config)
-    check_chunked_loss(AutoConfig.for_model("llama"))  # a plain head: nothing to refuse
+    for name in ("chunked", "fused"):
+        with pytest.raises(Unsupported, match=f"loss: {name} .*final_logit_softcapping"):
+            check_bare_head_loss(config, name)
+    check_bare_head_loss(AutoConfig.for_model("llama"), "fused")  # a plain head: nothing to refuse
 
 
-def test_pinned_chunked_trains_like_standard(tmp_path: Path) -> None:
+def test_pinned_chunked_and_fused_train_like_standard(tmp_path: Path) -> None:
     """Through the real trainer: the losses of three steps agree, and the plan records the loss."""
     losses = []
-    for name in ("standard", "chunked"):
+    for name in ("standard", "chunked", "fused"):
         recipe = tiny_recipe(
             tmp_path / name, train={"steps": 3}, strategies={"loss": name, "loss_chunk_tokens": 24}
         )
@@ -132,7 +137,8 @@ def test_pinned_chunked_trains_like_standard(tmp_path: Path) -> None:
         result = trainer.fit()
         assert trainer.plan.loss.name == name
         losses.append(result.losses)
-    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
+    for other in losses[1:]:
+        torch.testing.assert_close(torch.tensor(other), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
 
 
 def test_plan_json_without_a_loss_still_loads() -> None:

@@ -244,7 +244,7 @@ def _vocab_source(recipe: Recipe, ids: int) -> str:
 
 
 # Config fields of transformers families whose logits are not `head(hidden)`: (field, the value that
-# means no post-processing). A chunked loss applies the bare head, so it refuses these.
+# means no post-processing). The chunked and fused losses apply the bare head, so they refuse these.
 _LOGIT_POSTPROCESSING = (
     ("final_logit_softcapping", None),  # Gemma-2/3: tanh soft-capping
     ("logit_scale", 1.0),  # Cohere
@@ -253,14 +253,14 @@ _LOGIT_POSTPROCESSING = (
 )
 
 
-def check_chunked_loss(config: Any) -> None:
-    """`Unsupported` when the model post-processes its logits, which `strategies.loss=chunked` (the bare
-    head applied to the hidden states) would not reproduce."""
+def check_bare_head_loss(config: Any, loss: str) -> None:
+    """`Unsupported` when the model post-processes its logits, which `strategies.loss=<loss>` (chunked or
+    fused: the bare head applied to the hidden states) would not reproduce."""
     for field, plain in _LOGIT_POSTPROCESSING:
         value = getattr(config, field, plain)
         if value is not None and value != plain:
             raise Unsupported(
-                f"strategies.loss: chunked applies the bare output head, but this {config.model_type} model "
+                f"strategies.loss: {loss} applies the bare output head, but this {config.model_type} model "
                 f"post-processes its logits ({field}={value}); use strategies.loss=standard"
             )
 
@@ -301,8 +301,8 @@ class CausalLMTrainer(Trainer):
         _ = self.data  # tokenize before the model and the tracker exist (what `host_data_bytes` counts)
         if self._plan is None:
             self.choose_plan()
-        if self.plan.loss.recomputes_head:  # a pinned chunked loss this model cannot use: before building it
-            check_chunked_loss(self.model_config)
+        if self.plan.loss.applies_bare_head:  # a pinned loss this model cannot use: before building it
+            check_bare_head_loss(self.model_config, self.plan.loss.name)
         super().setup()
 
     @property
@@ -408,12 +408,12 @@ class CausalLMTrainer(Trainer):
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         # Packed rows: position ids that restart per document make transformers mask attention across them.
-        """The summed token losses and the token count, computed by the plan's loss strategy (`chunked`: the
-        model returns its hidden states and the head runs a chunk of tokens at a time)."""
+        """The summed token losses and the token count, computed by the plan's loss strategy (`chunked`,
+        `fused`: the model returns its hidden states and the loss applies the head a chunk at a time)."""
         positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         binding = bound_loss(model)
-        if binding.strategy.recomputes_head:
-            check_chunked_loss(self.model_config)
+        if binding.strategy.applies_bare_head:
+            check_bare_head_loss(self.model_config, binding.strategy.name)
         with binding.deferring_head():
             output = model(input_ids=batch["input_ids"], use_cache=False, **positions).logits
         labels = batch["labels"]

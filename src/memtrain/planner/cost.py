@@ -9,6 +9,7 @@ each a count (FLOPs, bytes) divided by a rate:
 - recompute: checkpointed blocks run their forward again (`Checkpointing.recompute`: "forward", all of
   it; "elementwise", a device-dependent share);
 - the loss: `chunked` runs the head's forward again in backward (2 FLOPs per head weight per token);
+  `fused` computes its gradients in forward, the same FLOPs as `standard`;
 - a fixed cost per micro-step (kernel launches, Python, hooks), which makes accumulation cost something;
 - the optimizer step: bytes of weights, gradients and states it streams, at device-memory bandwidth, times
   the state format's `relative_step_cost` (dequantising 8-bit states costs more than fp32 AdamW);

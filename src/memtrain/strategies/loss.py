@@ -16,12 +16,16 @@ head chunk by chunk. A custom trainer (`--trainer`) that computes its own loss f
 ignores the binding: `chunked` then changes nothing, and the planner, which traces that real loss, sees no
 saving, only the recompute's cost, and does not prefer it.
 
-Refused: a head that is not a plain `nn.Linear` (a LoRA-adapted or quantised head), DeepSpeed ZeRO-3
-(which re-partitions the head's weight after its forward), and models whose logits are not `head(hidden)`
-(the trainer's own check: the built-in one refuses Gemma-2's soft-capping, Cohere's logit scale...).
+`fused` (fused_cross_entropy.py) computes the gradients in forward instead of recomputing: no second head
+forward, at the price of keeping the hidden states' gradient and a head-sized gradient accumulator from
+forward to backward. Liger-Kernel's kernel on CUDA when installed (`memtrain[fused]`), the same algorithm
+in PyTorch elsewhere. Which of the three is best depends on the vocabulary, the width and the tokens per
+micro-batch, so the planner traces each and picks (`strategies.loss: auto`).
 
-Next step (not here): fused kernels (liger-kernel, cut-cross-entropy; CUDA only), which also avoid the
-recompute and the per-chunk fp32 logits.
+Refused (`chunked` and `fused`, both apply the bare head): a head that is not a plain `nn.Linear` (a
+LoRA-adapted or quantised head), DeepSpeed ZeRO-3 (which re-partitions the head's weight after its
+forward), and models whose logits are not `head(hidden)` (the trainer's own check: the built-in one
+refuses Gemma-2's soft-capping, Cohere's logit scale...).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memtrain.errors import Unsupported
+from memtrain.strategies.fused_cross_entropy import fused_linear_cross_entropy
 from memtrain.strategies.registry import Registry, Strategy, option
 from memtrain.strategies.sharding import Sharding
 
@@ -48,11 +53,13 @@ BINDING = "memtrain_loss"  # the model attribute `apply` sets
 class Loss(Strategy):
     """`standard`: `F.cross_entropy` over the model's full fp32 logits.
 
-    Fact the planner reads: `recomputes_head` (one more head forward per micro-step in backward)."""
+    Facts the planner and the trainer read: `recomputes_head` (one more head forward per micro-step in
+    backward), `applies_bare_head` (the loss applies the head itself, so logits must be `head(hidden)`)."""
 
     kind: ClassVar[str] = "loss"
     name: ClassVar[str] = "standard"
     recomputes_head: ClassVar[bool] = False
+    applies_bare_head: ClassVar[bool] = False
 
     def check_sharding(self, sharding: Sharding) -> None:
         """`Unsupported` when this loss cannot run with `sharding`."""
@@ -74,13 +81,14 @@ class Chunked(Loss):
 
     name: ClassVar[str] = "chunked"
     recomputes_head: ClassVar[bool] = True
+    applies_bare_head: ClassVar[bool] = True
     # one chunk's fp32 logits at a 128k vocabulary: 512 MiB; 1024-row matmuls still fill a GPU
     chunk_tokens: int = option(1024)
 
     def check_sharding(self, sharding: Sharding) -> None:
         if sharding.name == "zero3" and sharding.backend == "deepspeed":
             raise Unsupported(
-                "strategies.loss: chunked reads the head's weight after the model's forward, which "
+                f"strategies.loss: {self.name} reads the head's weight after the model's forward, which "
                 "DeepSpeed ZeRO-3 has re-partitioned by then; use strategies.loss=standard or "
                 "strategies.sharding_backend=fsdp2"
             )
@@ -89,12 +97,35 @@ class Chunked(Loss):
         if type(head) is not nn.Linear:
             found = "none" if head is None else type(head).__name__
             raise Unsupported(
-                f"strategies.loss: chunked needs the output head to be a plain nn.Linear (found {found}); "
-                "use strategies.loss=standard"
+                f"strategies.loss: {self.name} needs the output head to be a plain nn.Linear (found "
+                f"{found}); use strategies.loss=standard"
             )
         if self.chunk_tokens < 1:
             raise Unsupported(f"strategies.loss_chunk_tokens: must be positive (got {self.chunk_tokens})")
         setattr(model, BINDING, BoundLoss(self, head))
+
+    def head_loss(
+        self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, ignore_index: int
+    ) -> torch.Tensor:
+        """The fp32 sum of the token losses of `head(hidden)` against `labels`."""
+        return chunked_cross_entropy(hidden, head.weight, head.bias, labels, ignore_index, self.chunk_tokens)
+
+
+@LOSS.register
+@dataclass(frozen=True)
+class Fused(Chunked):
+    """`fused`: the head, the loss and their gradients in one chunked pass in forward (no recompute);
+    Liger-Kernel's kernel on CUDA when installed."""
+
+    name: ClassVar[str] = "fused"
+    recomputes_head: ClassVar[bool] = False
+
+    def head_loss(
+        self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, ignore_index: int
+    ) -> torch.Tensor:
+        return fused_linear_cross_entropy(
+            hidden, head.weight, head.bias, labels, ignore_index, self.chunk_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -127,9 +158,7 @@ class BoundLoss:
                 reduction="sum",
             )
         assert isinstance(self.strategy, Chunked)
-        return chunked_cross_entropy(
-            output, self.head.weight, self.head.bias, labels, ignore_index, self.strategy.chunk_tokens
-        )
+        return self.strategy.head_loss(output, self.head, labels, ignore_index)
 
 
 def bound_loss(model: nn.Module) -> BoundLoss:
