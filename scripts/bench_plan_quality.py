@@ -9,6 +9,18 @@ the chosen plan against the best measured one (goal >= 0.95), and how well the p
 
 `--calibrate` fits the cost model's per-term multipliers to the measured times (cost.calibrate) and prints
 them: the way to re-derive the CPU constants in src/memtrain/planner/cost.py on another machine.
+
+`--oracle` is the full check (issue 16): at each of `--oracle-budgets` (three by default) it trains every
+plan the planner considers feasible, not only the predicted top ten, for `--steps` steps *under* the
+budget (`memory.budget`: the tracker raises a real OutOfMemoryError past it; an OOM is counted, not
+recovered from, against that plan), then reports the chosen plan's measured throughput over the best
+measured one, the chosen plan's rank among the measured plans, and how many predicted-feasible plans ran
+out of memory (or passed the planner's usable share of the budget). Every plan runs with the tracker on,
+so their step times carry the same per-operation overhead. An OOM memtrain would recover from is a
+failure here (the trainer is handed the plan with no budget to re-plan against). About 3-4 s per plan at
+the default 8 steps on an idle 2-core CPU; 20 and 40 MiB hold 5 and 51 predicted-feasible plans:
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_plan_quality.py --oracle [--json results/oracle.json]
 """
 
 from __future__ import annotations
@@ -27,12 +39,14 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from fit_kit.cpu_tools import keep_whole_timeline  # noqa: E402
+
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
 from memtrain.distributed import DistEnv  # noqa: E402
 from memtrain.memory.headroom import measured_target  # noqa: E402
 from memtrain.planner.cost import CostModel, calibrate  # noqa: E402
 from memtrain.planner.model_probe import ModelProbe  # noqa: E402
-from memtrain.planner.result import Scored  # noqa: E402
+from memtrain.planner.result import PlanResult, Scored  # noqa: E402
 from memtrain.planner.search import search  # noqa: E402
 from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
 
@@ -87,6 +101,135 @@ def step_seconds(r: Recipe) -> float:
     return statistics.median(row["step_time_s"] for row in rows[1:])
 
 
+def plan_search(budget: str, steps: int, out: Path) -> tuple[Recipe, PlanResult]:
+    """The planner's search at `budget`, as `memtrain train` would run it on this CPU."""
+    base = recipe(budget, steps, out)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    target = measured_target(env, int(base.memory.budget or 0), base.planner.safety_fraction)
+    return base, search(base, ModelProbe(CausalLMTrainer(base).model_spec()), target, env.device)
+
+
+def train_under_budget(base: Recipe, scored: Scored, out: Path) -> dict[str, Any]:
+    """Train one plan as it is (the trainer is handed the plan, every strategy and the micro-batch)
+    under the recipe's `memory.budget`; an OOM is the plan's failure (memtrain would re-plan: not here)."""
+    r = base.model_copy(update={"run": base.run.model_copy(update={"output_dir": str(out)})})
+    trainer = CausalLMTrainer(r)
+    trainer.plan = scored.plan
+    trainer.plan_result = PlanResult(plan=scored.plan)  # no budget in it: the run does not re-plan
+    trainer.sharding = scored.plan.sharding_backend(r.train.grad_clip)
+    row: dict[str, Any] = {
+        "plan": scored.plan.describe(),
+        "predicted_peak": scored.prediction.peak,
+        "predicted_s": scored.cost.total,
+    }
+    try:
+        trainer.setup()
+        assert trainer.tracker is not None  # memory.budget runs the tracker
+        keep_whole_timeline(trainer.tracker)
+        trainer.fit()
+        error = ""
+    except Exception as exc:  # an OOM memtrain did not recover from, or a failure: the plan's row says which
+        error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+    reports = trainer.memory_reports
+    row["measured_peak"] = max((m.peak_bytes for m in reports), default=None)
+    if trainer.oom_events or "OutOfMemoryError" in error:
+        row.update(status="out of memory", error=error)
+    elif error:
+        row.update(status="error", error=error)
+    else:
+        lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+        times = [json.loads(line)["step_time_s"] for line in lines][1:]
+        row.update(status="ok", measured_s=statistics.median(times) if times else None)
+    trainer.close()
+    return row
+
+
+def oracle(budgets: list[str], steps: int, max_plans: int | None) -> dict[str, Any]:
+    """Every predicted-feasible plan at each budget, trained under it; the summary of each budget."""
+    report: dict[str, Any] = {"budgets": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for budget in budgets:
+            base, result = plan_search(budget, steps, Path(tmp) / "plan")
+            assert result.budget is not None
+            plans = list(result.ranked[:max_plans] if max_plans else result.ranked)
+            print(
+                f"budget {budget}: {len(result.ranked)} plans predicted to fit ({len(result.infeasible)} not); "
+                f"training {len(plans)} under the budget",
+                flush=True,
+            )
+            started = time.perf_counter()
+            rows = []
+            for index, scored in enumerate(plans):
+                row = train_under_budget(base, scored, Path(tmp) / f"{budget}-{index}")
+                rows.append({"predicted_rank": index + 1, **row})
+            report["budgets"].append(
+                summarise(
+                    budget, result.budget.usable, len(result.ranked), rows, time.perf_counter() - started
+                )
+            )
+            print(oracle_line(report["budgets"][-1]), flush=True)
+    return report
+
+
+def summarise(
+    budget: str, usable: int, feasible: int, rows: list[dict[str, Any]], seconds: float
+) -> dict[str, Any]:
+    ran = sorted((r for r in rows if r["status"] == "ok" and r["measured_s"]), key=lambda r: r["measured_s"])
+    chosen = rows[0] if rows else None
+    summary: dict[str, Any] = {
+        "budget": budget,
+        "usable_bytes": usable,
+        "predicted_feasible": feasible,
+        "trained": len(rows),
+        "out_of_memory": sum(r["status"] == "out of memory" for r in rows),
+        "errors": sum(r["status"] == "error" for r in rows),
+        "passed_usable": sum((r["measured_peak"] or 0) > usable for r in rows),
+        "chosen": chosen["plan"] if chosen else None,
+        "seconds": round(seconds, 1),
+        "plans": rows,
+    }
+    if ran:
+        summary.update(best=ran[0]["plan"], best_predicted_rank=ran[0]["predicted_rank"])
+    if chosen is not None and chosen in ran:
+        summary.update(
+            chosen_over_best=ran[0]["measured_s"] / chosen["measured_s"],
+            chosen_rank_measured=ran.index(chosen) + 1,
+        )
+    return summary
+
+
+def oracle_line(s: dict[str, Any]) -> str:
+    head = (
+        f"budget {s['budget']}: {s['trained']} of {s['predicted_feasible']} predicted-feasible plans trained "
+        f"({s['seconds']:.0f} s); {s['out_of_memory']} ran out of memory, {s['errors']} failed otherwise, "
+        f"{s['passed_usable']} passed the usable {s['usable_bytes']:,} bytes"
+    )
+    if "chosen_over_best" not in s:
+        return head + f"; the chosen plan ({s['chosen']}) did not train"
+    return (
+        head + f"; chosen / best measured throughput {s['chosen_over_best']:.3f} (goal >= 0.95), chosen plan "
+        f"rank {s['chosen_rank_measured']} of {sum(r['status'] == 'ok' for r in s['plans'])} measured; best: "
+        f"{s['best']} (predicted rank {s['best_predicted_rank']})"
+    )
+
+
+def oracle_table(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "| budget | predicted feasible | trained | ran out of memory | passed usable | chosen / best measured "
+        "| chosen's measured rank | best plan (its predicted rank) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in report["budgets"]:
+        ratio = f"{s['chosen_over_best']:.3f}" if "chosen_over_best" in s else "chosen did not train"
+        rank = s.get("chosen_rank_measured", "n/a")
+        best = f"{s['best']} ({s['best_predicted_rank']})" if "best" in s else "n/a"
+        lines.append(
+            f"| {s['budget']} | {s['predicted_feasible']} | {s['trained']} | {s['out_of_memory']} | "
+            f"{s['passed_usable']} | {ratio} | {rank} | {best} |"
+        )
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="24MiB", help="simulated device budget (default 24MiB)")
@@ -102,13 +245,32 @@ def main() -> int:
     )
     parser.add_argument("--top", type=int, default=10, help="plans to measure (best predicted first)")
     parser.add_argument("--calibrate", action="store_true", help="fit and print the cost model's multipliers")
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="train every predicted-feasible plan under each --oracle-budgets",
+    )
+    parser.add_argument(
+        "--oracle-budgets", default="20MiB,28MiB,40MiB", help="comma-separated (default three)"
+    )
+    parser.add_argument(
+        "--max-plans",
+        type=int,
+        default=None,
+        help="--oracle: the first N predicted (a smoke run; default all)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="--oracle: write every plan's row here")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.oracle:
+        report = oracle([b for b in args.oracle_budgets.split(",") if b], args.steps, args.max_plans)
+        print("\n".join(["", *oracle_table(report)]))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
-        base = recipe(args.budget, args.steps, Path(tmp) / "plan")
-        env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-        target = measured_target(env, int(base.memory.budget or 0), base.planner.safety_fraction)
-        result = search(base, ModelProbe(CausalLMTrainer(base).model_spec()), target, env.device)
+        _, result = plan_search(args.budget, args.steps, Path(tmp) / "plan")
         plans = list(result.ranked[: args.top])
         print(
             f"budget {args.budget}: {len(result.ranked)} plans fit, {len(result.infeasible)} do not; "

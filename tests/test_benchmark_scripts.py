@@ -1,5 +1,6 @@
-"""The benchmark scripts of issue 7 run: their command lines parse, every peer's loop runs under the
-memory tracker, and scripts/gpu_check.sh runs dry on a CPU with every GPU-only step skipped with a reason.
+"""The benchmark scripts of issues 7 and 16 run: their command lines parse, every peer's loop runs under the
+memory tracker, the CPU fit benchmark gives every tool an answer or a reason under the simulated budget,
+and scripts/gpu_check.sh runs dry on a CPU with every GPU-only step skipped with a reason.
 
 Why: the GPU half runs rarely, on a short lease; a typo found there costs the lease. These are smoke
 tests, not measurements (the figures are in docs/BENCHMARKS.md).
@@ -40,6 +41,65 @@ def test_fit_budget_says_why_it_skips_without_cuda() -> None:
     done = run([sys.executable, str(SCRIPTS / "bench_fit_budget.py")])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("skipped: needs CUDA")
+
+
+@pytest.fixture()
+def fit_budget(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_fit_budget
+
+    return bench_fit_budget
+
+
+def test_the_common_bisection_finds_the_largest_fitting_candidate(fit_budget: Any) -> None:
+    from fit_kit.cpu_search import largest_fitting
+
+    candidates = [1, 2, 4, 8, 16, 32]
+    for limit in (0, 1, 5, 32):
+        probed: list[int] = []
+        index = largest_fitting(
+            candidates, lambda c, limit=limit, probed=probed: probed.append(c) or c <= limit
+        )
+        assert index == max((i for i, c in enumerate(candidates) if c <= limit), default=-1), limit
+        assert len(probed) <= 3, probed  # bisection: log2(6 + 1) probes, not a linear walk
+    probed = []
+    assert largest_fitting(candidates, lambda c: probed.append(c) or c <= 8, known=3) == 3
+    assert all(c > 8 for c in probed)  # a smaller budget's answer is not probed again
+
+
+@pytest.mark.slow
+def test_cpu_mode_runs_every_tool_under_the_simulated_budget(fit_budget: Any, tmp_path: Path) -> None:
+    """The CPU mode end to end on the tiny model, one budget, every tool in this process (one import):
+    every tool has an answer or a stated reason for each metric, and the report has every table."""
+    out = tmp_path / "fit.json"
+    flags = "--cpu --model tiny --global-batch 1 --budgets 100 --reps 1 --steps 1 --in-process".split()
+    fit_budget.main([*flags, "--json", str(out), "--markdown", str(tmp_path / "fit.md")])
+    result = json.loads(out.read_text())
+    tools = list(fit_budget.TOOLS)
+    assert list(result["search"]) == tools and result["errors"] == {}
+    assert result["budgets"] == [{"pct": 100, "bytes": result["reference"]["peak_bytes"]}]
+    for tool in tools:
+        entry = result["summary"][tool]["100"]
+        for metric, key in (("model", "rung"), ("batch", "micro"), ("seq", "seq_len")):
+            assert entry[metric][key] is not None or entry[metric]["note"], (tool, metric, entry[metric])
+        assert entry["own"]["ok"] or entry["own"]["note"], (tool, entry["own"])
+        timed = entry["timed"].get("common")
+        if entry["batch"]["micro"] is not None:
+            assert timed is not None and (timed["tokens_per_s"]["median"] or timed["failed"]), (tool, timed)
+    # at 100% of the plain loops' own peak, the plain loops fit their global batch
+    for tool in ("hf", "accelerate"):
+        assert result["summary"][tool]["100"]["batch"]["micro"] == 1
+        assert result["summary"][tool]["100"]["timed"]["common"]["tokens_per_s"]["median"] > 0
+    assert "auto" in result["summary"]["memtrain"]["100"]["timed"]
+    markdown = (tmp_path / "fit.md").read_text()
+    for heading in (
+        "(a) Largest model",
+        "(b) Tokens/s",
+        "(b) Each tool's own search",
+        "(c) Longest sequence",
+    ):
+        assert heading in markdown
+    assert markdown.count("| memtrain auto") >= 4
 
 
 @pytest.fixture()

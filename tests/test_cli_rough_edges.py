@@ -18,6 +18,7 @@ import pytest
 from memtrain import cli
 from memtrain.commands import plan
 from memtrain.errors import PlanError
+from memtrain.memory.headroom import load_gpu, what_if_target
 from memtrain.training.metrics import read_metrics
 
 from fault_kit.scenarios import child_env, in_process, write_recipe
@@ -92,13 +93,26 @@ def test_plan_world_size_below_one_is_refused(ranks: str) -> None:
     ],
 )
 def test_gpu_memory_sizes(size: str, expected: int) -> None:
-    assert plan._bytes(size) == expected
+    assert plan._bytes(size, "--gpu-memory") == expected
 
 
 @pytest.mark.parametrize("size", ["24 gigs", "lots", "0", "0GiB", "-8GiB"])
-def test_gpu_memory_nonsense_names_the_flag(size: str) -> None:
-    with pytest.raises(PlanError, match="^--gpu-memory: "):
-        plan._bytes(size)
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--host-memory"])
+def test_memory_size_nonsense_names_the_flag(size: str, flag: str) -> None:
+    with pytest.raises(PlanError, match=f"^{flag}: "):
+        plan._bytes(size, flag)
+
+
+def test_host_memory_sets_the_what_if_host_and_needs_a_what_if_gpu() -> None:
+    rc, out, err = in_process(
+        cli.main, ["plan", TINY_SFT, "--gpu", "h100-80gb", "--host-memory", "100GiB", "--json"]
+    )
+    assert rc == 0, err
+    rc, _, err = in_process(cli.main, ["plan", TINY_SFT, "--host-memory", "100GiB"])
+    assert rc == 2 and "--host-memory: describes the host of a what-if GPU" in err
+    target = what_if_target(1, load_gpu("h100-80gb"), None, 0.1, host_memory_bytes=100 * GIB)
+    assert target.host_bytes == int(100 * GIB * 0.9)
+    assert what_if_target(1, load_gpu("h100-80gb"), None, 0.1).host_bytes == int(256 * GIB * 0.9)
 
 
 def test_gpu_memory_without_a_unit_is_gib_and_says_so() -> None:

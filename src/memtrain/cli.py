@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         help="plan for a GPU of this size (e.g. 24GiB, 80GB; a bare number is GiB)",
     )
     plan.add_argument(
+        "--host-memory",
+        default=None,
+        metavar="SIZE",
+        help="host memory per GPU that offloaded states may use, with --gpu/--gpu-memory "
+        "(default: the profile's host_memory_bytes, else 64GiB)",
+    )
+    plan.add_argument(
         "--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)"
     )
 
@@ -216,6 +223,7 @@ def _run(args: argparse.Namespace) -> int:
             gpu=args.gpu,
             gpu_memory=args.gpu_memory,
             world_size=args.world_size,
+            host_memory=args.host_memory,
         )
     overrides = list(args.overrides)
     if args.command == "train":

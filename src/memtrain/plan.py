@@ -121,10 +121,13 @@ def is_open(recipe: Recipe) -> bool:
     """Whether the recipe leaves anything for the planner to choose."""
     s = recipe.strategies
     choices = [getattr(s, kind) for kind in RECIPE_KINDS]
+    offload = s.sharding_offload
     return (
         recipe.batch.micro_size == "auto"
         and recipe.batch.micro_tokens is None
         or any(not isinstance(c, str) or c == "auto" for c in choices)
+        or not isinstance(offload, str)
+        or offload == "auto"
     )
 
 

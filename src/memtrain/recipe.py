@@ -47,6 +47,9 @@ NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component, of a whole path (
 LoggerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 StrategyChoice = str | list[str]
 """`auto`, one registered name, or a list of allowed names (checked against the kind's registry)."""
+OffloadName = Literal["none", "optimizer", "params"]
+OffloadChoice = Literal["none", "optimizer", "params", "auto"] | list[OffloadName]
+"""`strategies.sharding_offload`: one offload, `auto` (each one the backend supports) or a list of them."""
 
 
 def _registered_name(kind: str, value: str) -> str:
@@ -254,9 +257,18 @@ class StrategiesConfig(_Section):
         default="fsdp2",
         description="Backend of zero1/zero2/zero3: fsdp2 (zero1: ZeroRedundancyOptimizer) or deepspeed.",
     )
-    sharding_offload: Literal["none", "optimizer", "params"] = Field(
+    sharding_offload: OffloadChoice = Field(
         default="none",
-        description="ZeRO offload to host memory: optimizer states (deepspeed) or params (zero3).",
+        description="ZeRO offload to host memory: optimizer states (deepspeed) or params (fsdp2 zero2/zero3, "
+        "deepspeed zero3); auto or a list: the planner offers each the backend supports, on a GPU (also on "
+        "one rank, with sharding auto), priced by the host link and the host's optimizer step.",
+    )
+    gradient_reduction: Literal["auto", "per_step", "per_micro_step"] = Field(
+        default="auto",
+        description="When zero2/zero3 reduce gradients under accumulation: per_step (fsdp2: an unsharded fp32 "
+        "gradient accumulates until the last micro-step, one reduce-scatter) or per_micro_step (a "
+        "reduce-scatter every micro-step, gradients stay sharded; what deepspeed zero2/zero3 always do). "
+        "auto: the planner chooses; a plan that pins every choice takes the backend's own (fsdp2: per_step).",
     )
     comm_hook: Literal["none", "bf16", "powersgd"] = Field(
         default="none", description="DDP gradient-communication hook (ddp, zero1 on fsdp2)."
@@ -281,6 +293,15 @@ class StrategiesConfig(_Section):
                 "strategy_name",
                 "{word} is not one of {listed} (or a list of them){hint}",
                 {"word": shortened(name), "listed": listed, "hint": did_you_mean(name, registry.names())},
+            )
+        return value
+
+    @field_validator("sharding_offload")
+    @classmethod
+    def _some_offload(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise PydanticCustomError(
+                "offload_choice", "an empty list allows nothing; give none, a value or auto"
             )
         return value
 

@@ -116,3 +116,18 @@ def test_timeline_downsampling_keeps_the_peak_and_the_first_step() -> None:
         assert max(s.total for s in mine) == 5_000 + step
     with pytest.raises(ValueError):
         timeline_figure(Timeline())
+
+
+def test_timeline_downsampling_takes_an_odd_sample_count() -> None:
+    """A `keep` add flushes the pending sample and its own, two at once, so the series can reach
+    downsampling with an odd count (found by a long tracked CPU benchmark step)."""
+    timeline = Timeline(samples_per_step=4, max_steps=2)
+    timeline.begin_step(0, 1)
+    zeros = dict.fromkeys(COMPONENTS, 0)
+    for t in range(1, 200):
+        total = 10_000 if t == 150 else t % 7
+        timeline.add(t, "forward", zeros | {"other": total}, total, keep=t % 3 == 0)
+    samples = timeline.samples
+    assert 0 < len(samples) <= 9
+    assert max(s.total for s in samples) == 10_000
+    assert [s.t for s in samples] == sorted(s.t for s in samples)

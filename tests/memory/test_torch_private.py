@@ -1,4 +1,4 @@
-"""Pins the private torch APIs memtrain.memory relies on; a failure names the torch version and the API.
+"""Pins the private torch APIs memtrain relies on; a failure names the torch version and the API.
 
 If one of these fails after a torch upgrade, fix src/memtrain/memory/_torch_private.py (and only that file).
 """
@@ -6,6 +6,7 @@ If one of these fails after a torch upgrade, fix src/memtrain/memory/_torch_priv
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
@@ -96,3 +97,78 @@ def test_tree_leaves_flattens_nested_containers() -> None:
         _fail("torch.utils._pytree.tree_leaves", repr(e))
     if [id(x) for x in leaves if isinstance(x, torch.Tensor)] != [id(a), id(b)]:
         _fail("torch.utils._pytree.tree_leaves", f"returned {leaves!r}")
+
+
+# The CUDA kernels' aten ops the planner's CUDA trace calls: the arguments the wrappers pass, in order.
+CUDA_KERNEL_OPS = {
+    "_scaled_dot_product_flash_attention": (
+        ["query", "key", "value", "dropout_p", "is_causal", "return_debug_mask", "scale"]
+    ),
+    "_scaled_dot_product_efficient_attention": (
+        ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "scale"]
+    ),
+    "_scaled_dot_product_attention_math": (
+        [
+            "query",
+            "key",
+            "value",
+            "attn_mask",
+            "dropout_p",
+            "is_causal",
+            "dropout_mask",
+            "scale",
+            "enable_gqa",
+        ]
+    ),
+    "native_dropout": ["input", "p", "train"],
+}
+
+
+@pytest.mark.parametrize(("op", "arguments"), CUDA_KERNEL_OPS.items())
+def test_cuda_kernel_ops_keep_their_signatures(op: str, arguments: list[str]) -> None:
+    try:
+        schema = getattr(torch.ops.aten, op).default._schema
+    except (AttributeError, RuntimeError) as e:
+        _fail(f"torch.ops.aten.{op}", repr(e))
+    names = [a.name for a in schema.arguments]
+    if names != arguments:
+        _fail(f"torch.ops.aten.{op}", f"arguments are now {names}, not {arguments}")
+
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _backward_of(run: Attention) -> tuple[str, torch.Tensor]:
+    """The backward node's name and the output of `run(q, k, v)` on fake (B, H, S, D) bf16 tensors."""
+    with _torch_private.fake_tensors():
+        q, k, v = (torch.empty(2, 4, 32, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = run(q, k, v)
+        return type(out.grad_fn).__name__, out
+
+
+@pytest.mark.parametrize(
+    ("run", "node"),
+    [
+        (lambda q, k, v: _torch_private.flash_attention(q, k, v, 0.1, True, None), "FlashAttention"),
+        (
+            lambda q, k, v: _torch_private.efficient_attention(q, k, v, None, True, 0.1, True, None),
+            "EfficientAttention",
+        ),
+        (lambda q, k, v: _torch_private.math_attention(q, k, v, None, 0.1, True, None, False), "Math"),
+    ],
+)
+def test_attention_kernels_run_under_fake_tensors_with_their_backward(run: Attention, node: str) -> None:
+    name, out = _backward_of(run)
+    if out.shape != (2, 4, 32, 16) or out.dtype != torch.bfloat16:
+        _fail(f"SDPA {node} op", f"output {tuple(out.shape)} {out.dtype}")
+    if node != "Math" and node not in name:  # the math op is a composite: its last op's node
+        _fail(f"SDPA {node} op", f"backward node is {name}")
+
+
+def test_native_dropout_keeps_a_bool_mask() -> None:
+    with _torch_private.fake_tensors():
+        x = torch.empty(4, 8, requires_grad=True)
+        out = _torch_private.native_dropout(x, 0.1)
+        mask = torch.ops.aten.native_dropout(x, 0.1, True)[1]
+    if type(out.grad_fn).__name__ != "NativeDropoutBackward0" or mask.dtype != torch.bool:
+        _fail("torch.ops.aten.native_dropout", f"backward {out.grad_fn}, mask {mask.dtype}")

@@ -15,9 +15,10 @@ import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 from memtrain.checkpoint import CheckpointError
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
-from memtrain.plan import pinned_plan
+from memtrain.plan import is_open, pinned_plan
 from memtrain.strategies.sharding import make_sharding
 from memtrain.strategies.sharding.deepspeed_config import DeepSpeedPlan, build_config
+from memtrain.training.deepspeed_checks import recipe_keys
 
 from helpers import tiny_recipe
 
@@ -185,3 +186,24 @@ def test_checkpoint_formats_do_not_mix(tmp_path: Path) -> None:
         sharded_checkpoint.load_sharded(tmp_path, torch.nn.Linear(2, 2), torch.optim.SGD([torch.zeros(1)]))
     with pytest.raises(CheckpointError, match="incomplete checkpoint"):
         sharded_checkpoint.detect_format(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize(
+    ("offload", "expected"),
+    [("none", "none"), ("optimizer", "cpu"), ("params", "cpu"), ("auto", None), (["none", "params"], None)],
+)
+def test_recipe_decides_the_offload_device_only_when_it_pins_the_offload(
+    tmp_path: Path, offload: Any, expected: str | None
+) -> None:
+    """An open offload (`auto` or a list) is the planner's choice: a user JSON's offload device cannot
+    contradict it before there is a plan, and the recipe is open even if everything else is pinned."""
+    recipe = tiny_recipe(
+        tmp_path,
+        strategies={"sharding": "zero3", "sharding_backend": "deepspeed", "sharding_offload": offload},
+    )
+    keys = recipe_keys(recipe)
+    assert keys.get("zero_optimization.offload_optimizer.device") == expected
+    assert keys.get("zero_optimization.offload_param.device") == (
+        None if expected is None else "cpu" if offload == "params" else "none"
+    )
+    assert is_open(recipe) == (expected is None)

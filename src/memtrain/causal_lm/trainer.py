@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,7 @@ def model_problems(recipe: Recipe) -> list[str]:
     problems += data_problems
     if config is None:
         return problems
+    problems += _attention_problems(recipe, config)
     limit = max_positions(config)
     if limit is not None and recipe.data.seq_len > limit:
         problems.append(
@@ -227,6 +229,24 @@ def model_problems(recipe: Recipe) -> list[str]:
             "would fail in the embedding"
         )
     return problems
+
+
+def _attention_problems(recipe: Recipe, config: Any) -> list[str]:
+    """`model.attn_implementation: sdpa` on a family transformers builds without SDPA (Gemma-2's
+    soft-capping, state-space models): transformers would refuse it when the model is built, a traceback
+    in `train` and `plan` that `validate` did not see."""
+    if recipe.model.attn_implementation != "sdpa":
+        return []
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None or getattr(model_class, "_supports_sdpa", True):
+        return []
+    default = "" if "attn_implementation" in recipe.model.model_fields_set else " (the default)"
+    return [
+        f"model.attn_implementation: sdpa{default}, but transformers builds {model_class.__name__} "
+        "without SDPA attention; set model.attn_implementation: eager"
+    ]
 
 
 def _data_vocab_size(recipe: Recipe) -> int | None:
@@ -274,6 +294,7 @@ class CausalLMTrainer(Trainer):
         self.model_config = build_config(recipe)
         self._data: data_lib.Splits | None = None
         self._sampler: data_lib.StepSampler | None = None
+        self._per_block: int | None = None  # config layers per block (`_layers_per_block`)
 
     @property
     def data(self) -> data_lib.Splits:
@@ -335,6 +356,14 @@ class CausalLMTrainer(Trainer):
             tie()
         return model
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The outermost repeated blocks: some families list a block's own sub-module among
+        `_no_split_modules` too (Mamba: MambaBlock and its MambaMixer), which would count each layer twice
+        (the planner would scale the clone by twice the depth; checkpointing would wrap both)."""
+        found = super().blocks(model)
+        inner = {id(m) for block in found for m in block.modules() if m is not block}
+        return [block for block in found if id(block) not in inner]
+
     def load_weights(self, model: nn.Module) -> None:
         if self.recipe.model.pretrained is not None:
             pretrained.load_weights(model, pretrained_directory(self.recipe), skip=self.plan.adapters.owns)
@@ -344,18 +373,49 @@ class CausalLMTrainer(Trainer):
         return self._from_config(self._clone_config(num_blocks))
 
     def _clone_config(self, num_blocks: int) -> Any:
+        """The config of a `num_blocks`-block model. Its per-layer lists (`layer_types`, `mlp_layer_types`,
+        ...; not those a property derives from the depth) keep the model's first and last block and, between
+        them, blocks of the commonest kind among the model's middle ones: a hybrid's clone is laid out like
+        the model it stands for (a clone of its first layers could miss the attention layer entirely)."""
         clone = copy.deepcopy(self.model_config)
-        clone.num_hidden_layers = num_blocks
-        layer_types = getattr(clone, "layer_types", None)
-        if isinstance(layer_types, list):
-            clone.layer_types = layer_types[:num_blocks]
+        depth = int(clone.num_hidden_layers)
+        per_layer = {
+            name: value
+            for name, value in vars(clone).items()
+            if isinstance(value, list) and len(value) == depth
+        }
+        per_block = self._layers_per_block()
+        kinds = [
+            tuple(
+                str(values[i])
+                for values in per_layer.values()
+                for i in range(b * per_block, (b + 1) * per_block)
+            )
+            for b in range(depth // per_block)
+        ]
+        layers = [b * per_block + j for b in _clone_blocks(kinds, num_blocks) for j in range(per_block)]
+        clone.num_hidden_layers = len(layers)
+        for name, value in per_layer.items():
+            setattr(clone, name, [value[i] for i in layers])
         return clone
+
+    def _layers_per_block(self) -> int:
+        """Config layers per block: 1, except in a family whose block holds several (Dory: an attention and
+        an MLP layer per block), where a clone of n blocks needs n times as many layers."""
+        if self._per_block is None:
+            with torch.device("meta"):
+                blocks = len(self.blocks(self._from_config(self.model_config)))
+            depth = int(self.model_config.num_hidden_layers)
+            self._per_block = depth // blocks if blocks and depth % blocks == 0 else 1
+        return self._per_block
 
     def _from_config(self, config: Any, attn_implementation: str | None = None) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         attention = attn_implementation or self.recipe.model.attn_implementation
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        _freeze_cross_attention(model)
+        return model
 
     def planning_batch(self, rows: int) -> Batch:
         """Rows of the full sequence length (the longest any step can feed), as `collate` lays them out:
@@ -384,14 +444,26 @@ class CausalLMTrainer(Trainer):
     def model_spec(self) -> ModelSpec:
         """The built-in hooks, with the traced model on `trace_sdpa()` when the recipe runs `sdpa` on rows of
         one sequence each (packed rows build the 4-D document mask, as the plain `sdpa` model does)."""
-        spec = super().model_spec()
+        spec = dataclasses.replace(super().model_spec(), name=str(self.model_config.model_type))
+        self._layers_per_block()  # now, on the meta device: clones are built under the trace's fake tensors
         if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):
             return spec
         name = trace_sdpa()
+
+        def build(config: Any) -> nn.Module:
+            # Real tensors (the planner's fallback when the fake trace fails, see planner/trace_fallback.py)
+            # can be read: the model the run trains, whose masks some families need (Axk2's indexer).
+            if not _under_fake_tensors():
+                return self._from_config(config)
+            try:
+                return self._from_config(config, name)
+            except KeyError:  # a family with its own table of attention classes (Falcon): plain sdpa
+                return self._from_config(config)
+
         return dataclasses.replace(
             spec,
-            build_model=lambda: self._from_config(self.model_config, name),
-            build_clone=lambda depth: self._from_config(self._clone_config(depth), name),
+            build_model=lambda: build(self.model_config),
+            build_clone=lambda depth: build(self._clone_config(depth)),
         )
 
     def step_batch(self, step: int) -> Batch:
@@ -432,6 +504,36 @@ class CausalLMTrainer(Trainer):
                 yield data_lib.collate([self.eval_samples[i] for i in mine], mine)
 
 
+def _clone_blocks(kinds: list[tuple[str, ...]], num_blocks: int) -> list[int]:
+    """The model's blocks a `num_blocks`-block clone keeps: the first, the last, and middle blocks of the
+    commonest kind (a block's kind: its layers' entries in every per-layer list)."""
+    units = len(kinds)
+    if num_blocks >= units or num_blocks < 2:
+        return list(range(min(num_blocks, units)))
+    middle = range(1, units - 1)
+    count = Counter(kinds[i] for i in middle)
+    chosen = sorted(middle, key=lambda i: (-count[kinds[i]], i))[: num_blocks - 2]
+    return [0, *sorted(chosen), units - 1]
+
+
+_CROSS_ATTENTION = ("encoder_attn", "encoder_attn_layer_norm", "crossattention")
+
+
+def _freeze_cross_attention(model: nn.Module) -> None:
+    """The decoder of an encoder-decoder family trained alone (BartForCausalLM, MarianForCausalLM, ...) keeps
+    its cross-attention to an encoder it is never given: those parameters take no part in the loss, so they
+    get no gradient and no optimizer state. Frozen, they are what they are in training anyway, and the
+    planner (which gives every trainable parameter a gradient and states) counts them right."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _CROSS_ATTENTION:
+            module.requires_grad_(False)
+
+
+def _under_fake_tensors() -> bool:
+    """Whether the tensors made here now are the planner's fake (or meta) ones: no readable storage."""
+    return torch.empty(0).untyped_storage().device.type == "meta"
+
+
 TRACE_SDPA = "memtrain_trace_sdpa"
 
 
@@ -453,6 +555,7 @@ def trace_sdpa() -> str:
 
     def mask(*args: Any, **kwargs: Any) -> Any:
         kwargs["allow_is_causal_skip"] = True  # no padding, no packing: what real tensors show
+        kwargs["attention_mask"] = None  # the trainer passes none: one the model made (Bart's) is all ones
         return sdpa_mask(*args, **kwargs)
 
     if TRACE_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:

@@ -1,4 +1,5 @@
-"""`memtrain plan RECIPE [overrides] [--trainer F:C] [--json] [--gpu NAME] [--gpu-memory SIZE] [--world-size N]`.
+"""`memtrain plan RECIPE [overrides] [--trainer F:C] [--json] [--gpu NAME] [--gpu-memory SIZE]
+[--host-memory SIZE] [--world-size N]`.
 
 Why a separate command: planning needs no GPU and no process group, so a person can ask "what would
 this recipe run with on 64 H100s, and how close to the edge" on a laptop before asking for the machines.
@@ -34,14 +35,25 @@ def run(
     gpu: str | None,
     gpu_memory: str | None,
     world_size: int | None,
+    host_memory: str | None = None,
 ) -> int:
     ranks = _ranks(world_size)
-    memory = _bytes(gpu_memory) if gpu_memory is not None else None
+    memory = _bytes(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+    host = _bytes(host_memory, "--host-memory") if host_memory is not None else None
+    if host is not None and gpu is None and memory is None:
+        raise PlanError(
+            "--host-memory: describes the host of a what-if GPU; add --gpu NAME or --gpu-memory SIZE"
+        )
     recipe = load_checked_recipe(recipe_path, overrides)
     spec = trainer_class(trainer)(recipe).model_spec()
     if gpu is not None or memory is not None:
         result = plan_what_if(
-            recipe, spec, ranks, gpu=load_gpu(gpu) if gpu is not None else None, memory_bytes=memory
+            recipe,
+            spec,
+            ranks,
+            gpu=load_gpu(gpu) if gpu is not None else None,
+            memory_bytes=memory,
+            host_memory_bytes=host,
         )
     else:
         result = plan_here(recipe, spec, ranks)
@@ -64,18 +76,18 @@ def _ranks(world_size: int | None) -> int:
     return world_size or 1
 
 
-def _bytes(text: str) -> int:
-    """--gpu-memory: a size with a unit as pydantic's ByteSize reads it (24GiB, 24000MiB; 24GB and 80G
-    are decimal, 10**9 bytes per GB), or a bare number, read as GiB (nobody means 24 bytes), which is
-    said on stderr so that JSON on stdout stays clean."""
+def _bytes(text: str, flag: str) -> int:
+    """--gpu-memory, --host-memory: a size with a unit as pydantic's ByteSize reads it (24GiB, 24000MiB;
+    24GB and 80G are decimal, 10**9 bytes per GB), or a bare number, read as GiB (nobody means 24 bytes),
+    which is said on stderr so that JSON on stdout stays clean."""
     if BARE_NUMBER.fullmatch(text):
         size = int(float(text) * GIB)
-        print(f"[memtrain] --gpu-memory {text}: no unit given, read as {text.strip()} GiB", file=sys.stderr)
+        print(f"[memtrain] {flag} {text}: no unit given, read as {text.strip()} GiB", file=sys.stderr)
     else:
         try:
             size = int(TypeAdapter(ByteSize).validate_python(text))
         except ValidationError:
-            raise PlanError(f"--gpu-memory: {text!r} is not a size; write e.g. 24GiB or 80GB") from None
+            raise PlanError(f"{flag}: {text!r} is not a size; write e.g. 24GiB or 80GB") from None
     if size <= 0:
-        raise PlanError(f"--gpu-memory: must be more than 0 (it was {text!r})")
+        raise PlanError(f"{flag}: must be more than 0 (it was {text!r})")
     return size

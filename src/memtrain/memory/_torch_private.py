@@ -16,7 +16,11 @@ __all__ = [
     "tree_leaves",
     "allocator_settings",
     "dump_memory_snapshot",
+    "efficient_attention",
     "fake_tensors",
+    "flash_attention",
+    "math_attention",
+    "native_dropout",
     "record_memory_history",
 ]
 
@@ -43,3 +47,66 @@ def dump_memory_snapshot(path: str) -> None:
 def allocator_settings() -> str:
     """The caching allocator's settings string, e.g. "expandable_segments:True" (env var or set at runtime)."""
     return str(torch._C._accelerator_getAllocatorSettings())
+
+
+# The CUDA kernels' aten ops, for the planner's trace of a CUDA target (planner/attention_kernels.py,
+# planner/cuda_dropout.py). Under FakeTensorMode each runs its meta implementation on fake CPU tensors and
+# autograd records the op's own backward node (derivatives.yaml), so the trace keeps what the kernel keeps.
+
+
+def flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """The output of `aten._scaled_dot_product_flash_attention` (its backward keeps q, k, v, the output, an
+    fp32 log-sum-exp and the philox RNG state)."""
+    outputs = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, key, value, dropout_p, is_causal, scale=scale
+    )
+    return outputs[0]
+
+
+def efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """The output of `aten._scaled_dot_product_efficient_attention` (its backward keeps q, k, v, the bias,
+    the output, the log-sum-exp and the philox seed and offset)."""
+    outputs = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale=scale
+    )
+    return outputs[0]
+
+
+def math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """The output of `aten._scaled_dot_product_attention_math`, the composite every device falls back to
+    (its autograd keeps the probabilities)."""
+    outputs = torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return outputs[0]
+
+
+def native_dropout(input: torch.Tensor, p: float) -> torch.Tensor:
+    """The output of `aten.native_dropout` in training, the fused dropout `F.dropout` runs on CUDA (its
+    backward, `native_dropout_backward`, keeps a bool mask: one byte per element)."""
+    return torch.ops.aten.native_dropout(input, p, True)[0]

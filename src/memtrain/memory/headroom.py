@@ -27,6 +27,9 @@ CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parents[3] / "configs")
 NCCL_RESERVE_BYTES = 512 * 2**20  # NCCL's communicator buffers, allocated at the first collective
 SAFETY_FRACTION = {"cuda": 0.10, "cpu": 0.02}  # allocator slack + prediction error; the CPU tracker is exact
 DEFAULT_CUDA_CONTEXT_BYTES = 2**30  # --gpu-memory without a profile
+DEFAULT_HOST_MEMORY_BYTES = 64 * 2**30  # host memory per GPU of a profile without host_memory_bytes, or
+# of --gpu-memory: a cautious share of a GPU server's memory (a DGX H100's 2 TB is 256 GB per GPU)
+DEFAULT_COMPUTE_CAPABILITY = (8, 0)  # --gpu-memory without a profile: an sm80 GPU, as bf16 is assumed
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class GpuProfile:
     bf16: bool
     fp8: bool
     cuda_context_bytes: int
+    host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES  # host memory per GPU (what offload may fill)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class Target:
     bf16: bool
     fp8: bool
     what_if: bool = False  # described by a GPU profile or a size, not present in this process
+    host_bytes: int | None = None  # host memory per rank that offloaded states may use (None: not checked)
+    compute_capability: tuple[int, int] | None = None  # a CUDA GPU's (which attention kernels it runs)
 
 
 def load_gpu(name: str) -> GpuProfile:
@@ -94,6 +100,7 @@ def _read_profile(path: Path) -> GpuProfile:
             bf16=bool(raw["bf16"]),
             fp8=bool(raw["fp8"]),
             cuda_context_bytes=int(raw["cuda_context_bytes"]),
+            host_memory_bytes=int(raw.get("host_memory_bytes", DEFAULT_HOST_MEMORY_BYTES)),
         )
     except RecipeError as exc:
         raise PlanError(f"--gpu: {path}: {'; '.join(exc.problems)}") from None
@@ -113,9 +120,15 @@ def safety_for(device_type: str, configured: float | None) -> float:
 
 
 def what_if_target(
-    world_size: int, gpu: GpuProfile | None, memory_bytes: int | None, safety: float | None
+    world_size: int,
+    gpu: GpuProfile | None,
+    memory_bytes: int | None,
+    safety: float | None,
+    host_memory_bytes: int | None = None,
 ) -> Target:
-    """A CUDA target described by a profile and/or a memory size, without the hardware."""
+    """A CUDA target described by a profile and/or a memory size, without the hardware. Offloaded states
+    may use `host_memory_bytes` (else the profile's host memory per GPU, else
+    `DEFAULT_HOST_MEMORY_BYTES`) less the safety fraction."""
     total = memory_bytes if memory_bytes is not None else gpu.memory_bytes if gpu is not None else None
     if total is None:
         raise PlanError("what-if planning needs --gpu NAME or --gpu-memory SIZE")
@@ -136,6 +149,17 @@ def what_if_target(
         bf16=gpu.bf16 if gpu is not None else True,
         fp8=gpu.fp8 if gpu is not None else False,
         what_if=True,
+        host_bytes=int(
+            (
+                host_memory_bytes
+                if host_memory_bytes is not None
+                else gpu.host_memory_bytes
+                if gpu is not None
+                else DEFAULT_HOST_MEMORY_BYTES
+            )
+            * (1.0 - safety_for("cuda", safety))
+        ),
+        compute_capability=gpu.compute_capability if gpu is not None else DEFAULT_COMPUTE_CAPABILITY,
     )
 
 
@@ -145,10 +169,14 @@ def measured_target(
     """The target this process runs on; on several ranks the budget is the minimum over ranks.
     `free_override` replaces this rank's measured free bytes (tests inject uneven headroom with it)."""
     device = env.device.type
+    capability: tuple[int, int] | None = None
+    host: int | None = None  # on CPU the host is the device: offload has nowhere to go
     if device == "cuda":
+        host = int(_host_memory()[1] / _ranks_per_host() * (1.0 - safety_for("cuda", safety)))
         free, total = torch.cuda.mem_get_info(env.device)
         bf16 = torch.cuda.is_bf16_supported()
-        fp8 = torch.cuda.get_device_capability(env.device) >= (8, 9)
+        capability = torch.cuda.get_device_capability(env.device)
+        fp8 = capability >= (8, 9)
         reserve = NCCL_RESERVE_BYTES if env.distributed else 0
         source = "measured (torch.cuda.mem_get_info)"
     elif simulated_budget is not None:
@@ -163,7 +191,17 @@ def measured_target(
         free, total = _min_over_ranks(free, env), _min_over_ranks(total, env)
         source += f", minimum over {env.world_size} ranks"
     budget = budget_from(total, free, reserve, safety_for(device, safety), source)
-    return Target(device, env.world_size, budget, bf16=bf16, fp8=fp8)
+    if host is not None and env.distributed:
+        host = _min_over_ranks(host, env)
+    return Target(
+        device, env.world_size, budget, bf16=bf16, fp8=fp8, host_bytes=host, compute_capability=capability
+    )
+
+
+def _ranks_per_host() -> int:
+    """Ranks sharing this host's memory: torchrun's LOCAL_WORLD_SIZE, else one per visible GPU."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else max(torch.cuda.device_count(), 1)
 
 
 def _host_memory() -> tuple[int, int]:

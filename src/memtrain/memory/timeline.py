@@ -90,8 +90,12 @@ class Timeline:
         if keep or series.pending_count >= series.stride:
             self._flush()
         if len(series.samples) >= 2 * self.samples_per_step:
-            pairs = zip(series.samples[::2], series.samples[1::2], strict=True)
-            series.samples = [a if a.total >= b.total else b for a, b in pairs]
+            # pairs keep the higher sample; a `keep` add can flush two samples at once, so the count may
+            # be odd: the unpaired last sample stays as it is
+            samples = series.samples
+            pairs = zip(samples[0:-1:2], samples[1::2], strict=True)
+            halved = [a if a.total >= b.total else b for a, b in pairs]
+            series.samples = halved + samples[len(halved) * 2 :]
             series.stride *= 2
 
     def reclassify(self, moves: Sequence[tuple[int, str, str, int]]) -> None:

@@ -10,6 +10,8 @@ Entry points:
 - `plan_for_run(recipe, env, spec)`: every rank measures its headroom (the budget is the minimum over
   ranks); rank 0 traces and searches and broadcasts the result; every rank checks that all ranks hold
   the same plan (digest), so no rank can train with a different plan than its peers.
+- `search_for_run(recipe, env, spec, target, correction=...)`: the collective search itself; a run that
+  measured more than predicted re-plans with it (memtrain.training.replan).
 - `plan_here(recipe, spec, world_size)` and `plan_what_if(recipe, spec, world_size, gpu=..., memory_bytes=...)`:
   the same search without a process group, for this machine or for hardware that is not here
   (`memtrain plan --gpu h100-80gb --world-size 64`).
@@ -34,6 +36,7 @@ from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
 from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
 from memtrain.plan import adapters_of, is_open, pinned_plan, quantization_of
+from memtrain.planner.memory_model import Prediction
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored
 from memtrain.planner.search import search
@@ -51,6 +54,7 @@ __all__ = [
     "plan_for_run",
     "plan_here",
     "plan_what_if",
+    "search_for_run",
 ]
 
 Progress = Callable[[str], None]
@@ -92,6 +96,21 @@ def plan_for_run(
         recipe.planner.safety_fraction,
         free_bytes,
     )
+    return search_for_run(recipe, env, spec, target, progress=progress)
+
+
+def search_for_run(
+    recipe: Recipe,
+    env: DistEnv,
+    spec: ModelSpec,
+    target: Target,
+    *,
+    correction: Callable[[Prediction], Prediction] | None = None,
+    progress: Progress = stderr_progress,
+) -> PlanResult:
+    """Rank 0 searches `target` (each prediction through `correction`, when given) and broadcasts the
+    result; every rank checks it holds the same plan. Collective on several ranks. A run re-plans
+    through this too (memtrain.training.replan), with the budget it started with."""
     outcome: PlanResult | str = ""
     failure: MemtrainError | None = None
     if env.is_main:
@@ -101,6 +120,7 @@ def plan_for_run(
                 _probe(recipe, spec, progress),
                 target,
                 env.device,
+                correction=correction,
             )
         except MemtrainError as exc:
             if not env.distributed:
@@ -139,10 +159,14 @@ def plan_what_if(
     *,
     gpu: GpuProfile | None = None,
     memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
     progress: Progress = stderr_progress,
 ) -> PlanResult:
-    """Plan for `world_size` ranks of a GPU that is not here."""
-    target = what_if_target(world_size, gpu, memory_bytes, recipe.planner.safety_fraction)
+    """Plan for `world_size` ranks of a GPU that is not here (`host_memory_bytes`: host memory per GPU
+    for offloaded states, instead of the profile's)."""
+    target = what_if_target(
+        world_size, gpu, memory_bytes, recipe.planner.safety_fraction, host_memory_bytes=host_memory_bytes
+    )
     return search(
         recipe,
         _probe(recipe, spec, progress),

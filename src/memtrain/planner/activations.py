@@ -52,6 +52,8 @@ from torch import nn
 from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
 from memtrain.memory.footprint import COMPONENTS
 from memtrain.memory.modules import graph_tensors
+from memtrain.planner.attention_kernels import Capability, traced_attention
+from memtrain.planner.cuda_dropout import traced_dropout
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.checkpointing import Checkpointing
@@ -92,6 +94,7 @@ class StepTrace:
     tokens: int
     depth: int
     segments: dict[SegmentKey, Segment]
+    attention: str = ""  # which attention the trace ran (`KernelLog.describe`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class FittedTrace:
     depth: int
     intercept: dict[SegmentKey, Segment]
     slope: dict[SegmentKey, Segment]
+    attention: str = ""  # the traces' (empty for a fit derived from others, memory_model.offload_trace)
 
     def at(self, key: SegmentKey, tokens: int) -> Segment:
         a, b = self.intercept[key], self.slope[key]
@@ -123,7 +127,7 @@ def fit(small: StepTrace, large: StepTrace) -> FittedTrace:
         intercept[key] = Segment(
             *(_affine(getattr(s, f), b, -small.tokens) for f, b in zip(fields, slopes, strict=True))
         )
-    return FittedTrace(depth=small.depth, intercept=intercept, slope=slope)
+    return FittedTrace(depth=small.depth, intercept=intercept, slope=slope, attention=small.attention)
 
 
 def clone_depth(num_blocks: int) -> int:
@@ -142,12 +146,14 @@ def trace_step(
     adapters: Adapters | None = None,
     quantization: Quantization | None = None,
     loss: Loss | None = None,
+    cuda_capability: Capability | None = None,
 ) -> StepTrace:
     """Build the model under fake tensors with the strategies applied as the trainer applies them
     (`apply_strategies`) and trace two micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes a
     real micro-batch, copied into fake tensors. `weights_dtype` overrides the dtype the forward reads
     weights in (FSDP2 and DeepSpeed hand bf16 weights to a bf16-mixed forward, so autocast has nothing to
-    cast and cache)."""
+    cast and cache). `cuda_capability`: attention runs as the CUDA kernel a GPU of this compute capability
+    would run (attention_kernels.py); None: this process's CPU kernels."""
     real_batch = make_batch(micro_batch_size)
     mode = fake_tensors()
     with mode:
@@ -167,7 +173,12 @@ def trace_step(
         model.train()
         tracker = MemoryTracker(model)
         recorder = _Recorder(tracker, blocks)
-        with tracker, recorder.hooks():
+        with (
+            tracker,
+            recorder.hooks(),
+            traced_attention(cuda_capability) as attention,
+            traced_dropout(cuda_capability),
+        ):
             # Cloned under the tracker, so the batch is part of the level every segment starts from (as
             # the step's data is in the prediction's fixed bytes), not a first use inside a segment.
             batch: Batch = {k: mode.from_tensor(v).clone() for k, v in real_batch.items()}
@@ -184,7 +195,9 @@ def trace_step(
                     (loss_sum * (1.0 / tokens)).backward()
                     recorder.mark(None)
                 del loss_sum
-    return StepTrace(tokens=tokens, depth=len(blocks), segments=recorder.segments)
+    return StepTrace(
+        tokens=tokens, depth=len(blocks), segments=recorder.segments, attention=attention.describe()
+    )
 
 
 @contextlib.contextmanager

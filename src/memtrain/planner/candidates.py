@@ -14,6 +14,14 @@ knob offer their `search_variants` (`fraction`: `strategies.checkpointing_fracti
 `planner.checkpointing_fractions`); variants that recompute the same blocks as another candidate are
 dropped as duplicates. With one rank, `auto` sharding is `none`: every other layout shards nothing there.
 A loss that cannot run with a sharding (`chunked` on DeepSpeed ZeRO-3) leaves the grid for that sharding.
+
+Sharding options the recipe leaves open multiply the layouts (`Sharding.choices`): `sharding_offload`
+`auto` offers each offload the backend supports (a list, each listed one, those that cannot run
+excluded with the backend's reason), and `gradient_reduction` `auto` each reduction the backend can run
+(only with accumulation: on one micro-step per step the two are the same plan). Offload is a GPU's: on
+a CPU target the host is the device, so an open offload offers only `none` there, with the reason. On one
+GPU, an open offload with `sharding: auto` also offers the ZeRO stages with offload (a stage without
+offload shards nothing on one rank), so a model whose states do not fit on one GPU can still train.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import REGISTRIES
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.loss import Loss
+from memtrain.strategies.optimizer import PagedEightBitStates
 from memtrain.strategies.precision import PRECISION
 from memtrain.strategies.registry import DeviceFacts
 from memtrain.strategies.sharding import SHARDING, Sharding
@@ -89,6 +98,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
         excluded,
         check=lambda _strategy: None,
     )
+    shardings = _sharding_choices(recipe, shardings, facts, excluded)
     per_rank = per_rank_batch(recipe, world_size)
     micro = recipe.batch.micro_size
     if recipe.batch.micro_tokens is not None:
@@ -102,27 +112,42 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     for precision in precisions:
         for sharding in shardings:
             if quantization.name != "none" and not sharding.replicated:
-                excluded.append(
-                    (
-                        f"strategies.sharding={sharding.name}",
-                        f"model.quantization={quantization.name} "
-                        "keeps the quantised base whole on every rank (use none or ddp)",
-                    )
+                reason = (
+                    f"strategies.sharding={sharding.name}",
+                    f"model.quantization={quantization.name} "
+                    "keeps the quantised base whole on every rank (use none or ddp)",
                 )
+                if reason not in excluded:
+                    excluded.append(reason)
                 continue
             try:
                 sharding.check_with(env, precision)
             except Unsupported as exc:
-                if _pinned(s.sharding) and _pinned(s.precision):
+                if _pinned(s.sharding) and _pinned(s.precision) and _pinned(s.sharding_offload):
                     raise
                 excluded.append(
-                    (f"strategies.sharding={sharding.name} with precision {precision.name}", str(exc))
+                    (f"strategies.sharding={sharding.describe()} with precision {precision.name}", str(exc))
                 )
                 continue
+            # with one micro-step per step, every reduction is the backend's own: one candidate
+            single_only = (
+                s.gradient_reduction == "auto" and sharding.gradient_reduction != sharding.own_reduction()
+            )
             for loss in _with_sharding(losses, sharding, _pinned(s.loss) and _pinned(s.sharding), excluded):
                 for mode in checkpointing:
                     for optimizer in optimizers:
+                        if sharding.offload != "none" and isinstance(optimizer, PagedEightBitStates):
+                            reason = (
+                                f"strategies.optimizer_states=paged-8bit with sharding_offload={sharding.offload}",
+                                "paged states live in CUDA unified memory, for parameters on the device; "
+                                "offload steps the optimizer on host tensors",
+                            )
+                            if reason not in excluded:
+                                excluded.append(reason)
+                            continue
                         for size in sizes:
+                            if single_only and recipe.batch.micro_tokens is None and size == per_rank:
+                                continue
                             candidates.append(
                                 Plan(
                                     precision,
@@ -137,6 +162,35 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                 )
                             )
     return Grid(tuple(candidates), tuple(excluded))
+
+
+def _sharding_choices(
+    recipe: Recipe, layouts: Sequence[Sharding], facts: DeviceFacts, excluded: list[tuple[str, str]]
+) -> list[Sharding]:
+    """The concrete shardings of the allowed layouts: each with the offloads and reductions the recipe
+    leaves open (see the module docstring)."""
+    s = recipe.strategies
+    offload_open = not _pinned(s.sharding_offload)
+    offered = list(layouts)
+    one_gpu = facts.world_size == 1 and s.sharding == "auto" and facts.device_type == "cuda"
+    if one_gpu and offload_open:
+        offered += [SHARDING.create(cls.name, s.model_dump()) for cls in SHARDING if not cls.replicated]
+    choices = []
+    for layout in offered:
+        for choice in layout.choices():
+            if choice.offload == "none" and one_gpu and not choice.replicated:
+                continue  # a ZeRO stage offered for its offload only
+            if choice.offload != "none" and offload_open and facts.device_type != "cuda":
+                reason = (
+                    f"strategies.sharding_offload={choice.offload}",
+                    f"offload moves states to host memory, which on a {facts.device_type} device is the device's "
+                    "own memory: it saves nothing there",
+                )
+                if reason not in excluded:
+                    excluded.append(reason)
+                continue
+            choices.append(choice)
+    return choices
 
 
 def _with_sharding(
@@ -217,5 +271,5 @@ def _allowed(
     return allowed
 
 
-def _pinned(value: str | list[str]) -> bool:
+def _pinned(value: object) -> bool:
     return isinstance(value, str) and value != "auto"

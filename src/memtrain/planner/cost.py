@@ -13,9 +13,15 @@ each a count (FLOPs, bytes) divided by a rate:
 - a fixed cost per micro-step (kernel launches, Python, hooks), which makes accumulation cost something;
 - the optimizer step: bytes of weights, gradients and states it streams, at device-memory bandwidth, times
   the state format's `relative_step_cost` (dequantising 8-bit states costs more than fp32 AdamW);
-- communication: the sharding's `gradient_sync` (all-reduce or reduce-scatter) and `parameter_gathers`
-  (per step, per micro-step) over the interconnect, partly hidden behind compute;
-- offload: activations (checkpointing `offload`) or states (`sharding_offload`) over the host link.
+- communication: the sharding's `gradient_sync` (all-reduce or reduce-scatter), once per step or, with
+  `gradient_reduction=per_micro_step`, once per micro-step (`Sharding.reductions_per_step`), and
+  `parameter_gathers` (per step, per micro-step) over the interconnect, partly hidden behind compute;
+- offload: activations (checkpointing `offload`) over the host link; states (`sharding_offload`) there and
+  back once per step (parameter offload: once per micro-step, each gather copies the weights in), partly
+  hidden, and the optimizer step on the host's CPU, which streams the offloaded states at the host's
+  memory rate (`host_step_bandwidth`) and hides behind nothing. For a model large enough to need it, these
+  seconds exceed what recomputation or smaller micro-batches cost, so offload ranks below the plans that
+  fit without it (tests/planner/test_offload_choice.py).
 
 Rates are those of a device class (`SPEEDS`); `calibrate` rescales the terms from measured step times
 (probe steps on the device, or the CPU benchmark in scripts/bench_plan_quality.py).
@@ -37,6 +43,7 @@ class DeviceSpeed:
     micro_step_s: float  # fixed cost of one micro-step
     memory_bandwidth: float  # device memory, bytes/s
     host_link: float  # device <-> host, bytes/s
+    host_step_bandwidth: float  # bytes/s the host's CPU optimizer streams (offloaded states), per rank
     interconnect: float  # per-rank collective bandwidth, bytes/s
     selective_recompute: float  # `selective`: recompute time as a share of the blocks' forward
     checkpoint_call_s: float  # fixed cost of one checkpointed block per micro-step (RNG state, hooks)
@@ -53,6 +60,9 @@ SPEEDS: dict[str, DeviceSpeed] = {
         micro_step_s=3e-3,
         memory_bandwidth=3.0e12,
         host_link=50e9,
+        # torch's AdamW on the host (memtrain keeps the recipe's optimizer under offload): ~20 GB/s per rank,
+        # a server's ~300 GB/s of host memory bandwidth shared by 8 ranks and slowed by Adam's arithmetic
+        host_step_bandwidth=20e9,
         interconnect=300e9,
         selective_recompute=0.1,
         checkpoint_call_s=2e-4,
@@ -68,6 +78,7 @@ SPEEDS: dict[str, DeviceSpeed] = {
         micro_step_s=3e-3,
         memory_bandwidth=5e9,
         host_link=5e9,
+        host_step_bandwidth=5e9,  # unused: offload is excluded on a CPU target
         interconnect=2e9,
         selective_recompute=1.3,
         checkpoint_call_s=1.3e-3,
@@ -146,10 +157,12 @@ class CostModel:
         state_bytes: int,
         offloaded_activation_bytes: int,
         device_type: str,
+        host_bytes: int = 0,
     ) -> StepCost:
         """Seconds of one step of `plan`. `micro_tokens`: tokens of the largest micro-batch; `state_bytes`:
-        weights + gradients + optimizer states of this rank; `offloaded_activation_bytes`: what one
-        micro-step's activation offload sends to the host."""
+        weights + gradients + optimizer states of this rank on the device; `offloaded_activation_bytes`:
+        what one micro-step's activation offload sends to the host; `host_bytes`: the states
+        `sharding_offload` keeps on the host (`StateBytes.host`)."""
         s = self.speed
         tokens = w.rows_per_step * w.seq_len
         flops_per_token = 6 * w.numel + 12 * w.num_blocks * w.hidden * w.seq_len
@@ -166,12 +179,11 @@ class CostModel:
         factor = plan.optimizer_states.relative_step_cost.get(device_type, 1.0)
         optimizer = 2 * state_bytes / s.memory_bandwidth * factor
         communication = self._communication(w, plan, micro_steps) * (1 - COMM_OVERLAP)
-        offload = self._offload(
-            offloaded_activation_bytes * micro_steps,
-            device_type,
-            state_bytes,
-            plan.sharding.offload != "none" and not plan.sharding.replicated,
-        )
+        offload = self._offload(offloaded_activation_bytes * micro_steps, device_type)
+        if host_bytes:
+            passes = micro_steps if plan.sharding.offload == "params" else 1
+            offload += 2 * host_bytes * passes / s.host_link * (1 - OFFLOAD_OVERLAP)
+            offload += 2 * host_bytes / s.host_step_bandwidth
         raw = StepCost(compute, recompute, micro_steps * s.micro_step_s, optimizer, communication, offload)
         return StepCost(*(t * k for t, k in zip(raw.terms(), self.scale, strict=True)))
 
@@ -184,21 +196,17 @@ class CostModel:
         gather_bytes = w.numel * (4 if plan.precision.compute == "fp32" else 2)
         reduce = {"all-reduce": 2 * ring * grad_bytes, "reduce-scatter": ring * grad_bytes}.get(
             sharding.gradient_sync, 0.0
-        )
+        ) * sharding.reductions_per_step(micro_steps)
         per_step, per_micro_step = sharding.parameter_gathers
         return (
             reduce + (per_step + micro_steps * per_micro_step) * ring * gather_bytes
         ) / self.speed.interconnect
 
-    def _offload(
-        self, activation_bytes: int, device_type: str, state_bytes: int, states_offloaded: bool
-    ) -> float:
+    def _offload(self, activation_bytes: int, device_type: str) -> float:
         if device_type == "cuda":
             seconds = 2 * activation_bytes / self.speed.host_link
         else:
             seconds = activation_bytes * ACTIVATION_OFFLOAD_CPU_S_PER_BYTE
-        if states_offloaded:
-            seconds += 2 * state_bytes / self.speed.host_link
         return seconds * (1 - OFFLOAD_OVERLAP)
 
 

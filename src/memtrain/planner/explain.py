@@ -35,6 +35,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         if result.chosen is not None
         else None,
         "budget": result.budget.to_dict() if result.budget is not None else None,
+        "attention": result.attention or None,
         "full_fine_tuning": dict(
             zip(("weights", "gradients", "optimizer_states"), result.full_fine_tuning, strict=True)
         )
@@ -67,6 +68,8 @@ def describe(result: PlanResult, title: str) -> str:
     )
     stored = dict(zip(("weights", "gradients", "optimizer states"), chosen.states.stored, strict=True))
     lines.append("  kept between steps: " + ", ".join(f"{k} {_gib(v)}" for k, v in stored.items()))
+    if result.attention:
+        lines.append(f"  attention in the trace: {result.attention}")
     if result.full_fine_tuning is not None:
         full = dict(zip(stored, result.full_fine_tuning, strict=True))
         saved = sum(full.values()) - sum(stored.values())
@@ -113,14 +116,45 @@ def explain_failure(
             *table(closest[: 1 + RUNNERS_UP], budget.usable),
         ]
     lines += _excluded(excluded)
-    lines += ["", "to make a plan fit, change one of:", *(f"  - {s}" for s in suggestions(recipe))]
+    advice = suggestions(recipe, budget, infeasible, excluded)
+    lines += ["", "to make a plan fit, change one of:", *(f"  - {s}" for s in advice)]
     return "\n".join(lines)
 
 
-def suggestions(recipe: Recipe) -> list[str]:
-    """Recipe keys that would widen the search or shrink the step, most effective first."""
+def suggestions(
+    recipe: Recipe,
+    budget: MemoryBudget | None = None,
+    infeasible: tuple[Scored, ...] = (),
+    excluded: tuple[tuple[str, str], ...] = (),
+) -> list[str]:
+    """Recipe keys that would widen the search or shrink the step, most effective first. Offload is
+    suggested when it could make the closest plan fit: the states it keeps between steps (what offload
+    moves to the host) are at least what it is short."""
     s = recipe.strategies
     out = []
+    closest = min(
+        infeasible, key=lambda c: (c.prediction.lower_bound, c.prediction.peak, c.order()), default=None
+    )
+    if closest is not None and budget is not None and not _open(s.sharding_offload):
+        movable, short = sum(closest.states.stored), closest.short(budget.usable)
+        if movable >= short:
+            out.append(
+                f"strategies.sharding_offload=auto (now {s.sharding_offload}) with strategies.sharding=auto, on a "
+                "GPU (even one): keep optimizer states or weights in host memory; the closest plan keeps "
+                f"{_gib(movable)} of them on the device and is {_gib(short)} over"
+            )
+    if any("host memory" in why for _, why in excluded):
+        out.append(
+            "more host memory per rank (host_memory_bytes in the --gpu profile): offloaded states overflow it"
+        )
+    sharded_accumulation = any(
+        c.plan.accumulation_steps > 1 and not c.plan.sharding.replicated for c in infeasible
+    )
+    if s.gradient_reduction == "per_step" and sharded_accumulation:
+        out.append(
+            "strategies.gradient_reduction=auto (now per_step): reduce-scatter every micro-step, so zero2/zero3 "
+            "keep no unsharded gradient between micro-steps"
+        )
     if s.checkpointing != "auto":
         out.append(f"strategies.checkpointing=auto (now {s.checkpointing}): recompute activations")
     if recipe.batch.micro_size != "auto":
@@ -143,17 +177,33 @@ def suggestions(recipe: Recipe) -> list[str]:
     return out
 
 
+TABLE_COLUMNS = (  # (header, plan.summary() key) of the strategy columns, in the order they run
+    ("precision", "precision"),
+    ("checkpointing", "checkpointing"),
+    ("loss", "loss"),
+    ("optimizer", "optimizer_states"),
+    ("sharding", "sharding"),
+)
+
+
 def table(rows: list[Scored], usable: int) -> list[str]:
+    """One line per plan; each strategy column as wide as its longest entry (`zero3(params, ...)`)."""
+    cells = [[str(s.plan.summary()[key]) for _, key in TABLE_COLUMNS] for s in rows]
+    widths = [
+        max([len(title), *(len(row[i]) for row in cells)]) for i, (title, _) in enumerate(TABLE_COLUMNS)
+    ]
+
+    def strategies(values: list[str]) -> str:
+        return " ".join(f"{v:<{w}}" for v, w in zip(values, widths, strict=True))
+
     header = (
-        f"  {'#':>2}  {'precision':<11} {'checkpointing':<15} {'optimizer':<10} {'sharding':<8} "
+        f"  {'#':>2}  {strategies([t for t, _ in TABLE_COLUMNS])} "
         f"{'micro x acc':<11} {'peak':>11} {'fits':<4} {'step s':>8}"
     )
     body = []
-    for index, s in enumerate(rows, 1):
-        c = s.plan.summary()
+    for index, (s, row) in enumerate(zip(rows, cells, strict=True), 1):
         body.append(
-            f"  {index:>2}  {c['precision']:<11} {c['checkpointing']:<15} {c['optimizer_states']:<10} "
-            f"{c['sharding']:<8} {c['micro_batching']:<11} "
+            f"  {index:>2}  {strategies(row)} {s.plan.summary()['micro_batching']:<11} "
             f"{('>' if s.prediction.lower_bound else '') + _gib(s.prediction.peak):>11} "
             f"{'yes' if not s.short(usable) else 'no':<4} {s.cost.total:>8.3g}"
         )
@@ -174,10 +224,14 @@ def _excluded(excluded: tuple[tuple[str, str], ...]) -> list[str]:
 def _label(plan: Plan) -> str:
     fields = plan.summary()
     return (
-        f"precision={fields['precision']} checkpointing={fields['checkpointing']} "
+        f"precision={fields['precision']} checkpointing={fields['checkpointing']} loss={fields['loss']} "
         f"optimizer_states={fields['optimizer_states']} sharding={fields['sharding']} "
         f"micro_batch={fields['micro_batch_size']} x {fields['accumulation_steps']} accumulation"
     )
+
+
+def _open(choice: object) -> bool:
+    return not isinstance(choice, str) or choice == "auto"
 
 
 def _gib(n: int) -> str:

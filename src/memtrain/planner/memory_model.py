@@ -19,7 +19,9 @@ sums to the peak), together with each component's own maximum (`maxima`).
 
 Sharded plans (zero1/2/3) use the backend's per-rank `StateBytes` as one block (the backend's upper bound:
 gathered weights, prefetch and gradient copies as if alive at once) and the walk's activations and
-temporaries on top; gradient traffic inside backward is the backend's, not the trace's.
+temporaries on top; gradient traffic inside backward is the backend's, not the trace's. What offload
+moves to the host (`StateLevels.host`) is outside the device peak; the search holds it to the target's
+host memory.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class StateLevels:
     other: int
     replicated: bool = True
     stored: tuple[int, int, int] = (0, 0, 0)  # weights, gradients, optimizer states kept between steps
+    host: int = 0  # states offload keeps in host memory (`StateBytes.host`), outside the device peak
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from torch import nn
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
 from memtrain.planner.activations import FittedTrace, clone_depth, fit, trace_step
+from memtrain.planner.attention_kernels import Capability
 from memtrain.planner.spec import Batch, ModelSpec
+from memtrain.planner.trace_fallback import clone_step_bytes, trace_for_real
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import model_shape, output_head
 from memtrain.strategies.checkpointing import Checkpointing
@@ -50,9 +52,10 @@ class ModelProbe:
     seq_len: int = field(init=False)
     row_bytes: int = field(init=False)
     head_numel: int = field(init=False)  # the output head's weight (what `chunked` recomputes)
-    _fits: dict[tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss], FittedTrace] = (
-        field(init=False, default_factory=dict)
-    )
+    _fits: dict[
+        tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss, Capability | None],
+        FittedTrace,
+    ] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         try:
@@ -98,15 +101,17 @@ class ModelProbe:
         rows: tuple[int, int],
         weights_dtype: torch.dtype | None = None,
         loss: Loss | None = None,
+        cuda_capability: Capability | None = None,
     ) -> FittedTrace:
         """The activation fit for one precision and one traced checkpointing mode, drawn through traces at
         the smallest and the largest micro-batch rows the search considers (cached). `weights_dtype`: the
         sharding backend hands the forward weights of this dtype (FSDP2's and DeepSpeed's bf16-mixed).
-        `loss`: the plan's loss strategy (standard by default)."""
+        `loss`: the plan's loss strategy (standard by default). `cuda_capability`: trace attention as the CUDA
+        kernel of a GPU of this compute capability (attention_kernels.py); None: this CPU's kernels."""
         loss = loss or Loss()
         if rows[0] == rows[1]:
             rows = (rows[0], 2 * rows[0])
-        key = (precision, mode, rows, weights_dtype, loss)
+        key = (precision, mode, rows, weights_dtype, loss, cuda_capability)
         if key not in self._fits:
             clone = self.spec.build_clone
             depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
@@ -117,7 +122,8 @@ class ModelProbe:
                 f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens)"
             )
             build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
-            try:
+
+            def traced() -> FittedTrace:
                 small, large = (
                     trace_step(
                         build,
@@ -131,17 +137,21 @@ class ModelProbe:
                         self.adapters,
                         self.quantization,
                         loss,
+                        cuda_capability,
                     )
                     for count in rows
                 )
-                self._fits[key] = fit(small, large)
+                return fit(small, large)
+
+            try:
+                self._fits[key] = traced()
             except MemtrainError:
                 raise
-            except Exception as exc:  # a model or kernel the fake-tensor trace cannot run
-                raise Unsupported(
-                    f"cannot trace {precision.describe()} with checkpointing {mode.describe()}: "
-                    f"{type(exc).__name__}: {_first_line(exc)}"
-                ) from exc
+            except Exception as exc:  # a model or kernel the fake-tensor trace cannot run: real tensors
+                cause = f"{type(exc).__name__}: {_first_line(exc)}"
+                tokens = rows[1] * self.seq_len
+                size = clone_step_bytes(self.shape, depth, tokens, self.hidden_size, self.head_numel)
+                self._fits[key] = trace_for_real(self.spec.name, cause, size, traced, self.progress)
         return self._fits[key]
 
     def _batch(self, rows: int) -> Batch:

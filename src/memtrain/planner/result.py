@@ -60,6 +60,7 @@ class PlanResult:
     infeasible: tuple[Scored, ...] = ()  # plans that do not fit, fastest first
     excluded: tuple[tuple[str, str], ...] = ()  # (option, why it cannot run here)
     full_fine_tuning: tuple[int, int, int] | None = None  # the chosen plan's stored states without adapters
+    attention: str = ""  # what the chosen plan's activation trace ran for attention (attention_kernels.py)
 
     @property
     def predicted(self) -> Footprint | None:

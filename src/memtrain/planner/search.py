@@ -9,6 +9,7 @@ picks the same plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from memtrain.planner.candidates import Grid, build_grid
 from memtrain.planner.cost import CostModel, Workload
 from memtrain.planner.explain import explain_failure
 from memtrain.planner.memory_model import (
+    Prediction,
     StateLevels,
     StepWalk,
     Traces,
@@ -47,9 +49,17 @@ STATES_ONLY = StepWalk(
 
 
 def search(
-    recipe: Recipe, probe: ModelProbe, target: Target, device: torch.device, *, cost: CostModel | None = None
+    recipe: Recipe,
+    probe: ModelProbe,
+    target: Target,
+    device: torch.device,
+    *,
+    cost: CostModel | None = None,
+    correction: Callable[[Prediction], Prediction] | None = None,
 ) -> PlanResult:
-    """Evaluate every candidate of the recipe on `target`; `PlanError` (with the table) when none fits."""
+    """Evaluate every candidate of the recipe on `target`; `PlanError` (with the table) when none fits.
+    `correction` adjusts every candidate's prediction before ranking (a run that measured more than its
+    plan predicted re-plans with it: memtrain.training.replan)."""
     facts = DeviceFacts(
         target.device_type, target.world_size, bf16=target.bf16, fp8=target.fp8, what_if=target.what_if
     )
@@ -57,10 +67,15 @@ def search(
     evaluation = _Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
     excluded = list(grid.excluded)
     scored: list[Scored] = []
+    untraceable: Unsupported | None = None
     for candidate in grid.candidates:
         try:
-            scored.append(evaluation.score(candidate))
+            found = evaluation.score(candidate)
+            if correction is not None:
+                found = replace(found, prediction=correction(found.prediction))
+            scored.append(found)
         except Unsupported as exc:  # the trace of this precision and mode failed
+            untraceable = untraceable or exc
             loss = f" and loss={candidate.loss.name}" if candidate.loss.name != "standard" else ""
             reason = (
                 f"strategies.precision={candidate.precision.name} with "
@@ -69,6 +84,8 @@ def search(
             )
             if reason not in excluded:
                 excluded.append(reason)
+    if untraceable is not None and not scored:  # not "no plan fits": no plan could be predicted at all
+        raise untraceable
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
         raise PlanError(explain_failure(recipe, target.budget, infeasible, tuple(excluded)))
@@ -81,6 +98,7 @@ def search(
         infeasible=infeasible,
         excluded=tuple(excluded),
         full_fine_tuning=evaluation.full_fine_tuning(chosen.plan),
+        attention=_attention(probe, chosen.plan, target, evaluation.rows),
     )
 
 
@@ -116,12 +134,18 @@ class _Evaluation:
         seq = probe.seq_len
         tokens, micro_steps = plan.micro_batching.tokens(seq), plan.micro_batching.micro_steps(seq)
         levels = self._levels(plan, micro_steps)
+        if target.host_bytes is not None and levels.host > target.host_bytes:
+            raise Unsupported(
+                f"strategies.sharding_offload: {plan.sharding.describe()} with optimizer_states="
+                f"{plan.optimizer_states.describe()} keeps {levels.host / 2**30:.2f} GiB per rank in host memory, "
+                f"more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of the --gpu profile)"
+            )
         offloaded = 0
         if predict(levels, STATES_ONLY).peak > target.budget.usable:
             walk = STATES_ONLY  # the model states alone do not fit: no trace can change that
         else:
             weights = torch.bfloat16 if plan.sharding.hands_bf16_weights(plan.precision) else None
-            traces = _traces(probe, plan, target.device_type, self.rows, weights)
+            traces = _traces(probe, plan, target, self.rows, weights)
             replicated = plan.sharding.replicated
             key = (
                 plan.precision,
@@ -143,9 +167,14 @@ class _Evaluation:
             plan,
             micro_tokens=tokens,
             micro_steps=micro_steps,
-            state_bytes=levels.weights + levels.optimizer_gradients + levels.optimizer_states,
+            # what the optimizer streams: a sharded plan's stored states, not its transient gathered weights
+            # and unsharded gradient copies
+            state_bytes=levels.weights + levels.optimizer_gradients + levels.optimizer_states
+            if levels.replicated
+            else sum(levels.stored),
             offloaded_activation_bytes=offloaded,
             device_type=target.device_type,
+            host_bytes=levels.host,
         )
         return Scored(plan, predict(levels, walk), step, levels)
 
@@ -197,16 +226,25 @@ class _Evaluation:
 
 
 def _traces(
-    probe: ModelProbe, plan: Plan, device_type: str, rows: tuple[int, int], weights_dtype: torch.dtype | None
+    probe: ModelProbe, plan: Plan, target: Target, rows: tuple[int, int], weights_dtype: torch.dtype | None
 ) -> Traces:
-    mode = plan.checkpointing
+    """The fits `plan` is walked with; on a CUDA target attention is traced as its GPU's kernel runs it."""
+    mode, device_type = plan.checkpointing, target.device_type
+    capability = target.compute_capability if device_type == "cuda" else None
     traces = {
-        m: probe.trace(plan.precision, m, rows, weights_dtype, plan.loss)
+        m: probe.trace(plan.precision, m, rows, weights_dtype, plan.loss, capability)
         for m in mode.traced_modes(device_type)
     }
     if mode.offloads_activations and device_type == "cuda":
         traces[mode] = offload_trace(traces[NoCheckpointing()], traces[FullCheckpointing()])
     return traces
+
+
+def _attention(probe: ModelProbe, plan: Plan, target: Target, rows: tuple[int, int]) -> str:
+    """Which attention the chosen plan's traces ran (cached traces: no new trace)."""
+    weights = torch.bfloat16 if plan.sharding.hands_bf16_weights(plan.precision) else None
+    traces = _traces(probe, plan, target, rows, weights)
+    return next((t.attention for t in traces.values() if t.attention), "")
 
 
 def _kept_per_block(trace: FittedTrace, tokens: int) -> int:

@@ -103,4 +103,5 @@ def state_levels(
         other=fixed_bytes + fp.other,
         replicated=False,
         stored=(per_rank.weights, per_rank.gradients, per_rank.optimizer_states),
+        host=per_rank.host,
     )

@@ -8,7 +8,8 @@ sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretr
 plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
 around the trainer's `build_optimizer`].
 
-The trainer's setup runs all of it. The planner's trace runs the model part only (`env=None`), on a model
+The trainer's setup runs all of it; `switch_in_place` re-applies checkpointing and the loss to a live model
+when a run re-plans (memtrain.training.replan). The planner's trace runs the model part only (`env=None`), on a model
 of fake tensors: the optimizer's states and the sharding's bytes are arithmetic, and what the forward and
 backward keep is what the trace measures. Both call this function, so they cannot apply strategies in a
 different order.
@@ -26,7 +27,7 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
-from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.checkpointing import Checkpointing, unwrap_blocks
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
@@ -121,6 +122,18 @@ def apply_strategies(
         materialise=materialise if on_meta else None,
     )
     return Applied(wrapped, optimizer, precision.grad_scaler(device))
+
+
+def switch_in_place(
+    model: nn.Module, blocks: list[nn.Module], checkpointing: Checkpointing, loss: Loss
+) -> None:
+    """Re-apply the strategies a running model can change between steps: its blocks' checkpointing (the old
+    wrappers removed first) and the loss binding. `model` is the model `apply_strategies` received (not a
+    sharding wrapper); parameters, optimizer and sharding are untouched, so the training goes on exactly."""
+    unwrap_blocks(blocks)
+    checkpointing.apply(model, blocks)
+    head_name = output_head(model)
+    loss.apply(model, None if head_name is None else model.get_submodule(head_name))
 
 
 def materialise_parameters(model: nn.Module, device: torch.device) -> None:

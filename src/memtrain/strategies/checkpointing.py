@@ -21,7 +21,7 @@ each mode here keeps fewer of them:
   stream on CUDA) and come back when backward needs them. Weights are never copied.
 
 How blocks are wrapped: each block *instance* gets a `forward` attribute that runs its class's forward under
-the mode. The module tree, parameter names and state_dict keys stay exactly the same, so checkpoints load
+the mode (`unwrap_blocks` removes it again, so a run can switch modes between steps). The module tree, parameter names and state_dict keys stay exactly the same, so checkpoints load
 across strategies, and hooks on the block itself (FSDP2's, the memory tracker's) run once, outside the
 checkpointed region — transformers' own `GradientCheckpointingLayer` wraps `forward`, not `__call__`,
 for the same reason.
@@ -263,6 +263,15 @@ class OffloadCheckpointing(Checkpointing):
 
     def kept_bytes(self, profile: ActivationProfile, block: int, recomputed: bool) -> int:
         return profile.block_inputs[0] if block == 0 else 0
+
+
+def unwrap_blocks(blocks: list[nn.Module]) -> None:
+    """Undo `Checkpointing.apply` on `blocks`: each block gets its class's forward back (a re-plan during a
+    run switches modes by unwrapping, then applying the new mode; names, keys and hooks never changed)."""
+    for block in blocks:
+        if getattr(block, _WRAPPED, None) is not None:
+            del block.forward
+            delattr(block, _WRAPPED)
 
 
 def _check_wrappable(model: nn.Module, blocks: list[nn.Module]) -> None:

@@ -38,8 +38,12 @@ def recipe_keys(recipe: Recipe) -> dict[str, Any]:
     keys: dict[str, Any] = {
         "gradient_clipping": float(grad_clip) if grad_clip is not None else 0.0,
         "fp16.enabled": False,
-        "zero_optimization.offload_optimizer.device": "cpu" if s.sharding_offload != "none" else "none",
     }
+    offload = (
+        s.sharding_offload if isinstance(s.sharding_offload, str) and s.sharding_offload != "auto" else None
+    )
+    if offload is not None:  # an open offload is the planner's choice: nothing to compare yet
+        keys["zero_optimization.offload_optimizer.device"] = "cpu" if offload != "none" else "none"
     if batch.micro_tokens is None:
         keys["train_batch_size"] = batch.global_size
     if isinstance(batch.micro_size, int):
@@ -49,8 +53,6 @@ def recipe_keys(recipe: Recipe) -> dict[str, Any]:
     stages = {int(n[-1]) for n in deepspeed_config.names(s.sharding) if n.startswith("zero")}
     if len(stages) == 1 and s.sharding != "auto":
         keys["zero_optimization.stage"] = stage = stages.pop()
-        if stage == 3:
-            keys["zero_optimization.offload_param.device"] = (
-                "cpu" if s.sharding_offload == "params" else "none"
-            )
+        if stage == 3 and offload is not None:
+            keys["zero_optimization.offload_param.device"] = "cpu" if offload == "params" else "none"
     return keys

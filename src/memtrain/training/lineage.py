@@ -38,10 +38,10 @@ recipe.<n>.json). These keys (`FREE_KEYS`, with everything under them) may chang
 - `train.log_every`, `train.eval_every`, `train.eval_batches`: what is reported, not what is trained;
 - `train.max_bad_steps`: when to stop, not how to step;
 - `memory.*`, `planner.*`, `batch.micro_size`, `batch.micro_tokens`, and the memory-only strategies
-  `strategies.sharding`, `.sharding_backend`, `.sharding_offload`, `.checkpointing`,
-  `.checkpointing_fraction`, `.loss`, `.loss_chunk_tokens`: the gradient is that of the global batch
-  whatever the micro-batching (see `memtrain.training.trainer`), and sharding, recomputation or a
-  chunked cross-entropy move bytes, not arithmetic (an out-of-memory error already tells users to
+  `strategies.sharding`, `.sharding_backend`, `.sharding_offload`, `.gradient_reduction`,
+  `.checkpointing`, `.checkpointing_fraction`, `.loss`, `.loss_chunk_tokens`: the gradient is that of
+  the global batch whatever the micro-batching (see `memtrain.training.trainer`), and sharding, when
+  gradients are reduced, recomputation or a chunked cross-entropy move bytes, not arithmetic (an out-of-memory error already tells users to
   resume with a smaller `batch.micro_size`).
 
 Every other key (data, batch.global_size, the rest of train, precision, optimizer states, comm hook,
@@ -82,6 +82,7 @@ FREE_KEYS = (
     "strategies.sharding",
     "strategies.sharding_backend",
     "strategies.sharding_offload",
+    "strategies.gradient_reduction",
     "strategies.checkpointing",
     "strategies.checkpointing_fraction",
     "strategies.loss",

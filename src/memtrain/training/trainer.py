@@ -48,11 +48,11 @@ from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.plan import Plan
 from memtrain.planner import ModelSpec, PlanResult, calibration, make_plan
 from memtrain.recipe import Recipe
-from memtrain.strategies.apply import apply_strategies
+from memtrain.strategies.apply import apply_strategies, switch_in_place
 from memtrain.strategies.blocks import discover_blocks, model_shape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.training import lineage, run_lock
+from memtrain.training import lineage, replan, run_lock
 from memtrain.training.loggers import (
     ProgressLine,
     check_loggers,
@@ -109,6 +109,10 @@ class Trainer:
         self.tracker: MemoryTracker | None = None
         self.memory_reports: list[StepMemory] = []
         self.oom_events: list[dict[str, Any]] = []  # out-of-memory errors recovered from, in order
+        self.replans: list[dict[str, Any]] = []  # plans switched to during the run (training/replan.py)
+        self.correction = replan.Correction()  # what the run measured beyond the predictions, so far
+        self._calibrate_until = 0  # the steps before this one compare their measured peak with the plan
+        self._blocks: list[nn.Module] = []  # the blocks strategies wrapped (a re-plan re-wraps them)
         self.device_peaks: list[int] = []  # the cheap per-step peak, kept beside tracked reports
         self.segment: lineage.Segment | None = None  # rank 0: the lineage fit() continues (in meta.json)
 
@@ -253,9 +257,10 @@ class Trainer:
         seed_everything(self.recipe.run.seed)
         sharding.check(self.env)
         model = self.build_model()
+        self._blocks = self.blocks(model)
         applied = apply_strategies(
             model,
-            self.blocks(model),
+            self._blocks,
             plan.precision,
             plan.checkpointing,
             sharding=sharding,
@@ -316,6 +321,7 @@ class Trainer:
         if resume == "auto":
             resume = bool(ckpt.list_checkpoints(self.checkpoint_root))
         start_step = self._restore(resume, allow_recipe_change) if resume else self._fresh_run_dir()
+        self._calibrate_until = start_step + CALIBRATION_STEPS
         result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start_step)
         loggers = make_loggers(
             output.loggers, self.run_dir, self.recipe, self.env.is_main, start_step if resume else None
@@ -339,7 +345,7 @@ class Trainer:
                 cleanup.callback(progress.close)
             for step in range(start_step, total):
                 row = self.train_step(step)
-                if step < start_step + CALIBRATION_STEPS:
+                if step < self._calibrate_until:
                     self._calibrate(step, row)
                 result.losses.append(row["loss"])
                 result.steps_done = step + 1
@@ -413,6 +419,7 @@ class Trainer:
             "skipped": skipped,
             "micro_batches": totals.micro_batches,
             "oom_recoveries": len(self.oom_events),
+            "replans": len(self.replans),
             "peak_memory_bytes": self.step_peak.stop(),
         }
         self.max_step_peak = max(self.max_step_peak, row["peak_memory_bytes"])
@@ -463,10 +470,11 @@ class Trainer:
         mean loss over all loss tokens of the global step batch.
 
         Out of memory in a micro-step: every rank drops the step's tensors and gradients, the ranks agree,
-        and the *same* step batch is re-split into smaller micro-batches and redone. No sample is lost or
-        seen twice, and the gradient is the same (the loss is normalised by the global token count). The
-        smaller micro-batch size is kept for the rest of the run and saved with checkpoints. (On several
-        ranks, an OOM inside the last micro-step is the exception: see `_try_accumulate`.)
+        the run re-plans (`_recover_from_oom`: more checkpointing, another loss or smaller micro-batches)
+        and the *same* step batch is redone. No sample is lost or seen twice, and the gradient is the same
+        (the loss is normalised by the global token count). The new plan is kept for the rest of the run;
+        its micro-batch size is saved with checkpoints. (On several ranks, an OOM inside the last
+        micro-step is the exception: see `_try_accumulate`.)
         """
         batch = self.step_batch(step)
         while True:
@@ -474,6 +482,9 @@ class Trainer:
             if totals is not None:
                 return totals
             self._recover_from_oom(step)
+            self.step_peak.start()  # the step's peak is that of the attempt that completes
+            if self.tracker is not None:
+                self.tracker.begin_step(step + 1)
 
     def _try_accumulate(self, step: int, batch: Batch) -> StepTotals | None:
         """One attempt at the step's micro-steps; None when some rank ran out of memory.
@@ -556,7 +567,7 @@ class Trainer:
 
     def _calibrate(self, step: int, row: dict[str, Any]) -> None:
         """Compare a first step's measured memory with the plan's prediction, record it in plan.json,
-        and re-plan (smaller micro-batches) when the measured peak passed the usable budget.
+        and re-plan (`_recover_from_oom`) when the measured peak passed the usable budget.
 
         The measurement is the tracker's report when it runs (all components), else the allocator's
         peak on CUDA; on a CPU without the tracker, RSS is no per-tensor figure and only the budget
@@ -583,7 +594,8 @@ class Trainer:
             self._recover_from_oom(
                 step,
                 reason=f"measured peak {format_bytes(measured_peak or 0)} passed the "
-                f"usable {format_bytes(budget.usable if budget else 0)}; re-planning",
+                f"usable {format_bytes(budget.usable if budget else 0)}",
+                measured=report if report is not None else measured_peak,
             )
 
     def _write_plan_json(self) -> None:
@@ -597,11 +609,17 @@ class Trainer:
                 "predicted": result.predicted.to_dict() if result.predicted is not None else None,
                 "budget": result.budget.to_dict() if result.budget is not None else None,
                 "calibration": self.calibration,
+                "replans": self.replans,
             },
         )
 
-    def _recover_from_oom(self, step: int, reason: str = "out of memory") -> None:
-        """Drop the failed attempt's gradients and cached blocks, then shrink the micro-batch."""
+    def _recover_from_oom(
+        self, step: int, reason: str = "out of memory", measured: StepMemory | int | None = None
+    ) -> None:
+        """Drop the failed attempt's gradients and cached blocks, then re-plan (training/replan.py): the
+        excess `measured` shows over the prediction (None: an out-of-memory error) corrects every
+        candidate, and the fastest plan the live model can switch to that fits replaces this one. A
+        pinned plan (nothing predicted) only shrinks its micro-batch."""
         assert self.model is not None and self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
@@ -609,21 +627,35 @@ class Trainer:
         gc.collect()
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()
-        current = self.plan.micro_batching
-        smaller = current.smaller()
-        if smaller is None:
-            unit = "token" if self.plan.micro_batch_tokens is not None else "sequence"
-            raise PlanError(
-                f"out of memory at step {step + 1} even with one {unit} per micro-batch; enable "
-                "strategies.checkpointing (full), lower data.seq_len, or add memory (strategies.sharding)"
+        result = self.plan_result
+        if result is None or result.chosen is None or result.budget is None:
+            self.plan, line = replan.smaller_micro_batch(self.plan, step, reason)
+        else:
+            excess = replan.excess(result.chosen.prediction.at_peak, measured, result.budget)
+            self.correction = replan.agree(self.correction.then(excess), self.env)
+            done = replan.replan(
+                self.recipe,
+                self.env,
+                self.model_spec(),
+                result,
+                self.plan,
+                self.correction,
+                step,
+                reason,
+                self.tracker,
             )
-        self.plan = self.plan.replace(micro_batching=smaller)
+            new = done.result.plan
+            switch_in_place(self._sharding.unwrap(self.model), self._blocks, new.checkpointing, new.loss)
+            self.plan, self.plan_result, line = new, done.result, done.line
+            self.replans.append(done.record)
+            if self.oom_events and measured is None:
+                self.oom_events[-1]["replanned_to"] = done.record["to"]
+            # the new plan's first steps are compared with its (corrected) prediction too
+            self._calibrate_until = step + 1 + CALIBRATION_STEPS
+            if self.env.is_main:
+                self._write_plan_json()
         if self.env.is_main:
-            print(
-                f"[memtrain] {reason} at step {step + 1} with micro-batches of {current.describe()}: redoing "
-                f"the same batch with {smaller.describe()}",
-                flush=True,
-            )
+            print(line + ("; redoing the same batch" if measured is None else ""), flush=True)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,9 +1,14 @@
 """Sharding strategies: how the model and its states are laid out over the data-parallel ranks.
 
 Each strategy is a recipe name (`strategies.sharding`) with the recipe's sharding options as its fields
-(`sharding_backend`, `sharding_offload`, `comm_hook`, `deepspeed_config`). It builds the backend that
-does the work (`base.ShardingBackend`: none/ddp here, FSDP2, ZeroRedundancyOptimizer, DeepSpeed in their
-own modules) once the plan's facts the backend needs are known: precision, micro-batching and clipping.
+(`sharding_backend`, `sharding_offload`, `gradient_reduction`, `comm_hook`, `deepspeed_config`). It builds
+the backend that does the work (`base.ShardingBackend`: none/ddp here, FSDP2, ZeroRedundancyOptimizer,
+DeepSpeed in their own modules) once the plan's facts the backend needs are known: precision,
+micro-batching and clipping.
+
+Two options may be left to the planner: `sharding_offload` (`auto` or a list) and `gradient_reduction`
+(`auto`). `choices()` turns such a strategy into the concrete ones its backend can run; a plan holds only
+concrete ones (a pinned plan's `gradient_reduction: auto` is the backend's own behaviour).
 
 Facts the planner reads: `replicated` (every rank holds every state, so a trace's gradients are this
 rank's), `multi_rank` (offered by `auto` on several ranks) and `hands_bf16_weights(precision)` (the
@@ -12,10 +17,12 @@ forward reads bf16 weights the backend gathered, instead of autocasting fp32 one
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from memtrain.distributed import DistEnv
+from memtrain.errors import Unsupported
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.registry import Registry, Strategy, option
 from memtrain.strategies.sharding.base import DDPBackend, ShardingBackend, ShardingOptions
@@ -38,7 +45,8 @@ class Sharding(Strategy):
         0,
     )  # all-gathers of the weights per step, per micro-step
     backend: str = option("fsdp2", recipe_key="sharding_backend")
-    offload: str = option("none", recipe_key="sharding_offload")
+    offload: str | list[str] = option("none", recipe_key="sharding_offload")  # auto, a list: the planner's
+    gradient_reduction: str = option("auto", recipe_key="gradient_reduction")
     comm_hook: str = option("none", recipe_key="comm_hook")
     deepspeed_config: str | None = option(None, recipe_key="deepspeed_config")
 
@@ -52,7 +60,8 @@ class Sharding(Strategy):
         """The backend for this layout, with the plan's facts it needs."""
         options = ShardingOptions(
             backend=self.backend,
-            offload=self.offload,
+            offload=self.offload if isinstance(self.offload, str) else "auto",
+            gradient_reduction=self.gradient_reduction,
             comm_hook=self.comm_hook,
             deepspeed_config=self.deepspeed_config,
             precision=_name(precision),
@@ -67,7 +76,48 @@ class Sharding(Strategy):
 
     def check_with(self, env: DistEnv, precision: Precision | str) -> None:
         """`Unsupported` when this layout cannot run on `env` with `precision` (the backend's checks)."""
+        if self.offload_is_open:
+            raise Unsupported(
+                f"strategies.sharding_offload: {self.offload!r} asks the planner to choose, but the recipe pins "
+                "every other choice, so the planner does not run; pin one value (none, optimizer, params) or "
+                "leave another choice open (e.g. batch.micro_size: auto)"
+            )
         self.build(precision).check(env)
+
+    @property
+    def offload_is_open(self) -> bool:
+        """`sharding_offload` is `auto` or a list: the planner's to choose."""
+        return not isinstance(self.offload, str) or self.offload == "auto"
+
+    def choices(self) -> list[Sharding]:
+        """The concrete strategies this one allows: each offload of the list (`auto`: each one the backend
+        supports) with each reduction the backend can run when `gradient_reduction` is `auto`. A listed
+        offload the backend cannot run stays in (its check says why)."""
+        backend = dataclasses.replace(self, offload="none").build()
+        offloads = (
+            backend.offloads()
+            if self.offload == "auto"
+            else [self.offload]
+            if isinstance(self.offload, str)
+            else list(dict.fromkeys(self.offload))
+        )
+        reductions = backend.reductions() if self.gradient_reduction == "auto" else (self.gradient_reduction,)
+        return [
+            dataclasses.replace(self, offload=o, gradient_reduction=r) for o in offloads for r in reductions
+        ]
+
+    def own_reduction(self) -> str:
+        """The backend's own `gradient_reduction` (what `auto` runs when the planner does not choose)."""
+        return self.build().reductions()[0]
+
+    def reductions_per_step(self, micro_steps: int) -> int:
+        """Gradient reductions (all-reduce or reduce-scatter) per optimizer step over `micro_steps`."""
+        return micro_steps if self.build().gradient_reduction == "per_micro_step" else 1
+
+    def describe(self) -> str:
+        """`Strategy.describe` without the reduction when it is the backend's own (the usual case)."""
+        own = self.gradient_reduction == self.own_reduction()
+        return Strategy.describe(dataclasses.replace(self, gradient_reduction="auto") if own else self)
 
     def hands_bf16_weights(self, precision: Precision) -> bool:
         return False
@@ -142,7 +192,9 @@ class Zero3(_Zero):
 def make_sharding(name: str, **options: Any) -> ShardingBackend:
     """The backend of sharding `name` built from `ShardingOptions` fields (tests and measurements)."""
     layout = {
-        k: options.pop(k) for k in ("backend", "offload", "comm_hook", "deepspeed_config") if k in options
+        k: options.pop(k)
+        for k in ("backend", "offload", "gradient_reduction", "comm_hook", "deepspeed_config")
+        if k in options
     }
     return SHARDING.get(name)(**layout).build(
         options.pop("precision", "fp32"),

@@ -7,6 +7,11 @@ the strategies that build them, and their registry, are in `memtrain.strategies.
 
 `ddp` keeps a full replica on each rank and all-reduces (averages) gradients after the last micro-step
 of each step. Earlier micro-steps run under `no_sync`, so accumulation costs one all-reduce per step.
+
+Each backend says which choices it can honour: `offloads()` (what `sharding_offload` may move to the host)
+and `reductions()` (when gradients are reduced under accumulation, `gradient_reduction`: `per_step`, once
+after the last micro-step, or `per_micro_step`, after each; its own behaviour first). A choice outside
+them is `Unsupported` naming the key; `auto` takes the backend's own (the planner offers every one).
 The trainer divides the loss by the global token count and multiplies by `grad_sync_scale`, which undoes
 the backend's averaging. The result is the exact gradient of the global token mean.
 
@@ -48,6 +53,7 @@ class ShardingOptions:
 
     backend: str = "fsdp2"
     offload: str = "none"
+    gradient_reduction: str = "auto"  # per_step | per_micro_step | auto (the backend's own)
     comm_hook: str = "none"
     deepspeed_config: str | None = None
     precision: str = "fp32"
@@ -79,6 +85,33 @@ class ShardingBackend:
                 f"strategies.sharding_offload: '{self.options.offload}' needs strategies.sharding=zero1/zero2/"
                 f"zero3 ('{self.name}' keeps every state on the device); set strategies.sharding_offload=none"
             )
+        self.check_reduction()
+
+    def offloads(self) -> tuple[str, ...]:
+        """The `sharding_offload` values this backend can run (none first)."""
+        return ("none",)
+
+    def reductions(self) -> tuple[str, ...]:
+        """The `gradient_reduction` values this backend can run, its own behaviour first."""
+        return ("per_step",)
+
+    @property
+    def gradient_reduction(self) -> str:
+        """The reduction this backend runs (`auto`: its own)."""
+        chosen = self.options.gradient_reduction
+        return self.reductions()[0] if chosen == "auto" else chosen
+
+    def check_reduction(self) -> None:
+        chosen, possible = self.options.gradient_reduction, self.reductions()
+        if chosen != "auto" and chosen not in possible:
+            raise Unsupported(
+                f"strategies.gradient_reduction: '{chosen}' is not what {self.name} on this backend does under "
+                f"accumulation ({self._reduction_facts()}); set strategies.gradient_reduction="
+                f"{' or '.join(possible)} or auto"
+            )
+
+    def _reduction_facts(self) -> str:
+        return "its gradients are whole on every rank and reduced once, after the last micro-step"
 
     def prepare(
         self,

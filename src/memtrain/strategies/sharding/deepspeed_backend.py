@@ -7,7 +7,9 @@ so the trainer reaches it through three hooks and stays one loop:
 
 - `micro_step`: `set_gradient_accumulation_boundary(last)`: the trainer owns accumulation
   (deepspeed_config.py); DeepSpeed reduces stage-1 gradients at the boundary and stage-2/3 gradients
-  into their partitions every micro-step, as it always does;
+  into their partitions every micro-step, as it always does (its engine's `allreduce_gradients`), so
+  `gradient_reduction` is `per_step` for zero1 and `per_micro_step` for zero2/zero3, and the other
+  is refused;
 - `backward`: `engine.backward(loss, scale_wrt_gas=False)`: the loss is already normalised by the
   global token count, so DeepSpeed must not divide it by the accumulation steps again; its averaging
   over ranks is undone by `grad_sync_scale` as for DDP;
@@ -74,7 +76,19 @@ class DeepSpeedBackend(ShardingBackend):
     def stage(self) -> int:
         return int(self.name[-1])
 
+    def offloads(self) -> tuple[str, ...]:
+        return ("none", "optimizer", "params") if self.stage == 3 else ("none", "optimizer")
+
+    def reductions(self) -> tuple[str, ...]:
+        return ("per_step",) if self.stage == 1 else ("per_micro_step",)
+
+    def _reduction_facts(self) -> str:
+        if self.stage == 1:
+            return "DeepSpeed ZeRO-1 keeps whole gradients and reduces them at the accumulation boundary"
+        return f"DeepSpeed ZeRO-{self.stage} reduces into its gradient partitions on every micro-step"
+
     def check(self, env: DistEnv) -> None:
+        self.check_reduction()
         if importlib.util.find_spec("deepspeed") is None:
             raise Unsupported(
                 "strategies.sharding_backend: deepspeed is not installed; pip install 'memtrain[deepspeed]' "

@@ -19,15 +19,22 @@ and residual stream are bf16 here, so bf16-mixed numerics differ from `none` at 
 bf16-master (fp32 masters are what FSDP2's bf16-mixed already keeps) and fp16-mixed (GradScaler
 over sharded gradients) are refused with the alternative named.
 
-Accumulation: gradient reduction is switched off on non-final micro-steps
-(`set_requires_gradient_sync(False)`), so each rank accumulates an unsharded fp32 gradient until the
-last micro-step, then reduce-scatters once (less communication, more memory; `sharding_bytes` counts
-it). The averaging reduce-scatter is undone by `grad_sync_scale`, and torch's `clip_grad_norm_`
-computes the norm over DTensor gradients globally (a Replicate DTensor), so clipping is exact. Out of
-memory mid-step: `discard_step` drops the unsharded accumulation before the trainer redoes the step.
+Accumulation (`gradient_reduction`): `per_step` (the default) switches reduction off on non-final
+micro-steps (`set_requires_gradient_sync(False)`), so each rank accumulates an unsharded fp32 gradient
+of the whole model until the last micro-step, then reduce-scatters once: less communication, and on a
+large model more memory than ZeRO's sharded gradients save (`fsdp2_bytes` counts it). `per_micro_step`
+keeps the sync on: every micro-step's backward reduce-scatters each group's gradient and FSDP2 adds the
+shard to the sharded `.grad` (torch's `foreach_reduce`), so gradients stay sharded, at one
+reduce-scatter per micro-step. Both sum the same micro-step gradients, each averaged over ranks once,
+so the step's gradient is the same up to fp32 summation order. The averaging reduce-scatter is undone
+by `grad_sync_scale`, and torch's `clip_grad_norm_` computes the norm over DTensor gradients globally
+(a Replicate DTensor), so clipping is exact. Out of memory mid-step: `discard_step` drops the unsharded
+accumulation before the trainer redoes the step.
 
 Offload: `sharding_offload=params` is `CPUOffloadPolicy`: sharded weights, gradients and the optimizer
-step on the CPU (FSDP2 offloads them together, so `optimizer` alone is refused).
+step on the CPU (FSDP2 offloads them together, so `optimizer` alone is refused). The gathered weights
+and, under `per_step` accumulation, the unsharded gradient stay on the device, so offload plans with
+accumulation want `per_micro_step`.
 """
 
 from __future__ import annotations
@@ -78,7 +85,14 @@ class FSDP2Backend(ShardingBackend):
     def reshard_after_forward(self) -> bool:
         return self.name == "zero3"
 
+    def offloads(self) -> tuple[str, ...]:
+        return ("none", "params")
+
+    def reductions(self) -> tuple[str, ...]:
+        return ("per_step", "per_micro_step")
+
     def check(self, env: DistEnv) -> None:
+        self.check_reduction()
         if self.options.offload == "optimizer":
             raise Unsupported(
                 "strategies.sharding_offload: FSDP2 offloads weights, gradients and optimizer states together; "
@@ -133,7 +147,7 @@ class FSDP2Backend(ShardingBackend):
     @contextlib.contextmanager
     def _sync(self, model: nn.Module, last: bool) -> Iterator[None]:
         assert isinstance(model, FSDPModule), type(model)
-        model.set_requires_gradient_sync(last)
+        model.set_requires_gradient_sync(last or self.gradient_reduction == "per_micro_step")
         yield
 
     def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
@@ -174,6 +188,7 @@ class FSDP2Backend(ShardingBackend):
             optimizer,
             reshard_after_forward=self.reshard_after_forward,
             accumulation_steps=self.options.accumulation_steps,
+            reduce_every_micro_step=self.gradient_reduction == "per_micro_step",
             offload=self.options.offload == "params",
             dim0=dim0,
             rank=rank,

@@ -15,8 +15,9 @@ backends differ from the idealisation in ways that matter at the margin of a GPU
   after its forward and re-gathers them in backward, prefetching the next block (two blocks
   gathered at once); the root is kept gathered from forward to backward (FSDP2's default for the
   root). zero2 (`reshard_after_forward=False`) keeps every gathered weight from forward to backward.
-  With accumulation, gradients are not reduced on non-final micro-steps, so each rank holds an
-  unsharded fp32 gradient of the whole model until the last micro-step.
+  With accumulation and `gradient_reduction=per_step`, gradients are not reduced on non-final
+  micro-steps, so each rank holds an unsharded fp32 gradient of the whole model until the last
+  micro-step; with `per_micro_step` every micro-step reduce-scatters into the sharded gradient.
 - DeepSpeed ZeRO-1/2 flattens the parameters into one buffer (padded to a multiple of 2 x the world
   size) that stays whole on every rank, keeps a separate fp32 master partition even when training in
   fp32, and keeps the gradients of every parameter that overlaps its partition - whole. ZeRO-3 pads
@@ -24,6 +25,9 @@ backends differ from the idealisation in ways that matter at the margin of a GPU
   keeps gathered both the parameters of at most `stage3_param_persistence_threshold` elements and,
   from the second step on, every weight reused within `stage3_max_reuse_distance` elements: with the
   defaults, all weights of a model under 500M parameters stay gathered from forward to backward.
+  Under accumulation ZeRO-2/3 reduce every micro-step into their gradient partitions (the engine's
+  `allreduce_gradients`: "ZeRO stage >= 2 communicates during non gradient accumulation boundaries as
+  well"), while ZeRO-1 keeps every full gradient until the boundary's reduction.
 
 Every function returns a `StateBytes` for one rank (`rank=None`: the most loaded rank). The tests
 measure the persistent states (weights, gradients, optimizer states, buffers) and the weights gathered
@@ -179,11 +183,13 @@ def fsdp2_bytes(
     *,
     reshard_after_forward: bool,
     accumulation_steps: int = 1,
+    reduce_every_micro_step: bool = False,
     offload: bool = False,
     dim0: Mapping[str, int] | None = None,
     rank: int | None = None,
 ) -> StateBytes:
-    """zero2 / zero3 on FSDP2 (`fully_shard` per block, then the root).
+    """zero2 / zero3 on FSDP2 (`fully_shard` per block, then the root). `reduce_every_micro_step`:
+    `gradient_reduction=per_micro_step` (no unsharded gradient between micro-steps).
 
     `dim0` gives each parameter's leading dimension (by name) for the padding arithmetic; without
     it every parameter is taken as 1-D (padding of at most `world_size - 1` elements per tensor).
@@ -197,6 +203,7 @@ def fsdp2_bytes(
                 optimizer,
                 reshard_after_forward=reshard_after_forward,
                 accumulation_steps=accumulation_steps,
+                reduce_every_micro_step=reduce_every_micro_step,
                 offload=offload,
                 dim0=dim0,
                 rank=r,
@@ -233,7 +240,8 @@ def fsdp2_bytes(
     gathered = root if reshard_after_forward else everything
     # zero3 re-gathers the block in backward and prefetches the next one: two blocks at once.
     prefetch = 2 * largest_block if reshard_after_forward else 0
-    copies = shape.trainable_numel * 4 if accumulation_steps > 1 else 0  # fp32 unsharded accumulated grads
+    unsharded = accumulation_steps > 1 and not reduce_every_micro_step
+    copies = shape.trainable_numel * 4 if unsharded else 0  # fp32 unsharded accumulated grads
     if offload:
         return StateBytes(
             gathered=gathered,

@@ -45,6 +45,7 @@ from memtrain.strategies.sharding.state_bytes import (
 @dataclass(frozen=True)
 class Zero1Backend(DDPBackend):
     def check(self, env: DistEnv) -> None:
+        self.check_reduction()
         if self.options.offload != "none":
             raise Unsupported(
                 f"strategies.sharding_offload: '{self.options.offload}' is not available for zero1 on the fsdp2 "

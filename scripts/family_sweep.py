@@ -1,0 +1,395 @@
+"""Family sweep: every causal-LM `model_type` transformers ships, built tiny, planned and measured on the CPU.
+
+Why: the planner traces a three-block clone of the model under fake tensors; a family whose code the fake
+trace cannot run (data-dependent shapes, kernels without a fake implementation) or whose clone is not a
+faithful copy (hybrid layer patterns, mixture-of-experts routing) would be planned wrong or not at all,
+and only running every family finds out. For each family in
+`transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` this builds the family's config
+shrunk to a tiny size (a generic shrinker over the common size fields plus a few family overrides), then,
+per attention implementation (eager and sdpa where the family has both), predicts the step's peak the way
+scripts/planner_accuracy.py does (`predict`) and measures it in a real CPU run with the tracker
+(`measure`). A family that cannot be built tiny or cannot train a step on a CPU is skipped with the
+reason. Each family runs in its own process with a timeout, so one hang or crash cannot stop the sweep.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/family_sweep.py [--quick] [--only llama,gpt2] [--json OUT]
+
+Writes results/family_sweep.json (or --json) and prints the markdown summary: families planned / built,
+median and max |error| of the peak, the worst under-prediction, a row per family and attention, and the
+skipped families with reasons. Goal (issue 14): every family that trains also plans; median <= 1%,
+max <= 3%, never under by more than 0.5%. --quick: one plan per family (else two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import planner_accuracy  # noqa: E402  (its recipe, prediction and measurement: the same numbers)
+
+TIMEOUT_S = 300  # one family, every attention and plan
+ATTENTIONS = ("eager", "sdpa")
+QUICK_PLANS = [planner_accuracy.PLANS[0]]  # fp32, no checkpointing, one micro-step
+PLANS = [planner_accuracy.PLANS[0], planner_accuracy.PLANS[2]]  # + bf16-mixed, full checkpointing, 2 micro
+
+# The common size fields of transformers configs and their tiny values; a field is set only when the
+# family's default config has it as an integer (so None means "off" stays off).
+TINY: dict[str, int] = {
+    # width
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "embed_dim": 64,
+    "emb_dim": 64,
+    "word_embed_proj_dim": 64,
+    "intermediate_size": 128,
+    "n_inner": 128,
+    "ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "ffn_hidden_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "expert_intermediate_size": 32,
+    # depth
+    "num_hidden_layers": 4,
+    "n_layer": 4,
+    "num_layers": 4,
+    "n_layers": 4,
+    "decoder_layers": 4,
+    "encoder_layers": 2,
+    # heads
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "n_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rotary_dim": 8,
+    # vocabulary and positions
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "n_positions": 128,
+    "n_ctx": 128,
+    "max_seq_len": 128,
+    "seq_length": 128,
+    "sliding_window": 32,  # shorter than the sequence: the window matters
+    # mixture of experts
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    # multi-head latent attention
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # state-space and linear attention
+    "state_size": 8,
+    "ssm_state_size": 8,
+    "mamba_d_state": 8,
+    "time_step_rank": 8,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "mamba_n_heads": 8,  # x head size 16 = expand 2 x hidden 64
+    "mamba_num_heads": 8,
+    "n_mamba_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_headdim": 16,
+    "mamba_d_ssm": 128,
+    "mamba_ngroups": 1,
+    "mamba_chunk_size": 32,  # shorter than the sequence: the chunked scan runs more than one chunk
+    "chunk_size": 32,
+    "num_expert_group": 1,
+    "num_experts_per_token": 2,
+}
+
+# Per-family values over the generic ones (fields whose constraints tie them to others).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "mamba2": {"num_heads": 8, "head_dim": 16},
+}
+
+
+def tiny_config(model_type: str) -> dict[str, Any]:
+    """The family's config fields shrunk to a tiny size (`model_type` plus every field changed).
+    ValueError: the family cannot be built from a flat config (a composite with sub-models)."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    if getattr(default, "sub_configs", None) and not isinstance(
+        getattr(default, "num_hidden_layers", None), int
+    ):
+        raise ValueError(
+            f"composite config ({', '.join(default.sub_configs)}): no top-level depth to clone; its text "
+            "family, where transformers has one, is swept on its own"
+        )
+    inputs = [name for name in getattr(default, "sub_configs", {}) if "vision" in name or "audio" in name]
+    if inputs:
+        raise ValueError(f"needs pixel or audio inputs ({', '.join(inputs)}): not a text-only causal LM")
+    fields = default.to_dict()
+    tiny: dict[str, Any] = {"model_type": model_type}
+    for name, value in TINY.items():
+        current = fields.get(name)
+        if isinstance(current, int) and not isinstance(current, bool) and current > value:
+            tiny[name] = value
+    experts = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    if any(name in tiny for name in experts) and "num_experts_per_tok" in fields:
+        tiny["num_experts_per_tok"] = TINY["num_experts_per_tok"]  # a default of None would not route
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # some configs insist on an id in range
+        if isinstance(fields.get(name), int) and fields[name] >= tiny.get("vocab_size", fields[name] + 1):
+            tiny[name] = 0
+    if (
+        fields.get("num_key_value_heads") == fields.get("num_attention_heads")
+        and "num_key_value_heads" in tiny
+    ):
+        tiny["num_key_value_heads"] = tiny["num_attention_heads"]  # no grouped-query attention: keep none
+    if "qk_rope_head_dim" in tiny and "head_dim" in tiny:  # latent attention: head_dim is the rope part
+        tiny["head_dim"] = tiny["qk_rope_head_dim"]
+    depth, layers = fields.get("num_hidden_layers"), tiny.get("num_hidden_layers")
+    for name, value in fields.items():  # per-layer lists (layer_types, mlp_layer_types): cut, every kind kept
+        if isinstance(value, list) and len(value) == depth and isinstance(layers, int) and depth > layers:
+            tiny[name] = _every_kind(value, layers)
+    tiny.update(OVERRIDES.get(model_type, {}))
+    return tiny
+
+
+def _every_kind(per_layer: list[Any], length: int) -> list[Any]:
+    """The first `length` entries of a per-layer list, its last ones replaced by the kinds they miss (a
+    hybrid's attention layer, a mixture-of-experts layer), so the tiny model has every kind of layer."""
+    cut = per_layer[:length]
+    missing = [kind for kind in dict.fromkeys(map(str, per_layer)) if kind not in map(str, cut)]
+    kinds = {str(kind): kind for kind in per_layer}
+    if missing:
+        cut[length - len(missing) :] = [kinds[kind] for kind in missing[:length]]
+    return cut
+
+
+def run_family(model_type: str, plans: list[tuple[str, str, float, str, int]]) -> dict[str, Any]:
+    """One family in this process: build it tiny; per attention, predict and measure each plan."""
+    import torch
+
+    from memtrain.commands.trainers import trainer_class
+    from memtrain.errors import MemtrainError
+
+    torch.set_num_threads(1)
+    outcome: dict[str, Any] = {"family": model_type, "rows": [], "skipped": None, "failures": []}
+    try:
+        config = tiny_config(model_type)
+    except Exception as exc:  # noqa: BLE001 - every reason a family is not swept is reported
+        outcome["skipped"] = f"cannot build tiny: {_short(exc)}"
+        return outcome
+    outcome["config"] = config
+    attentions = attentions_of(model_type)
+    if attentions != ATTENTIONS:
+        outcome["note"] = "eager only: transformers builds it without SDPA"
+    trained = False
+    for attention in attentions:
+        probe = None
+        progress: list[str] = []
+        for plan in plans:
+            with tempfile.TemporaryDirectory() as tmp:
+                recipe = planner_accuracy.recipe_for(config, plan, Path(tmp))
+                recipe = recipe.model_copy(
+                    update={"model": recipe.model.model_copy(update={"attn_implementation": attention})}
+                )
+                try:
+                    measured = planner_accuracy.measure(recipe, None)
+                except Exception as exc:  # noqa: BLE001
+                    outcome["failures"].append(
+                        {"attention": attention, "stage": "train", "error": _short(exc)}
+                    )
+                    break
+                trained = True
+                try:
+                    from memtrain.planner.model_probe import ModelProbe
+
+                    spec = trainer_class(None)(recipe).model_spec()
+                    probe = probe or ModelProbe(spec, progress=progress.append)
+                    prediction = planner_accuracy.predict(recipe, probe)
+                except (MemtrainError, Exception) as exc:  # noqa: BLE001
+                    outcome["failures"].append(
+                        {"attention": attention, "stage": "plan", "error": _short(exc), "trace": _tail()}
+                    )
+                    break
+            outcome["rows"].append(
+                {
+                    "family": model_type,
+                    "attention": attention,
+                    "plan": f"{plan[0]}, {plan[1]}, micro {plan[4]}",
+                    "measured": measured.peak_bytes,
+                    "predicted": prediction.peak,
+                    "error": planner_accuracy.relative(prediction.peak, measured.peak_bytes),
+                    "measured_where": f"{measured.peak_phase} {measured.peak_module}".strip(),
+                    "predicted_where": prediction.where,
+                    "real_trace": any("with real tensors" in line for line in progress),
+                }
+            )
+    if not trained:
+        reasons = "; ".join(f"{f['attention']}: {f['error']}" for f in outcome["failures"])
+        outcome["skipped"] = f"cannot train a step on the CPU ({reasons})"
+    return outcome
+
+
+def attentions_of(model_type: str) -> tuple[str, ...]:
+    """eager and sdpa, or eager alone for a family transformers builds without SDPA."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.for_model(model_type)), None)
+    return ATTENTIONS if getattr(model_class, "_supports_sdpa", True) else ("eager",)
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _tail() -> str:
+    return "".join(traceback.format_exc().splitlines(keepends=True)[-6:])
+
+
+def sweep_one(model_type: str, quick: bool, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    """`run_family` in a child process, so a hang or a crash costs this family only."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", model_type]
+    if quick:
+        command.append("--quick")
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {
+            "family": model_type,
+            "rows": [],
+            "failures": [],
+            "skipped": f"timed out after {timeout:.0f} s",
+        }
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = " ".join(done.stderr.split())[-300:]
+        return {
+            "family": model_type,
+            "rows": [],
+            "failures": [],
+            "skipped": f"crashed (exit {done.returncode}): {tail}",
+        }
+    return dict(json.loads(lines[-1]))
+
+
+def families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def summary(outcomes: list[dict[str, Any]]) -> str:
+    """The markdown summary of a sweep."""
+    rows = [r for o in outcomes for r in o["rows"]]
+    built = [o for o in outcomes if o["skipped"] is None]
+    planned = [o for o in built if o["rows"] and not o["failures"]]
+    lines = [f"Families planned / built: {len(planned)} / {len(built)} (of {len(outcomes)} swept)", ""]
+    if rows:
+        errors = [abs(r["error"]) for r in rows]
+        under = min(rows, key=lambda r: r["error"])
+        lines += [
+            f"Peak |error| over {len(rows)} runs: median {100 * statistics.median(errors):.2f}%, "
+            f"max {100 * max(errors):.2f}%; worst under-prediction {100 * min(0.0, under['error']):+.2f}% "
+            f"({under['family']}, {under['attention']}, {under['plan']})",
+            "",
+            "| family | attention | plan | measured peak | predicted peak | error |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['family']} | {r['attention']} | {r['plan']} | {r['measured']:,} | {r['predicted']:,} "
+            f"| {100 * r['error']:+.2f}% |"
+            for r in rows
+        ]
+    failures = [(o["family"], f) for o in built for f in o["failures"]]
+    if failures:
+        lines += ["", "Failures of families that train:", ""]
+        lines += [f"- {family} ({f['attention']}, {f['stage']}): {f['error']}" for family, f in failures]
+    skipped = [o for o in outcomes if o["skipped"] is not None]
+    if skipped:
+        lines += ["", "Skipped:", ""]
+        lines += [f"- {o['family']}: {o['skipped']}" for o in skipped]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one plan per family (else two)")
+    parser.add_argument("--only", default=None, help="comma-separated model types (default: every family)")
+    parser.add_argument("--json", type=Path, default=REPO / "results" / "family_sweep.json")
+    parser.add_argument(
+        "--summarize",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="print the summary of saved sweeps (later wins)",
+    )
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    plans = QUICK_PLANS if args.quick else PLANS
+    if args.summarize is not None:
+        merged = {o["family"]: o for path in args.summarize for o in json.loads(path.read_text())}
+        print(summary(list(merged.values())))
+        return 0
+    if args.child is not None:
+        warnings.filterwarnings("ignore")
+        print(json.dumps(run_family(args.child, plans)), flush=True)
+        return 0
+    chosen = args.only.split(",") if args.only else families()
+    outcomes = []
+    started = time.perf_counter()
+    for index, family in enumerate(chosen, 1):
+        began = time.perf_counter()
+        outcome = sweep_one(family, args.quick)
+        outcomes.append(outcome)
+        errors = ", ".join(f"{r['attention']} {100 * r['error']:+.2f}%" for r in outcome["rows"])
+        state = outcome["skipped"] or "; ".join(
+            f"{f['stage']} failed: {f['error']}" for f in outcome["failures"]
+        )
+        print(
+            f"[{index}/{len(chosen)}] {family}: {errors or '-'} {state or ''} ({time.perf_counter() - began:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(outcomes, indent=2))
+    print(summary(outcomes))
+    print(f"\n{len(chosen)} families, {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
