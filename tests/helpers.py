@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,20 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def run_two_ranks(
+    *args: str, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc_per_node=2 ARGS` from the repository root (a script and its
+    arguments, or `-m memtrain ...`); the test fails with the tails of both outputs unless it exits 0.
+    DeepSpeed's compiled ops are cached under .cache/torch_extensions unless `env` says otherwise."""
+    env = dict(env) if env is not None else subprocess_env()
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
 
 
 def tracked_step(tracker: Any, model: Any, optimizer: Any, x: Any) -> None:

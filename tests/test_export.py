@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ from memtrain.cli import main
 from memtrain.errors import MemtrainError
 from memtrain.recipe import recipe_from_dict
 
-from helpers import REPO, TINY_LLAMA, subprocess_env, tiny_recipe, tiny_recipe_dict
+from helpers import REPO, TINY_LLAMA, run_two_ranks, tiny_recipe, tiny_recipe_dict
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 TIED_LLAMA = {**TINY_LLAMA, "tie_word_embeddings": True}
@@ -188,28 +186,7 @@ def test_pretrained_config_generation_config_and_tokenizer_files(tmp_path: Path)
 
 
 def _torchrun(recipe: Path, *overrides: str) -> None:
-    env = subprocess_env()
-    env["TORCH_EXTENSIONS_DIR"] = str(REPO / ".cache/torch_extensions")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "memtrain",
-            "train",
-            str(recipe),
-            *overrides,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    run_two_ranks("-m", "memtrain", "train", str(recipe), *overrides)
 
 
 @pytest.mark.distributed

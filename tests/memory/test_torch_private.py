@@ -172,3 +172,34 @@ def test_native_dropout_keeps_a_bool_mask() -> None:
         mask = torch.ops.aten.native_dropout(x, 0.1, True)[1]
     if type(out.grad_fn).__name__ != "NativeDropoutBackward0" or mask.dtype != torch.bool:
         _fail("torch.ops.aten.native_dropout", f"backward {out.grad_fn}, mask {mask.dtype}")
+
+
+def test_grouped_mm_op_and_its_backward() -> None:
+    names = [a.name for a in torch.ops.aten._grouped_mm.default._schema.arguments]
+    if names != ["self", "mat2", "offs", "bias", "out_dtype"]:
+        _fail("torch.ops.aten._grouped_mm", f"arguments are now {names}")
+    with _torch_private.fake_tensors():
+        x = torch.empty(6, 8, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(2, 8, 16, dtype=torch.bfloat16, requires_grad=True)  # rows of 16-byte multiples
+        out = _torch_private.grouped_mm(x, w, torch.tensor([2, 6], dtype=torch.int32))
+        fake = _torch_private.is_fake(out)
+    if out.shape != (6, 16) or type(out.grad_fn).__name__ != "GroupedMmBackward0":
+        _fail("torch.ops.aten._grouped_mm", f"output {tuple(out.shape)}, backward {out.grad_fn}")
+    if not fake or _torch_private.is_fake(torch.ones(1)):
+        _fail("torch._subclasses.fake_tensor.FakeTensor", "no longer tells fake tensors from real ones")
+
+
+def test_grouped_mm_replaced_reaches_functional_grouped_mm() -> None:
+    original = torch._grouped_mm
+    seen: list[torch.Size] = []
+
+    def replacement(mat_a: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(mat_a.shape)
+        return mat_a
+
+    with _torch_private.grouped_mm_replaced(replacement):
+        torch.nn.functional.grouped_mm(torch.ones(2, 3), torch.ones(1, 3, 2), offs=torch.tensor([2]))
+    if seen != [torch.Size([2, 3])]:
+        _fail("torch._grouped_mm", "F.grouped_mm no longer calls it")
+    if torch._grouped_mm is not original:
+        _fail("torch._grouped_mm", "not restored")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ import yaml
 
 from memtrain.memory.headroom import SAFETY_FRACTION
 
-from helpers import REPO, subprocess_env
+from helpers import REPO, run_two_ranks
 from planner_cases import cpu_target, plan_on, planner_recipe
 
 FREE = (12_000_000, 5_000_000)  # rank 0 sees more than rank 1
@@ -23,25 +21,9 @@ def test_two_ranks_with_different_headroom_pick_the_same_plan(tmp_path: Path) ->
     recipe = planner_recipe(tmp_path, memory={"budget": 64_000_000}, strategies={"sharding": "auto"})
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe.to_dict()))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(REPO / "tests/planner/rank_job.py"),
-            str(recipe_file),
-            str(tmp_path),
-            *map(str, FREE),
-        ],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run_two_ranks(
+        str(REPO / "tests/planner/rank_job.py"), str(recipe_file), str(tmp_path), *map(str, FREE), timeout=300
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["digest"] == ranks[1]["digest"]
     usable = int(min(FREE) * (1 - SAFETY_FRACTION["cpu"]))

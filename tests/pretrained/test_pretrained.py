@@ -5,9 +5,6 @@ DeepSpeed zero3 on two ranks; the first step's loss is transformers' own on the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
 
-from helpers import REPO, TINY_LLAMA, subprocess_env, tiny_recipe, tiny_recipe_dict
+from helpers import TINY_LLAMA, run_two_ranks, tiny_recipe, tiny_recipe_dict
 
 MARKED = 0.123  # embedding row 7 of the saved model: a random init would not have it
 
@@ -134,28 +131,8 @@ def test_two_ranks_zero3_load_equals_the_checkpoint(tmp_path: Path, backend: str
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     out = tmp_path / "result.json"
-    env = {
-        **subprocess_env(),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions")),
-    }
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(Path(__file__).with_name("rank_job.py")),
-            str(recipe),
-            str(out),
-            str(tmp_path / "model"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_two_ranks(
+        str(Path(__file__).with_name("rank_job.py")), str(recipe), str(out), str(tmp_path / "model")
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["compared"] and all(result["compared"].values()), result

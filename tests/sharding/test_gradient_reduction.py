@@ -14,7 +14,6 @@ This file is also the 2-rank job script: `torchrun --nproc_per_node=2 test_gradi
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from memtrain.strategies.sharding import make_sharding  # noqa: E402
 from memtrain.training.trainer import Batch  # noqa: E402
 
 from census import CensusTrainer, storage_bytes  # noqa: E402
-from helpers import REPO, probe_of, subprocess_env, tiny_recipe, tiny_recipe_dict  # noqa: E402
+from helpers import probe_of, run_two_ranks, tiny_recipe, tiny_recipe_dict  # noqa: E402
 
 STEPS = {"train": {"steps": 3}, "batch": {"global_size": 8, "micro_size": 2}}  # 2 micro-steps per rank
 JOBS = {
@@ -106,24 +105,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"jobs": jobs}))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(Path(__file__).resolve()),
-            str(spec),
-            str(out),
-        ],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_two_ranks(str(Path(__file__).resolve()), str(spec), str(out))
     return {"root": root, "ref": reference, **json.loads(out.read_text())}
 
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ import torch
 import torch.distributed as dist
 from sharding_jobs import run_job
 
-from helpers import REPO, subprocess_env
+from helpers import REPO, run_two_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -69,12 +67,6 @@ def _strategies(mode: dict[str, str], precision: str, ds_json: Path) -> dict[str
 
 def _step3(run: Path) -> Path:
     return run / "run/checkpoints/step_00000003"
-
-
-def _env() -> dict[str, str]:
-    env = subprocess_env()
-    env["TORCH_EXTENSIONS_DIR"] = str(REPO / ".cache/torch_extensions")
-    return env
 
 
 @pytest.fixture
@@ -194,24 +186,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"jobs": jobs}))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(REPO / "tests/sharding/sharding_jobs.py"),
-            str(spec),
-            str(out),
-        ],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_two_ranks(str(REPO / "tests/sharding/sharding_jobs.py"), str(spec), str(out))
     results = json.loads(out.read_text())
     return {"root": root, **local, **results}
 
@@ -337,26 +312,9 @@ def test_bf16_comm_hook_tracks_fp32(runs: dict[str, Any]) -> None:
 
 def test_cli_zero3_recipe(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "memtrain",
-            "train",
-            "recipes/tests/tiny-zero3.yaml",
-            f"run.output_dir={run}",
-        ],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run_two_ranks(
+        "-m", "memtrain", "train", "recipes/tests/tiny-zero3.yaml", f"run.output_dir={run}", timeout=300
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]
     assert (run / "checkpoints/step_00000006/dcp/.metadata").is_file()

@@ -356,14 +356,6 @@ class CausalLMTrainer(Trainer):
             tie()
         return model
 
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The outermost repeated blocks: some families list a block's own sub-module among
-        `_no_split_modules` too (Mamba: MambaBlock and its MambaMixer), which would count each layer twice
-        (the planner would scale the clone by twice the depth; checkpointing would wrap both)."""
-        found = super().blocks(model)
-        inner = {id(m) for block in found for m in block.modules() if m is not block}
-        return [block for block in found if id(block) not in inner]
-
     def load_weights(self, model: nn.Module) -> None:
         if self.recipe.model.pretrained is not None:
             pretrained.load_weights(model, pretrained_directory(self.recipe), skip=self.plan.adapters.owns)
@@ -378,7 +370,8 @@ class CausalLMTrainer(Trainer):
         them, blocks of the commonest kind among the model's middle ones: a hybrid's clone is laid out like
         the model it stands for (a clone of its first layers could miss the attention layer entirely)."""
         clone = copy.deepcopy(self.model_config)
-        depth = int(clone.num_hidden_layers)
+        field = _depth_field(clone)
+        depth = int(getattr(clone, field))
         per_layer = {
             name: value
             for name, value in vars(clone).items()
@@ -394,7 +387,7 @@ class CausalLMTrainer(Trainer):
             for b in range(depth // per_block)
         ]
         layers = [b * per_block + j for b in _clone_blocks(kinds, num_blocks) for j in range(per_block)]
-        clone.num_hidden_layers = len(layers)
+        setattr(clone, field, len(layers))
         for name, value in per_layer.items():
             setattr(clone, name, [value[i] for i in layers])
         return clone
@@ -405,7 +398,7 @@ class CausalLMTrainer(Trainer):
         if self._per_block is None:
             with torch.device("meta"):
                 blocks = len(self.blocks(self._from_config(self.model_config)))
-            depth = int(self.model_config.num_hidden_layers)
+            depth = int(getattr(self.model_config, _depth_field(self.model_config)))
             self._per_block = depth // blocks if blocks and depth % blocks == 0 else 1
         return self._per_block
 
@@ -456,9 +449,11 @@ class CausalLMTrainer(Trainer):
             if not _under_fake_tensors():
                 return self._from_config(config)
             try:
-                return self._from_config(config, name)
+                model = self._from_config(config, name)
             except KeyError:  # a family with its own table of attention classes (Falcon): plain sdpa
                 return self._from_config(config)
+            model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
+            return model
 
         return dataclasses.replace(
             spec,
@@ -504,6 +499,17 @@ class CausalLMTrainer(Trainer):
                 yield data_lib.collate([self.eval_samples[i] for i in mine], mine)
 
 
+_DECODER_DEPTH = ("num_decoder_layers", "decoder_layers")
+
+
+def _depth_field(config: Any) -> str:
+    """The config field that sets how many layers the causal LM builds: `num_hidden_layers`, except in an
+    encoder-decoder family's config, whose `num_hidden_layers` is the encoder's (ProphetNet refuses to set
+    it) while its causal LM is the decoder alone."""
+    fields = vars(config)
+    return next((f for f in _DECODER_DEPTH if isinstance(fields.get(f), int)), "num_hidden_layers")
+
+
 def _clone_blocks(kinds: list[tuple[str, ...]], num_blocks: int) -> list[int]:
     """The model's blocks a `num_blocks`-block clone keeps: the first, the last, and middle blocks of the
     commonest kind (a block's kind: its layers' entries in every per-layer list)."""
@@ -529,6 +535,15 @@ def _freeze_cross_attention(model: nn.Module) -> None:
             module.requires_grad_(False)
 
 
+def _all_ones_mask(_model: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The traced `sdpa` model's inputs with an all-ones padding mask (what real tensors show: no padding),
+    so transformers never guesses packed rows from unreadable position ids (`trace_sdpa`)."""
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and kwargs.get("attention_mask") is None:
+        kwargs = {**kwargs, "attention_mask": torch.ones_like(ids, dtype=torch.bool)}
+    return args, kwargs
+
+
 def _under_fake_tensors() -> bool:
     """Whether the tensors made here now are the planner's fake (or meta) ones: no readable storage."""
     return torch.empty(0).untyped_storage().device.type == "meta"
@@ -544,18 +559,19 @@ def trace_sdpa() -> str:
     row is one sequence and transformers' SDPA path relies on `is_causal` without building a mask. To find that out
     it reads the position ids (`masking_utils.find_packed_sequence_indices`); a fake tensor cannot be read,
     so under the planner's fake tensors it would assume packed sequences, build a B x 1 x s x s mask and
-    select another attention kernel, which keeps other tensors for backward. The traced model therefore
+    select another attention kernel, which keeps other tensors for backward. The traced model is therefore
+    given an all-ones padding mask (`_all_ones_mask`: where a mask is given, no packing is guessed) and
     uses a registered implementation (transformers' `AttentionInterface` / `AttentionMaskInterface`): the
-    same SDPA forward, with a mask function that may skip the mask as it does on real tensors. Nothing of
-    transformers is replaced; sliding-window layers still get their (same-sized) mask.
+    same SDPA forward, with a mask function that drops that all-ones mask (reading it would fail too), so
+    whether the mask is skipped is the model's own choice, as on real tensors (Doge always builds it).
+    Nothing of transformers is replaced; sliding-window layers still get their (same-sized) mask.
     """
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
     def mask(*args: Any, **kwargs: Any) -> Any:
-        kwargs["allow_is_causal_skip"] = True  # no padding, no packing: what real tensors show
-        kwargs["attention_mask"] = None  # the trainer passes none: one the model made (Bart's) is all ones
+        kwargs["attention_mask"] = None  # all ones (`_all_ones_mask`, or one the model made: Bart's)
         return sdpa_mask(*args, **kwargs)
 
     if TRACE_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:

@@ -6,8 +6,11 @@ and tests/memory/test_torch_private.py names the torch version and the API that 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -19,6 +22,9 @@ __all__ = [
     "efficient_attention",
     "fake_tensors",
     "flash_attention",
+    "grouped_mm",
+    "grouped_mm_replaced",
+    "is_fake",
     "math_attention",
     "native_dropout",
     "record_memory_history",
@@ -32,6 +38,35 @@ def fake_tensors() -> FakeTensorMode:
     real step would (the storages it sees are the same, only on the meta device).
     """
     return FakeTensorMode()
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a `fake_tensors()` tensor (shape, dtype and a meta storage, no data)."""
+    return isinstance(tensor, FakeTensor)
+
+
+def grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`aten._grouped_mm`, the grouped (per-expert) matmul of mixture-of-experts layers (`torch._grouped_mm`,
+    `F.grouped_mm`); its backward node, `GroupedMmBackward0`, keeps `mat_a`, `mat_b` and `offs`. Its meta
+    kernel (what runs under `fake_tensors()`) accepts bf16 inputs only."""
+    return torch.ops.aten._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+
+@contextlib.contextmanager
+def grouped_mm_replaced(replacement: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """While open, `torch._grouped_mm` (which `F.grouped_mm` calls too) is `replacement`; restored on exit."""
+    original = torch._grouped_mm
+    torch._grouped_mm = replacement
+    try:
+        yield
+    finally:
+        torch._grouped_mm = original
 
 
 def record_memory_history(enabled: bool, max_entries: int) -> None:

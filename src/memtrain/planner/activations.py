@@ -21,7 +21,8 @@ stands for the others: only a block with a block on either side frees its predec
 own segment, as every middle block of the real model does (measured: two blocks are 1% off for bf16
 weights). Embeddings, the head and the loss keep their real sizes (vocabulary and width are unchanged),
 so the head side needs no scaling; each middle block of the real model is one more copy of the clone's.
-Models with at most three blocks are traced whole.
+Models with at most three blocks are traced whole, and so are models the clone cannot stand for (blocks
+of different structures, blocks run more than once per forward: model_probe.py checks both).
 
 One segment is not a block's: `fwd.release`, the end of autocast. Autocast caches the low-precision copy
 of every weight it casts until its context exits; copies that autograd saved live on, the others (those
@@ -54,6 +55,7 @@ from memtrain.memory.footprint import COMPONENTS
 from memtrain.memory.modules import graph_tensors
 from memtrain.planner.attention_kernels import Capability, traced_attention
 from memtrain.planner.cuda_dropout import traced_dropout
+from memtrain.planner.grouped_mm_trace import traced_grouped_mm
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.checkpointing import Checkpointing
@@ -63,11 +65,15 @@ from memtrain.strategies.quantization import Quantization
 
 Vec = tuple[float, ...]
 """Bytes per component, in `COMPONENTS` order."""
+ParamKey = tuple[int, str]
+"""A parameter as (its block's index, its name inside the block), (-1, its full name) outside the blocks:
+the same for a clone's block and every real block it stands for."""
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
 MICRO_STEPS = ("first", "later")  # without gradients at the start / with every gradient present
 CLONE_DEPTH = 3  # first, middle, last
+_WHOLE = {"fwd.block": "fwd.pre", "bwd.block": "bwd.head"}  # a trace without block segments: what holds them
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,8 @@ class StepTrace:
     depth: int
     segments: dict[SegmentKey, Segment]
     attention: str = ""  # which attention the trace ran (`KernelLog.describe`)
+    reentered: bool = False  # a block ran twice in a micro-step: its segments are unreliable
+    no_grad: frozenset[ParamKey] = frozenset()  # trainable parameters left without a gradient
 
 
 @dataclass(frozen=True)
@@ -105,10 +113,23 @@ class FittedTrace:
     intercept: dict[SegmentKey, Segment]
     slope: dict[SegmentKey, Segment]
     attention: str = ""  # the traces' (empty for a fit derived from others, memory_model.offload_trace)
+    no_grad: frozenset[ParamKey] = frozenset()  # the traces' `StepTrace.no_grad`
 
     def at(self, key: SegmentKey, tokens: int) -> Segment:
+        """The segment `key` at `tokens`. In a trace without block segments (`trace_step(block_segments=
+        False)`) a block's reads as an even share of the whole forward (`fwd.pre`) or backward (`bwd.head`),
+        for readers that want one block's size (the walk skips absent segments instead)."""
+        if key not in self.intercept and key.phase in _WHOLE and not self.cut_per_block:
+            whole = self.at(SegmentKey(key.micro_step, _WHOLE[key.phase]), tokens)
+            share = (tuple(x / self.depth for x in v) for v in (whole.at_peak, whole.maxima, whole.end))
+            return Segment(*share)
         a, b = self.intercept[key], self.slope[key]
         return Segment(*(_affine(getattr(a, f), getattr(b, f), tokens) for f in ("at_peak", "maxima", "end")))
+
+    @property
+    def cut_per_block(self) -> bool:
+        """Whether the trace was cut at block boundaries (False: each phase of a micro-step is one segment)."""
+        return any(key.phase == "fwd.block" for key in self.intercept)
 
 
 def fit(small: StepTrace, large: StepTrace) -> FittedTrace:
@@ -127,7 +148,9 @@ def fit(small: StepTrace, large: StepTrace) -> FittedTrace:
         intercept[key] = Segment(
             *(_affine(getattr(s, f), b, -small.tokens) for f, b in zip(fields, slopes, strict=True))
         )
-    return FittedTrace(depth=small.depth, intercept=intercept, slope=slope, attention=small.attention)
+    return FittedTrace(
+        depth=small.depth, intercept=intercept, slope=slope, attention=small.attention, no_grad=small.no_grad
+    )
 
 
 def clone_depth(num_blocks: int) -> int:
@@ -147,13 +170,16 @@ def trace_step(
     quantization: Quantization | None = None,
     loss: Loss | None = None,
     cuda_capability: Capability | None = None,
+    block_segments: bool = True,
 ) -> StepTrace:
     """Build the model under fake tensors with the strategies applied as the trainer applies them
     (`apply_strategies`) and trace two micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes a
     real micro-batch, copied into fake tensors. `weights_dtype` overrides the dtype the forward reads
     weights in (FSDP2 and DeepSpeed hand bf16 weights to a bf16-mixed forward, so autocast has nothing to
     cast and cache). `cuda_capability`: attention runs as the CUDA kernel a GPU of this compute capability
-    would run (attention_kernels.py); None: this process's CPU kernels."""
+    would run (attention_kernels.py); None: this process's CPU kernels. `block_segments=False`: no cuts at
+    blocks, each micro-step's forward and backward are one segment each (for models whose blocks run more
+    than once per forward, where block hooks would cut the step at the wrong places)."""
     real_batch = make_batch(micro_batch_size)
     mode = fake_tensors()
     with mode:
@@ -172,12 +198,13 @@ def trace_step(
             )
         model.train()
         tracker = MemoryTracker(model)
-        recorder = _Recorder(tracker, blocks)
+        recorder = _Recorder(tracker, blocks if block_segments else [])
         with (
             tracker,
             recorder.hooks(),
             traced_attention(cuda_capability) as attention,
             traced_dropout(cuda_capability),
+            traced_grouped_mm(),
         ):
             # Cloned under the tracker, so the batch is part of the level every segment starts from (as
             # the step's data is in the prediction's fixed bytes), not a first use inside a segment.
@@ -196,8 +223,26 @@ def trace_step(
                     recorder.mark(None)
                 del loss_sum
     return StepTrace(
-        tokens=tokens, depth=len(blocks), segments=recorder.segments, attention=attention.describe()
+        tokens=tokens,
+        depth=len(blocks),
+        segments=recorder.segments,
+        attention=attention.describe(),
+        reentered=recorder.reentered,
+        no_grad=_without_gradient(model, blocks),
     )
+
+
+def param_keys(model: nn.Module, blocks: Sequence[nn.Module]) -> dict[str, ParamKey]:
+    """Every parameter's `ParamKey`, by its name in `model`."""
+    inside = {id(p): (i, name) for i, block in enumerate(blocks) for name, p in block.named_parameters()}
+    return {name: inside.get(id(p), (-1, name)) for name, p in model.named_parameters()}
+
+
+def _without_gradient(model: nn.Module, blocks: Sequence[nn.Module]) -> frozenset[ParamKey]:
+    """Trainable parameters the traced backward gave no gradient (used only through `.detach()`, or not
+    at all: a DSA indexer's projections): the optimizer skips them, so they get no optimizer state either."""
+    keys = param_keys(model, blocks)
+    return frozenset(keys[n] for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
 
 
 @contextlib.contextmanager
@@ -222,6 +267,8 @@ class _Recorder:
         self.segments: dict[SegmentKey, Segment] = {}
         self._open: SegmentKey | None = None
         self._start: Vec = ()
+        self._entered: set[tuple[str, int]] = set()
+        self.reentered = False  # a block's forward ran twice in one micro-step (cycles, shared blocks)
 
     def mark(self, key: SegmentKey | None) -> None:
         """Close the open segment and open `key` (None: just close)."""
@@ -239,6 +286,8 @@ class _Recorder:
 
     def entering(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         kind = self.micro_step
+        self.reentered |= (kind, index) in self._entered
+        self._entered.add((kind, index))
         self.mark(SegmentKey(kind, "fwd.block", index))
         if index == 0:
             _on_grad(_first_graph_tensor((args, kwargs)), lambda: self.mark(SegmentKey(kind, "bwd.pre")))

@@ -139,7 +139,17 @@ def walk(
     block the clone's block 1 (a model traced whole reads its own blocks); the head and the loss read the
     last block's mode, the embeddings the first's. A run of identical blocks changes the level by the same amount per block, so its highest
     moment is in its first or its last block: runs cost two evaluations, whatever the depth.
+
+    Traces without block segments (a model whose blocks run several times per forward, model_probe.py)
+    hold each phase whole, each in one mode for every block: blocks in different modes (`fraction`) are
+    walked in each of their modes for the whole model and the highest walk is taken (on the safe side).
     """
+    if len(set(modes)) > 1 and not all(trace.cut_per_block for trace in traces.values()):
+        uniform = (
+            walk(traces, (m,) * len(modes), tokens, micro_step, start, replicated)
+            for m in dict.fromkeys(modes)
+        )
+        return max(uniform, key=lambda w: sum(w.at_peak))
     depth = min(trace.depth for trace in traces.values())
     level, best, maxima, where = start, start, start, "start"
     for phase, first_index, count, clone_index, mode in _runs(modes, depth):

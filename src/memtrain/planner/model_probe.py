@@ -7,6 +7,13 @@ sizes, once per (precision, checkpointing mode, loss); the fits are cached, so a
 candidates costs a handful of traces. When the trainer can build the model at a reduced depth
 (`ModelSpec.build_clone`), a clone of at most three blocks is traced; otherwise the whole model is.
 
+Why the clone is checked: it stands for the model only when every middle block is built like the clone's
+middle block (same module types, same parameter shapes) and each block's forward runs once per micro-step.
+Blocks that differ (hybrids, alternating sizes) are traced whole at the real depth, still cut per block.
+Blocks that run several times per forward (recurrent cycles, shared blocks) make block hooks cut the step at
+the wrong places: such a model is traced whole with each micro-step's forward and backward as one segment
+(`trace_step(block_segments=False)`) — exact for the plan's mode, slower for deep models, no memory.
+
 Why the smallest and the largest micro-batch the search considers as the two traced sizes: within a
 segment the peak is the highest of many moments, each linear in the rows, so it is convex in the rows and
 a straight line can only be exact where it was measured. Through the two ends of the range the line is
@@ -24,16 +31,28 @@ from torch import nn
 
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
-from memtrain.planner.activations import FittedTrace, clone_depth, fit, trace_step
+from memtrain.planner.activations import (
+    MICRO_STEPS,
+    FittedTrace,
+    ParamKey,
+    SegmentKey,
+    StepTrace,
+    clone_depth,
+    fit,
+    param_keys,
+    trace_step,
+)
 from memtrain.planner.attention_kernels import Capability
 from memtrain.planner.spec import Batch, ModelSpec
 from memtrain.planner.trace_fallback import clone_step_bytes, trace_for_real
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import model_shape, output_head
-from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.checkpointing import Checkpointing, NoCheckpointing
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
+
+TraceKey = tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss, Capability | None]
 
 
 @dataclass
@@ -52,10 +71,11 @@ class ModelProbe:
     seq_len: int = field(init=False)
     row_bytes: int = field(init=False)
     head_numel: int = field(init=False)  # the output head's weight (what `chunked` recomputes)
-    _fits: dict[
-        tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss, Capability | None],
-        FittedTrace,
-    ] = field(init=False, default_factory=dict)
+    whole_model: str = field(init=False, default="")  # why the clone cannot stand for the model ("": it can)
+    block_segments: bool = field(init=False, default=True)  # False: blocks re-entered, one segment per phase
+    _fits: dict[TraceKey, FittedTrace] = field(init=False, default_factory=dict)
+    _failed: dict[TraceKey, Unsupported] = field(init=False, default_factory=dict)
+    _param_keys: dict[str, ParamKey] = field(init=False)  # every parameter's (block, name in block)
 
     def __post_init__(self) -> None:
         try:
@@ -80,11 +100,36 @@ class ModelProbe:
             if type(module) is nn.Linear and name != head and not self.adapters.owns(f"{name}.weight")
         )
         self.dim0 = {name: p.shape[0] if p.dim() else 1 for name, p in model.named_parameters()}
+        self._param_keys = param_keys(model, blocks)
         self.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         self.hidden_size = _hidden_size(blocks)
         one_row = self.spec.micro_batch(1)
         self.seq_len = max((t.numel() for t in one_row.values()), default=1)
         self.row_bytes = _nbytes(one_row)
+        self.whole_model = self._clone_mismatch(blocks)
+
+    def _clone_mismatch(self, blocks: list[nn.Module]) -> str:
+        """Why the clone's blocks cannot stand for the model's ("" when they can): middle blocks built
+        differently from one another, or clone blocks that are not built like the blocks they stand for."""
+        clone = self.spec.build_clone
+        depth = clone_depth(len(blocks))
+        if clone is None or depth == len(blocks):
+            return ""
+        kinds = [_structure(block) for block in blocks]
+        if len(set(kinds[1:-1])) > 1:
+            return f"its middle blocks are of {len(set(kinds[1:-1]))} different structures"
+        try:
+            with torch.device("meta"):
+                model = clone(depth)
+                self.adapters.apply(model)
+                cloned = [_structure(block) for block in self.spec.blocks(model)]
+        except MemtrainError:
+            raise
+        except Exception as exc:  # the trace will meet it again and fall back there
+            return f"its {depth}-block clone cannot be built ({type(exc).__name__})"
+        if cloned != [kinds[0], kinds[1], kinds[-1]]:
+            return f"its {depth}-block clone is not built like the model's first, middle and last blocks"
+        return ""
 
     @property
     def num_blocks(self) -> int:
@@ -103,6 +148,26 @@ class ModelProbe:
         loss: Loss | None = None,
         cuda_capability: Capability | None = None,
     ) -> FittedTrace:
+        """`_trace`, with its failures remembered: a search asks for the same fit once per candidate, and a
+        trace that cannot run (every fallback included) fails the same way each time."""
+        key = (precision, mode, rows, weights_dtype, loss or Loss(), cuda_capability)
+        if key in self._failed:
+            raise self._failed[key]
+        try:
+            return self._trace(precision, mode, rows, weights_dtype, loss, cuda_capability)
+        except Unsupported as exc:
+            self._failed[key] = exc
+            raise
+
+    def _trace(
+        self,
+        precision: Precision,
+        mode: Checkpointing,
+        rows: tuple[int, int],
+        weights_dtype: torch.dtype | None = None,
+        loss: Loss | None = None,
+        cuda_capability: Capability | None = None,
+    ) -> FittedTrace:
         """The activation fit for one precision and one traced checkpointing mode, drawn through traces at
         the smallest and the largest micro-batch rows the search considers (cached). `weights_dtype`: the
         sharding backend hands the forward weights of this dtype (FSDP2's and DeepSpeed's bf16-mixed).
@@ -113,17 +178,18 @@ class ModelProbe:
             rows = (rows[0], 2 * rows[0])
         key = (precision, mode, rows, weights_dtype, loss, cuda_capability)
         if key not in self._fits:
-            clone = self.spec.build_clone
+            clone = None if self.whole_model else self.spec.build_clone
             depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
             weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
             weights += f", loss {loss.describe()}" if loss.name != "standard" else ""
+            why = f"; whole model: {self.whole_model}" if self.whole_model else ""
             self.progress(
                 f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
-                f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens)"
+                f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens{why})"
             )
             build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
 
-            def traced() -> FittedTrace:
+            def traced(build: Callable[[], nn.Module] = build) -> FittedTrace:
                 small, large = (
                     trace_step(
                         build,
@@ -138,9 +204,20 @@ class ModelProbe:
                         self.quantization,
                         loss,
                         cuda_capability,
+                        self.block_segments,
                     )
                     for count in rows
                 )
+                unmapped = _unreliable_blocks(small)
+                if unmapped and self.block_segments:  # blocks cut wrongly: whole, a segment a phase
+                    self.whole_model = unmapped
+                    self.block_segments = False
+                    self._fits.clear()  # earlier fits were cut per block too
+                    self.progress(
+                        f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} again "
+                        f"({self.num_blocks} of {self.num_blocks} blocks; whole model: {self.whole_model})"
+                    )
+                    return traced(self.spec.build_model)
                 return fit(small, large)
 
             try:
@@ -151,11 +228,63 @@ class ModelProbe:
                 cause = f"{type(exc).__name__}: {_first_line(exc)}"
                 tokens = rows[1] * self.seq_len
                 size = clone_step_bytes(self.shape, depth, tokens, self.hidden_size, self.head_numel)
-                self._fits[key] = trace_for_real(self.spec.name, cause, size, traced, self.progress)
+                try:
+                    self._fits[key] = trace_for_real(self.spec.name, cause, size, traced, self.progress)
+                except Unsupported:
+                    if clone is None:
+                        raise
+                    # Neither tensor kind runs the clone (its cut breaks a layer map: Zamba2's shared
+                    # blocks): the whole model under fake tensors, which costs no memory.
+                    self.progress(f"tracing the whole model: its {depth}-block clone cannot run ({cause})")
+                    whole = _fit_or_none(lambda: traced(self.spec.build_model))
+                    if whole is None:
+                        raise
+                    self.whole_model = f"its {depth}-block clone cannot run ({cause})"
+                    self._fits.clear()  # fits of the clone would stand for other blocks than this one's
+                    self._fits[key] = whole
         return self._fits[key]
+
+    def no_grad(self, precision: Precision, rows: tuple[int, int]) -> frozenset[str]:
+        """The trainable parameters (real names) the step leaves without a gradient, hence without optimizer
+        state: read from any trace (which parameters get one depends on the model, not on the plan); when
+        none is cached, from a trace without checkpointing of `precision` at `rows` (one the search makes
+        anyway). A real block stands for its clone block's names."""
+        if not self._fits:
+            self.trace(precision, NoCheckpointing(), rows)
+        fitted = next(iter(self._fits.values()))
+        count, depth = self.num_blocks, fitted.depth
+        return frozenset(
+            name
+            for name, (block, inner) in self._param_keys.items()
+            if (_clone_block(block, count, depth), inner) in fitted.no_grad
+        )
 
     def _batch(self, rows: int) -> Batch:
         return self.spec.micro_batch(rows)
+
+
+def _fit_or_none(traced: Callable[[], FittedTrace]) -> FittedTrace | None:
+    try:
+        return traced()
+    except Exception:  # the caller reports its own, earlier failure
+        return None
+
+
+def _clone_block(block: int, count: int, depth: int) -> int:
+    """The clone block that real block `block` of `count` is traced as (`memory_model._runs`); -1: none."""
+    if block < 0 or count <= depth:
+        return block
+    return 0 if block == 0 else depth - 1 if block == count - 1 else 1
+
+
+def _unreliable_blocks(trace: StepTrace) -> str:
+    """Why the block segments of `trace` cannot be walked ("" when they can): a block's forward ran more
+    than once in a micro-step, or never ran through the block's module call (no segment to map it to)."""
+    if trace.reentered:
+        return "a block's forward runs more than once per micro-step"
+    if any(SegmentKey(MICRO_STEPS[0], "fwd.block", i) not in trace.segments for i in range(trace.depth)):
+        return "a block's forward is not run through its module (its block hooks never fire)"
+    return ""
 
 
 def _hidden_size(blocks: list[nn.Module]) -> int:
@@ -165,6 +294,12 @@ def _hidden_size(blocks: list[nn.Module]) -> int:
         return 0
     widths = Counter(p.shape[-1] for p in blocks[0].parameters() if p.dim())
     return widths.most_common(1)[0][0] if widths else 0
+
+
+def _structure(block: nn.Module) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """What a block is built of: each submodule's type and each parameter's name and shape."""
+    modules = tuple((name, type(m).__name__, ()) for name, m in block.named_modules())
+    return modules + tuple((name, "parameter", tuple(p.shape)) for name, p in block.named_parameters())
 
 
 def _nbytes(batch: Batch) -> int:

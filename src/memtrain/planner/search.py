@@ -48,6 +48,11 @@ STATES_ONLY = StepWalk(
 )
 
 
+class HostMemoryExceeded(Unsupported):
+    """A plan's offloaded states do not fit in the target's host memory (a candidate that does not fit,
+    not a trace that failed)."""
+
+
 def search(
     recipe: Recipe,
     probe: ModelProbe,
@@ -74,6 +79,10 @@ def search(
             if correction is not None:
                 found = replace(found, prediction=correction(found.prediction))
             scored.append(found)
+        except HostMemoryExceeded as exc:
+            reason = (f"strategies.sharding_offload={candidate.sharding.offload}", str(exc))
+            if reason not in excluded:
+                excluded.append(reason)
         except Unsupported as exc:  # the trace of this precision and mode failed
             untraceable = untraceable or exc
             loss = f" and loss={candidate.loss.name}" if candidate.loss.name != "standard" else ""
@@ -135,7 +144,7 @@ class _Evaluation:
         tokens, micro_steps = plan.micro_batching.tokens(seq), plan.micro_batching.micro_steps(seq)
         levels = self._levels(plan, micro_steps)
         if target.host_bytes is not None and levels.host > target.host_bytes:
-            raise Unsupported(
+            raise HostMemoryExceeded(
                 f"strategies.sharding_offload: {plan.sharding.describe()} with optimizer_states="
                 f"{plan.optimizer_states.describe()} keeps {levels.host / 2**30:.2f} GiB per rank in host memory, "
                 f"more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of the --gpu profile)"
@@ -144,7 +153,7 @@ class _Evaluation:
         if predict(levels, STATES_ONLY).peak > target.budget.usable:
             walk = STATES_ONLY  # the model states alone do not fit: no trace can change that
         else:
-            weights = torch.bfloat16 if plan.sharding.hands_bf16_weights(plan.precision) else None
+            weights = _weights_dtype(plan)
             traces = _traces(probe, plan, target, self.rows, weights)
             replicated = plan.sharding.replicated
             key = (
@@ -221,6 +230,7 @@ class _Evaluation:
                 foreach=self.target.device_type == "cuda",
                 quantization=plan.quantization,
                 linear_weights=self.probe.linear_weights,
+                no_grad=self.probe.no_grad(plan.precision, self.rows),
             )
         return self.states[key]
 
@@ -242,9 +252,13 @@ def _traces(
 
 def _attention(probe: ModelProbe, plan: Plan, target: Target, rows: tuple[int, int]) -> str:
     """Which attention the chosen plan's traces ran (cached traces: no new trace)."""
-    weights = torch.bfloat16 if plan.sharding.hands_bf16_weights(plan.precision) else None
-    traces = _traces(probe, plan, target, rows, weights)
+    traces = _traces(probe, plan, target, rows, _weights_dtype(plan))
     return next((t.attention for t in traces.values() if t.attention), "")
+
+
+def _weights_dtype(plan: Plan) -> torch.dtype | None:
+    """The dtype the forward reads weights in when the sharding hands it gathered bf16 weights."""
+    return torch.bfloat16 if plan.sharding.hands_bf16_weights(plan.precision) else None
 
 
 def _kept_per_block(trace: FittedTrace, tokens: int) -> int:

@@ -7,12 +7,19 @@ and optimizer states from the precision's and the optimizer-state strategy's `es
 (tests in tests/strategies/), plus DDP's bucket copy from the backend. Sharded plans take the backend's
 per-rank `estimate`, which follows what FSDP2, ZeroRedundancyOptimizer or DeepSpeed really allocate, with
 the optimizer-state format passed as an `OptimizerCost`. No byte arithmetic of those strategies is
-repeated. Only trainable parameters have gradients and optimizer states.
+repeated. Only trainable parameters have gradients and optimizer states, and of those only the ones the
+step gives a gradient (`no_grad`: the trace found parameters the loss does not reach, such as a DSA indexer
+used through `.detach()`): torch's optimizers skip a parameter whose `.grad` is None, and DDP leaves a
+gradient it never received at None. Their weights, DDP's bucket slots and a master-weight precision's fp32
+copies (made for every trainable parameter) stay. Sharded plans count them as trained: DeepSpeed's flat
+buffers hold every trainable parameter's gradient and states whatever the backward reaches, and the
+backends' per-rank arithmetic has no notion of an unreached parameter (over, never under).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -74,15 +81,20 @@ def state_levels(
     foreach: bool,
     quantization: Quantization | None = None,
     linear_weights: frozenset[str] = frozenset(),
+    no_grad: frozenset[str] = frozenset(),
 ) -> StateLevels:
     """Levels for `StateLevels`; `fixed_bytes`: buffers and the step's data; `foreach`: the optimizer runs
-    torch's multi-tensor AdamW (CUDA's default); `replicated`: every rank holds every state."""
+    torch's multi-tensor AdamW (CUDA's default); `replicated`: every rank holds every state; `no_grad`:
+    trainable parameters the step leaves without a gradient (`ModelProbe.no_grad`)."""
     master = precision.master_weights
-    extra = optimizer_extra(shape, optimizer_states, foreach, master)
     if replicated:
-        fp = optimizer_states.estimate(shape, precision.estimate(shape, Footprint()))
+        reached = _without(shape, no_grad)
+        extra = optimizer_extra(reached, optimizer_states, foreach, master)
+        fp = optimizer_states.estimate(reached, precision.estimate(reached, Footprint()))
+        copies = (shape.trainable_numel - reached.trainable_numel) * 4 if master else 0
+        fp = fp.with_(optimizer_states=fp.optimizer_states + copies)
         fp = quantised_levels(fp, shape, quantization or Quantization(), precision, linear_weights, dim0)
-        backward_gradients = shape.trainable_numel * (2 if master else 4)
+        backward_gradients = reached.trainable_numel * (2 if master else 4)
         return StateLevels(
             weights=fp.weights,
             optimizer_states=fp.optimizer_states,
@@ -92,6 +104,7 @@ def state_levels(
             other=fixed_bytes + backend.state_bytes(shape, world_size).buffers,
             stored=(fp.weights, backward_gradients, fp.optimizer_states),
         )
+    extra = optimizer_extra(shape, optimizer_states, foreach, master)
     per_rank = backend.state_bytes(shape, world_size, optimizer_cost(shape, optimizer_states), dim0=dim0)
     fp = per_rank.footprint(Footprint())  # what the backend's `estimate` returns
     return StateLevels(
@@ -104,4 +117,13 @@ def state_levels(
         replicated=False,
         stored=(per_rank.weights, per_rank.gradients, per_rank.optimizer_states),
         host=per_rank.host,
+    )
+
+
+def _without(shape: ModelShape, no_grad: frozenset[str]) -> ModelShape:
+    """`shape` with the parameters named in `no_grad` frozen."""
+    if not no_grad:
+        return shape
+    return ModelShape(
+        tuple(replace(p, trainable=False) if p.name in no_grad else p for p in shape.params), shape.num_blocks
     )

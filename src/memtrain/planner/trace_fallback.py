@@ -1,9 +1,9 @@
 """When the fake-tensor trace cannot run a model: the same trace of the same small clone on real tensors.
 
 Why: the planner's trace runs the training step under fake tensors, where every op runs its meta kernel.
-Some ops have none, or one stricter than the CPU kernel: torch's `_grouped_mm`, which transformers'
-mixture-of-experts layers call, has a meta kernel that accepts only bf16 inputs, while the CPU kernel
-trains fp32 (Mixtral, Qwen2-MoE, ... all fail the fake trace in fp32). The trace only counts storages,
+Some ops have none, or one stricter than the CPU kernel (torch's `_grouped_mm` meta kernel accepts only
+bf16, while the CPU kernel trains fp32: grouped_mm_trace.py gives the trace an exact stand-in, so
+mixture-of-experts models no longer land here; a model's own custom op might). The trace only counts storages,
 and the memory tracker counts real storages exactly as it counts fake ones (a `memory.track` run is that
 measurement), so the same trace on real CPU tensors gives the numbers the fake one would have: correct by
 construction, only slower and using real memory. It is therefore bounded: the clone's traced step is

@@ -1,8 +1,9 @@
 """Block discovery: the repeated transformer blocks that activation checkpointing, fp8 and sharding wrap.
 
-The classes named by a transformers model's `_no_split_modules`, else the largest `ModuleList` whose
-children all share one type (what a hand-written transformer usually has). Users with other layouts
-override `Trainer.blocks(model)`.
+The classes named by a transformers model's `_no_split_modules` (the outermost of them: a block's own
+sub-module named there too is not another block), else the largest `ModuleList` whose children all share
+one type (what a hand-written transformer usually has). Users with other layouts override
+`Trainer.blocks(model)`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,21 @@ def discover_blocks(model: nn.Module) -> list[nn.Module]:
     if names:
         blocks = [m for m in model.modules() if type(m).__name__ in names]
         if blocks:
-            return blocks
+            return _outermost(blocks)
     best: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > len(best):
             if len({type(child) for child in module}) == 1:
                 best = list(module)
     return best
+
+
+def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
+    """`blocks` without those inside another of them: some families name a block's own sub-module in
+    `_no_split_modules` too (Mamba: MambaBlock and its MambaMixer), which would count each layer twice (the
+    planner would scale the clone by twice the depth; checkpointing would wrap both)."""
+    inner = {id(m) for block in blocks for m in block.modules() if m is not block}
+    return [block for block in blocks if id(block) not in inner]
 
 
 def model_shape(model: nn.Module, blocks: list[nn.Module]) -> ModelShape:
