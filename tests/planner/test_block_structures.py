@@ -23,9 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, DIM, SEQ, ROWS = 128, 32, 32, 4
 UNDER, OVER = 0.005, 0.05  # never below the measured peak by more than 0.5%; not far above it either
-# A model traced without block segments has no trace of a per-block mix (`fraction`): the walk takes the
-# higher of its modes applied to every block (memory_model.walk), on the safe side but well above.
-MIXED_OVER = 0.6
 
 
 class Block(nn.Module):
@@ -148,7 +145,7 @@ def _recipe(tmp_path: Path, checkpointing: str, micro: int) -> Any:
 
 CASES = [
     (Cycling, "none", ROWS, "more than once per micro-step", OVER),
-    (Cycling, "fraction", ROWS // 2, "more than once per micro-step", MIXED_OVER),
+    (Cycling, "fraction", ROWS // 2, "more than once per micro-step", OVER),
     (Alternating, "none", ROWS, "different structures", OVER),
     (Alternating, "fraction", ROWS // 2, "different structures", OVER),
     (Direct, "none", ROWS, "hooks never fire", OVER),
@@ -178,7 +175,7 @@ def test_prediction_is_never_below_the_measured_peak(
 
 def test_a_model_traced_without_block_segments_plans_every_checkpointing_mode(tmp_path: Path) -> None:
     """Re-entered blocks leave the trace without block segments: modes that read one block's segment
-    (offload's transfer) or mix modes per block (fraction) still plan, mixes on the safe side."""
+    (offload's transfer) or mix modes per block (fraction, traced as itself) still plan."""
     recipe = _recipe(tmp_path, "auto", ROWS // 2)
     probe = ModelProbe(Cycling(recipe).model_spec())
     result = plan_on(recipe, cpu_target(), probe)
@@ -187,4 +184,4 @@ def test_a_model_traced_without_block_segments_plans_every_checkpointing_mode(tm
         s.plan.checkpointing.name: s.prediction.peak for s in result.ranked if s.plan.micro_batch_size == 2
     }
     assert {"none", "full", "fraction", "offload"} <= peaks.keys()
-    assert peaks["fraction"] == max(peaks["none"], peaks["full"])
+    assert min(peaks["none"], peaks["full"]) <= peaks["fraction"] < max(peaks["none"], peaks["full"])

@@ -141,8 +141,10 @@ def walk(
     moment is in its first or its last block: runs cost two evaluations, whatever the depth.
 
     Traces without block segments (a model whose blocks run several times per forward, model_probe.py)
-    hold each phase whole, each in one mode for every block: blocks in different modes (`fraction`) are
-    walked in each of their modes for the whole model and the highest walk is taken (on the safe side).
+    hold each phase whole, each in one mode for every block. The search traces a mode that mixes blocks
+    (`fraction`) as itself over such a model (search._traced_as_itself), exact; only a walk asked for
+    before the first trace found the blocks re-entered mixes modes here: each mode is walked for the
+    whole model and the highest walk is taken (on the safe side).
     """
     if len(set(modes)) > 1 and not all(trace.cut_per_block for trace in traces.values()):
         uniform = (
@@ -241,17 +243,21 @@ def optimizer_extra(
     parameters in `shape`.
 
     Per-tensor optimizers (torch AdamW off CUDA, the bf16-state AdamW) hold fp32 temporaries of one tensor at
-    a time; torch's foreach AdamW (its CUDA default) one fp32 temporary of all parameters (the strategy's
-    `per_tensor_temporaries` / `foreach_temporaries`). bf16-master first hands the bf16 gradients over as
+    a time, and torch AdamW's loop still holds the previous tensor's `denom` while it makes the next one's
+    (`per_tensor_carried`): the highest moment is at the tensor whose own temporaries plus its predecessor's
+    carried ones are largest, in the optimizer's (the model's) parameter order. torch's foreach AdamW (its
+    CUDA default) holds one fp32 temporary of all parameters (`foreach_temporaries`). bf16-master first hands the bf16 gradients over as
     fp32 master gradients, tensor by tensor: the bf16 gradients not yet converted are still alive then, and
     with optimizers without temporaries (8-bit) that is the higher moment.
     """
     trainable = shape.trainable
-    largest = max((p.numel for p in trainable.params), default=0)
     if foreach and optimizer_states.foreach_temporaries is not None:
         extra = optimizer_states.foreach_temporaries * 4 * trainable.numel
     else:
-        extra = optimizer_states.per_tensor_temporaries * 4 * largest
+        sizes = [p.numel for p in trainable.params]
+        own, carried = optimizer_states.per_tensor_temporaries, optimizer_states.per_tensor_carried
+        befores = [0, *sizes][: len(sizes)]  # each tensor's predecessor in the step (none for the first)
+        extra = 4 * max((own * n + carried * b for b, n in zip(befores, sizes, strict=True)), default=0)
     if master_handover:
         done, handover, total = 0, 0, trainable.numel
         for (

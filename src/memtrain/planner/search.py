@@ -37,7 +37,7 @@ from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored, rank
 from memtrain.planner.states import state_levels
 from memtrain.recipe import Recipe
-from memtrain.strategies.checkpointing import FullCheckpointing, NoCheckpointing
+from memtrain.strategies.checkpointing import Checkpointing, FullCheckpointing, NoCheckpointing
 from memtrain.strategies.registry import DeviceFacts
 
 ACTIVATIONS = 3  # index of the activations component in a Vec
@@ -166,7 +166,11 @@ class _Evaluation:
                 weights,
             )
             if key not in self.walks:
-                modes = plan.checkpointing.block_modes(probe.num_blocks, target.device_type)
+                modes = (
+                    (plan.checkpointing,) * probe.num_blocks
+                    if _traced_as_itself(probe, plan.checkpointing, target.device_type)
+                    else plan.checkpointing.block_modes(probe.num_blocks, target.device_type)
+                )
                 self.walks[key] = step_walk(traces, modes, tokens, micro_steps, replicated)
             walk = self.walks[key]
             if plan.checkpointing.offloads_activations:
@@ -241,6 +245,8 @@ def _traces(
     """The fits `plan` is walked with; on a CUDA target attention is traced as its GPU's kernel runs it."""
     mode, device_type = plan.checkpointing, target.device_type
     capability = target.compute_capability if device_type == "cuda" else None
+    if _traced_as_itself(probe, mode, device_type):
+        return {mode: probe.trace(plan.precision, mode, rows, weights_dtype, plan.loss, capability)}
     traces = {
         m: probe.trace(plan.precision, m, rows, weights_dtype, plan.loss, capability)
         for m in mode.traced_modes(device_type)
@@ -254,6 +260,18 @@ def _attention(probe: ModelProbe, plan: Plan, target: Target, rows: tuple[int, i
     """Which attention the chosen plan's traces ran (cached traces: no new trace)."""
     traces = _traces(probe, plan, target, rows, _weights_dtype(plan))
     return next((t.attention for t in traces.values() if t.attention), "")
+
+
+def _traced_as_itself(probe: ModelProbe, mode: Checkpointing, device_type: str) -> bool:
+    """A model traced without block segments (its blocks run several times per forward: model_probe.py)
+    holds each phase whole, so a mode that mixes modes per block (`fraction`) cannot be walked from the
+    traces of its parts: it is traced as itself over the whole model, which is exact. (Until the first
+    trace finds the blocks re-entered, the walk takes the higher of the parts: memory_model.walk.)"""
+    return (
+        not probe.block_segments
+        and not mode.offloads_activations
+        and len(set(mode.block_modes(probe.num_blocks, device_type))) > 1
+    )
 
 
 def _weights_dtype(plan: Plan) -> torch.dtype | None:

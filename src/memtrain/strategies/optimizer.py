@@ -51,13 +51,15 @@ class OptimizerStates(Strategy):
 
     Facts the planner reads: `per_tensor_temporaries` / `foreach_temporaries` (fp32 copies of the largest
     tensor, or of all parameters, that the step holds: measured with the tracker, tests in
-    tests/planner/test_memory_model.py) and `relative_step_cost` (seconds per byte streamed relative to
+    tests/planner/test_memory_model.py), `per_tensor_carried` (copies of one tensor a per-tensor step still
+    holds during the next tensor's: torch AdamW's `denom`, a loop variable) and `relative_step_cost` (seconds per byte streamed relative to
     fp32 AdamW, per device class; measured on this CPU, estimated for CUDA).
     """
 
     kind: ClassVar[str] = "optimizer_states"
     name: ClassVar[str] = "fp32"
     per_tensor_temporaries: ClassVar[int] = 2
+    per_tensor_carried: ClassVar[int] = 1  # torch's `_single_tensor_adam` keeps `denom` into the next tensor
     foreach_temporaries: ClassVar[int | None] = 1  # None: no multi-tensor path
     per_tensor_step_bytes: ClassVar[int] = STEP_TENSOR_BYTES  # the 0-dim `step` tensor per parameter tensor
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.0, "cpu": 1.0}
@@ -94,6 +96,7 @@ class BF16States(OptimizerStates):
 
     name: ClassVar[str] = "bf16"
     per_tensor_temporaries: ClassVar[int] = 6
+    per_tensor_carried: ClassVar[int] = 0
     foreach_temporaries: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = 0
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.6, "cpu": 3.2}
@@ -114,6 +117,7 @@ class EightBitStates(OptimizerStates):
 
     name: ClassVar[str] = "8bit"
     per_tensor_temporaries: ClassVar[int] = 0
+    per_tensor_carried: ClassVar[int] = 0
     foreach_temporaries: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = 0
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.2, "cpu": 6.6}
