@@ -28,10 +28,10 @@ better speed". Two modes measure it:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from bench_vs_peers import write_report
 from fit_kit import cpu_report, cuda_mode
 from fit_kit.cpu_setup import BASES, TOOLS, CpuSetup
 
@@ -139,13 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     result = cpu_mode.run_cpu(setup, tools, reps, in_process=args.in_process)
     result["command"] = " ".join(["scripts/bench_fit_budget.py", *(sys.argv[1:] if argv is None else argv)])
     lines = [*cpu_report.tables(result), "", f"- `{result['command']}`: {result['seconds']:.0f} s."]
-    print("\n".join(lines))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text("\n".join(lines) + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_report(lines, result, args.markdown, args.json)
 
 
 if __name__ == "__main__":

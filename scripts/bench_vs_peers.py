@@ -340,6 +340,29 @@ class RowsDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.inputs[index], "labels": self.labels[index]}
 
 
+def write_report(lines: list[str], data: Any, markdown: Path | None, json_path: Path | None) -> None:
+    """Print the report's markdown lines, and write them (`--markdown`) and `data` (`--json`) where asked."""
+    print("\n".join(lines))
+    if markdown:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text("\n".join(lines) + "\n")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(data, indent=2))
+
+
+QUIET_HF_ARGS: dict[str, Any] = {  # HF Trainer as the benchmarks run it: constant lr, no eval, saving or logs
+    "weight_decay": 0.0,
+    "lr_scheduler_type": "constant",
+    "eval_strategy": "no",
+    "save_strategy": "no",
+    "report_to": [],
+    "logging_strategy": "no",
+    "disable_tqdm": True,
+    "train_sampling_strategy": "sequential",
+}
+
+
 def hf_arguments(setup: Setup, out_dir: Path, steps: int, **overrides: Any) -> Any:
     """TrainingArguments as the Trainer docs recommend for a plain training run: no eval, no saving,
     no reporting; the optimizer, schedule and order pinned to the other tools' (HF's defaults are
@@ -355,16 +378,9 @@ def hf_arguments(setup: Setup, out_dir: Path, steps: int, **overrides: Any) -> A
         "adam_beta1": setup.betas[0],
         "adam_beta2": setup.betas[1],
         "adam_epsilon": setup.eps,
-        "weight_decay": 0.0,
         "max_grad_norm": setup.grad_clip,
-        "lr_scheduler_type": "constant",
         "optim": "adamw_torch",
-        "eval_strategy": "no",
-        "save_strategy": "no",
-        "report_to": [],
-        "logging_strategy": "no",
-        "disable_tqdm": True,
-        "train_sampling_strategy": "sequential",
+        **QUIET_HF_ARGS,
         "use_cpu": device().type == "cpu",
         "bf16": setup.precision == "bf16-mixed",
         "dataloader_pin_memory": device().type == "cuda",
@@ -773,42 +789,36 @@ def main() -> None:
         + [f"- {n}" for n in notes(setup, params, reps)]
         + [f"- Wall time of this benchmark: {elapsed:.0f} s."]
     )
-    print("\n".join(lines))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text("\n".join(lines) + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
+    write_report(
+        lines,
+        {
+            "setup": dataclasses.asdict(setup),
+            "reps": reps,
+            "device": device().type,
+            "params": params,
+            "seconds": elapsed,
+            "timed": {t: [dataclasses.asdict(r) for r in rs] for t, rs in timed.items()},
+            "tracked": {t: dataclasses.asdict(r) for t, r in tracked.items()},
+            "rows": [
                 {
-                    "setup": dataclasses.asdict(setup),
-                    "reps": reps,
-                    "device": device().type,
-                    "params": params,
-                    "seconds": elapsed,
-                    "timed": {t: [dataclasses.asdict(r) for r in rs] for t, rs in timed.items()},
-                    "tracked": {t: dataclasses.asdict(r) for t, r in tracked.items()},
-                    "rows": [
-                        {
-                            "tool": r.tool,
-                            "plan": r.plan,
-                            "step_ms": r.step_ms,
-                            "step_ratio": r.step_ratio,
-                            "cpu_ms": r.cpu_ms,
-                            "cpu_ratio": r.cpu_ratio,
-                            "tokens_per_s": r.tokens_per_s,
-                            "rss_above_start_bytes": r.rss_above_start_bytes,
-                            "tracker_peak_bytes": r.tracked.tracker_peak_bytes,
-                            "cuda_allocated_bytes": r.cuda_allocated_bytes,
-                            "cuda_reserved_bytes": r.cuda_reserved_bytes,
-                        }
-                        for r in rows
-                    ],
-                },
-                indent=2,
-            )
-        )
+                    "tool": r.tool,
+                    "plan": r.plan,
+                    "step_ms": r.step_ms,
+                    "step_ratio": r.step_ratio,
+                    "cpu_ms": r.cpu_ms,
+                    "cpu_ratio": r.cpu_ratio,
+                    "tokens_per_s": r.tokens_per_s,
+                    "rss_above_start_bytes": r.rss_above_start_bytes,
+                    "tracker_peak_bytes": r.tracked.tracker_peak_bytes,
+                    "cuda_allocated_bytes": r.cuda_allocated_bytes,
+                    "cuda_reserved_bytes": r.cuda_reserved_bytes,
+                }
+                for r in rows
+            ],
+        },
+        args.markdown,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_vs_peers import StepClock, TimedTrainer
+from bench_vs_peers import QUIET_HF_ARGS, StepClock, TimedTrainer
 from torch import nn
 
 from fit_kit.cpu_setup import CpuSetup, Rows, build_model, memtrain_recipe
@@ -162,15 +162,8 @@ def train_hf(
             max_steps=steps,
             learning_rate=setup.lr,
             max_grad_norm=setup.grad_clip,
-            weight_decay=0.0,
-            lr_scheduler_type="constant",
-            eval_strategy="no",
-            save_strategy="no",
-            report_to=[],
-            logging_strategy="no",
-            disable_tqdm=True,
-            train_sampling_strategy="sequential",
             dataloader_pin_memory=False,
+            **QUIET_HF_ARGS,
             seed=setup.seed,
         )
         trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[Clock()])

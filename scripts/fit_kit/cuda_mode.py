@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_vs_peers import RowsDataset, StepClock, TimedTrainer, quiet
+from bench_vs_peers import QUIET_HF_ARGS, RowsDataset, StepClock, TimedTrainer, quiet, write_report
 from torch import nn
 
 from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
@@ -196,16 +196,9 @@ def fit_hf(probe: Probe, model: nn.Module, start: int, result: Fit) -> None:
             max_steps=probe.steps,
             learning_rate=probe.lr,
             max_grad_norm=probe.grad_clip,
-            weight_decay=0.0,
-            lr_scheduler_type="constant",
             optim="adamw_torch",
-            eval_strategy="no",
-            save_strategy="no",
-            report_to=[],
-            logging_strategy="no",
-            disable_tqdm=True,
-            train_sampling_strategy="sequential",
             dataloader_pin_memory=False,
+            **QUIET_HF_ARGS,
             seed=0,
         )
         trainer = Trainer(
@@ -473,20 +466,10 @@ def run(args: argparse.Namespace) -> None:
         f"torch {torch.__version__}; wall time {time.perf_counter() - started:.0f} s.",
         "- batch: sequences per optimizer step in one micro-batch (no gradient accumulation).",
     ]
-    print("\n".join(lines))
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text("\n".join(lines) + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "probe": dataclasses.asdict(probe),
-                    "device": device,
-                    "budgets_gib": budgets,
-                    "results": {t: [dataclasses.asdict(f) for f in fs] for t, fs in results.items()},
-                },
-                indent=2,
-            )
-        )
+    report = {
+        "probe": dataclasses.asdict(probe),
+        "device": device,
+        "budgets_gib": budgets,
+        "results": {t: [dataclasses.asdict(f) for f in fs] for t, fs in results.items()},
+    }
+    write_report(lines, report, args.markdown, args.json)
