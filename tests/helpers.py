@@ -24,6 +24,18 @@ TINY_LLAMA = {
     "max_position_embeddings": 64,
 }
 
+TINY_GEMMA2 = {  # soft-capped logits, no SDPA attention in transformers
+    "model_type": "gemma2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+}
+
 
 def tiny_recipe_dict(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     """A tiny llama on variable-length synthetic data; `sections` are merged over the defaults."""

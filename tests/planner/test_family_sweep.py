@@ -28,7 +28,7 @@ from memtrain.planner.model_probe import ModelProbe
 from memtrain.strategies.checkpointing import NoCheckpointing
 from memtrain.strategies.precision import Precision
 
-from helpers import REPO, tiny_recipe
+from helpers import REPO, TINY_GEMMA2, tiny_recipe
 from planner_cases import cpu_target, plan_on, planner_recipe
 
 MAX_OVER = 0.03
@@ -129,17 +129,7 @@ def test_untraceable_model_above_the_bound_is_unsupported_not_no_plan_fits(
 
 
 def test_sdpa_on_a_family_without_it_is_a_recipe_problem(tmp_path: Path) -> None:
-    gemma2 = {
-        "model_type": "gemma2",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "vocab_size": 64,
-        "max_position_embeddings": 64,
-    }
+    gemma2 = dict(TINY_GEMMA2)
     default = tiny_recipe(tmp_path, model={"config": gemma2})
     assert [p for p in model_problems(default) if p.startswith("model.attn_implementation")] == [
         "model.attn_implementation: sdpa (the default), but transformers builds Gemma2ForCausalLM without "

@@ -10,6 +10,7 @@ import pytest
 
 from memtrain.strategies.loss import Chunked, Fused, Loss
 
+from helpers import TINY_GEMMA2
 from planner_cases import MODEL, cpu_target, plan_on, planner_recipe
 
 BIG_VOCAB = {**MODEL, "vocab_size": 8192, "num_hidden_layers": 2}
@@ -39,17 +40,7 @@ def test_chunked_when_it_lets_a_faster_plan_fit(tmp_path: Path) -> None:
 
 
 def test_softcapping_model_plans_with_standard(tmp_path: Path) -> None:
-    gemma2 = {
-        "model_type": "gemma2",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-    }
+    gemma2 = {**TINY_GEMMA2, "vocab_size": 256}
     recipe = planner_recipe(
         tmp_path,
         model={"config": gemma2, "attn_implementation": "eager"},
