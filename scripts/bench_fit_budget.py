@@ -10,7 +10,8 @@ better speed". Two modes measure it:
   counted bytes), at budgets of 20-100% of the unconstrained peak (fit_kit/cpu_mode.py). Tools: HF
   Trainer `auto_find_batch_size` with and without gradient checkpointing, the "expert" HF configuration
   (checkpointing + 8-bit AdamW + bf16), an accelerate loop with `find_executable_batch_size` with and
-  without checkpointing, and memtrain `strategies: auto`; the same model, data, seed and global batch,
+  without checkpointing, and memtrain `strategies: auto` (also without gradient clipping, which lets it
+  step the optimizer inside backward); the same model, data, seed and global batch,
   each tool in its own process. Metrics, each found by the same bisection for every tool:
   (a) the largest model (width and depth scaled together, fixed sequence length) that trains at all;
   (b) tokens/s at the fixed global batch with the largest micro-batch that fits (median and spread over

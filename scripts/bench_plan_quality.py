@@ -39,8 +39,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from fit_kit.cpu_tools import keep_whole_timeline  # noqa: E402
-
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
 from memtrain.distributed import DistEnv  # noqa: E402
 from memtrain.memory.headroom import measured_target  # noqa: E402
@@ -124,8 +122,6 @@ def train_under_budget(base: Recipe, scored: Scored, out: Path) -> dict[str, Any
     }
     try:
         trainer.setup()
-        assert trainer.tracker is not None  # memory.budget runs the tracker
-        keep_whole_timeline(trainer.tracker)
         trainer.fit()
         error = ""
     except Exception as exc:  # an OOM memtrain did not recover from, or a failure: the plan's row says which

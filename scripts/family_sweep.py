@@ -9,7 +9,7 @@ shrunk to a tiny size (a generic shrinker over the common size fields plus a few
 per attention implementation (eager and sdpa where the family has both), predicts the step's peak the way
 scripts/planner_accuracy.py does (`predict`) and measures it in a real CPU run with the tracker
 (`measure`). A family that cannot be built tiny or cannot train a step on a CPU is skipped with the
-reason. Each family runs in its own process with a timeout, so one hang or crash cannot stop the sweep.
+reason (`UNTRAINABLE` names the families no causal-LM step can train on their own, and why). Each family runs in its own process with a timeout, so one hang or crash cannot stop the sweep.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/family_sweep.py [--quick] [--only llama,gpt2] [--json OUT]
 
@@ -32,7 +32,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -83,6 +83,8 @@ TINY: dict[str, int] = {
     "rotary_dim": 8,
     # vocabulary and positions
     "vocab_size": 512,
+    "vocab_size_per_layer_input": 512,  # Gemma-3n/4: a per-layer embedding of every token
+    "hidden_size_per_layer_input": 16,
     "max_position_embeddings": 128,
     "n_positions": 128,
     "n_ctx": 128,
@@ -135,9 +137,85 @@ TINY: dict[str, int] = {
     "num_experts_per_token": 2,
 }
 
-# Per-family values over the generic ones (fields whose constraints tie them to others).
+# The depth fields, first found first: a per-layer list (layer_types, a per-layer size) is as long as it.
+DEPTHS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers")
+
+# Per-family values over the generic ones: fields whose constraints tie them to others, and values a
+# family's default config leaves unset although its model needs them (transformers' own defaults do not
+# build these families; a real checkpoint's config.json sets them).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8, "head_dim": 16},
+    # attention_types is run-length encoded ([[kinds, repeats]]) and must expand to num_layers
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]], "window_size": 32},
+    # its attention config has no rope_theta field and no clip_qkv value, which the model reads
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # no expert counts by default, but every layer past first_k_dense_replace is a mixture of experts
+    "dots1": {
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+    },
+    # no layer_types by default: short-convolution and attention layers, dense then mixture of experts
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    # its indexed-attention layers need the token indexer's sizes (unset by default)
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 16,  # of 64 tokens: the selection matters
+        "indexer_compress_ratio": 4,
+        "hc_lowrank": 16,
+    },
+    # the causal LM needs a decoder; axial positions factor the sequence length (64 = 8 x 8) and their
+    # widths sum to hidden_size; chunks shorter than the sequence
+    "reformer": {
+        "is_decoder": True,
+        "axial_pos_shape": [8, 8],
+        "axial_pos_embds_dim": [16, 48],
+        "attention_head_size": 16,
+        "local_attn_chunk_length": 16,
+        "lsh_attn_chunk_length": 16,
+        "num_buckets": 4,
+    },
+    # the last num_kv_shared_layers reuse the caches of earlier layers of each kind: both kinds come first
+    "gemma3n_text": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "num_kv_shared_layers": 2,
+    },
+    # its sliding layers' latent attention needs head_dim = qk_nope_head_dim + qk_rope_head_dim (layers 2
+    # and 3 of the tiny layer_types); the indexer keeps 16 of 64 tokens
+    "dots3_note_text": {
+        "index_topk": 16,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "per_layer_config": {
+            layer: {
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "q_lora_rank": 32,
+                "kv_lora_rank": 32,
+                "head_dim": 20,
+                "qk_nope_head_dim": 12,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+            }
+            for layer in (2, 3)
+        },
+    },
+    # its hybrid layers share one transformer block, tied across them: the tie needs two hybrid layers
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"]},
+    # one language adapter per language: the input's language must be known; causal, not bidirectional
+    "xmod": {"default_language": "en_XX", "is_decoder": True},
+}
+
+
+# Families no causal-LM step can train on its own, and why.
+UNTRAINABLE: dict[str, str] = {
+    "gemma4_assistant": (
+        "a speculative-decoding draft model: its forward takes the target model's inputs_embeds and "
+        "shared_kv_states, not token ids"
+    ),
 }
 
 
@@ -158,14 +236,14 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     if inputs:
         raise ValueError(f"needs pixel or audio inputs ({', '.join(inputs)}): not a text-only causal LM")
     fields = default.to_dict()
-    tiny: dict[str, Any] = {"model_type": model_type}
-    for name, value in TINY.items():
-        current = fields.get(name)
-        if isinstance(current, int) and not isinstance(current, bool) and current > value:
-            tiny[name] = value
+    tiny: dict[str, Any] = {"model_type": model_type, **_shrunk(fields)}
+    for name in getattr(default, "sub_configs", {}):  # a sub-config of sizes (dbrx's attn_config, ffn_config)
+        if isinstance(fields.get(name), dict) and (sub := _shrunk(fields[name])):
+            tiny[name] = sub
     experts = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
     if any(name in tiny for name in experts) and "num_experts_per_tok" in fields:
-        tiny["num_experts_per_tok"] = TINY["num_experts_per_tok"]  # a default of None would not route
+        # a default of None would not route; a top-1 family (Llama-4, ZAYA) stays top-1
+        tiny["num_experts_per_tok"] = min(fields["num_experts_per_tok"] or 2, TINY["num_experts_per_tok"])
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # some configs insist on an id in range
         if isinstance(fields.get(name), int) and fields[name] >= tiny.get("vocab_size", fields[name] + 1):
             tiny[name] = 0
@@ -176,22 +254,92 @@ def tiny_config(model_type: str) -> dict[str, Any]:
         tiny["num_key_value_heads"] = tiny["num_attention_heads"]  # no grouped-query attention: keep none
     if "qk_rope_head_dim" in tiny and "head_dim" in tiny:  # latent attention: head_dim is the rope part
         tiny["head_dim"] = tiny["qk_rope_head_dim"]
-    depth, layers = fields.get("num_hidden_layers"), tiny.get("num_hidden_layers")
-    for name, value in fields.items():  # per-layer lists (layer_types, mlp_layer_types): cut, every kind kept
-        if isinstance(value, list) and len(value) == depth and isinstance(layers, int) and depth > layers:
-            tiny[name] = _every_kind(value, layers)
+    _fill_unset(fields, tiny)
+    _cut_per_layer(fields, tiny)
     tiny.update(OVERRIDES.get(model_type, {}))
     return tiny
 
 
-def _every_kind(per_layer: list[Any], length: int) -> list[Any]:
-    """The first `length` entries of a per-layer list, its last ones replaced by the kinds they miss (a
-    hybrid's attention layer, a mixture-of-experts layer), so the tiny model has every kind of layer."""
-    cut = per_layer[:length]
-    missing = [kind for kind in dict.fromkeys(map(str, per_layer)) if kind not in map(str, cut)]
-    kinds = {str(kind): kind for kind in per_layer}
+def _shrunk(fields: dict[str, Any]) -> dict[str, Any]:
+    """The `TINY` fields of a config (or a sub-config) larger than their tiny value, set to it; a per-layer
+    list of sizes (Gemma-3n's intermediate_size) shrinks entry by entry."""
+    shrunk: dict[str, Any] = {}
+    for name, value in TINY.items():
+        current = fields.get(name)
+        if _is_size(current) and current > value:
+            shrunk[name] = value
+        elif isinstance(current, list) and current and all(map(_is_size, current)):
+            if any(entry > value for entry in current):
+                shrunk[name] = [min(entry, value) for entry in current]
+    return shrunk
+
+
+def _is_size(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fill_unset(fields: dict[str, Any], tiny: dict[str, Any]) -> None:
+    """Values a family's default leaves unset (None, {}) although its model reads them: a size to derive
+    (Ministral's and Hunyuan's head_dim, Nemotron's num_key_value_heads) set to what it derives to, and
+    empty rope parameters (Cohere Compass) set to the default rope, per layer kind where there are kinds."""
+    heads = tiny.get("num_attention_heads", fields.get("num_attention_heads"))
+    hidden = tiny.get("hidden_size", fields.get("hidden_size"))
+    if "head_dim" in fields and fields["head_dim"] is None and _is_size(heads) and _is_size(hidden):
+        tiny["head_dim"] = hidden // heads
+    if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None and _is_size(heads):
+        tiny["num_key_value_heads"] = heads
+    if fields.get("rope_parameters") == {}:
+        default_rope = {"rope_type": "default", "rope_theta": 10000.0}
+        kinds = tiny.get("layer_types", fields.get("layer_types"))
+        tiny["rope_parameters"] = (
+            {kind: dict(default_rope) for kind in dict.fromkeys(kinds)} if kinds else default_rope
+        )
+
+
+def _cut_per_layer(fields: dict[str, Any], tiny: dict[str, Any]) -> None:
+    """Per-layer lists (layer_types, mlp_layer_types, a per-layer size) cut to the tiny depth, every kind
+    kept, and a heterogeneous config's per-layer overrides (`per_layer_config`, keyed by layer index)
+    moved with their layers and shrunk in proportion, so the tiny model's layers still differ."""
+    depth_name = next((name for name in DEPTHS if _is_size(fields.get(name))), None)
+    depth, layers = fields.get(depth_name or ""), tiny.get(depth_name or "")
+    if not (_is_size(depth) and _is_size(layers) and depth > layers):
+        return
+    for name, value in fields.items():
+        value = tiny.get(name, value)
+        if isinstance(value, list) and len(value) == depth:
+            tiny[name] = [value[i] for i in _every_kind(value, layers)]
+    per_layer = fields.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:
+        by_index = {int(index): overrides for index, overrides in per_layer.items()}
+        kinds = fields.get("layer_types")
+        sources = _every_kind(kinds, layers) if isinstance(kinds, list) else range(layers)
+        tiny["per_layer_config"] = {
+            new: _scaled(by_index[old], fields, tiny) for new, old in enumerate(sources) if old in by_index
+        }
+
+
+def _scaled(overrides: dict[str, Any], fields: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+    """One layer's overrides of global sizes, scaled as the global size was (Gemma-4's full-attention
+    head_dim 512 over a global 256 -> 32 over the tiny 16)."""
+    scaled = {}
+    for name, value in overrides.items():
+        whole, small = fields.get(name), tiny.get(name, fields.get(name))
+        if _is_size(value) and _is_size(whole) and _is_size(small) and whole > 0:
+            value = max(1, round(value * small / whole))
+        scaled[name] = value
+    return scaled
+
+
+def _every_kind(kinds: list[Any], length: int) -> list[int]:
+    """The layers a per-layer list keeps: its first `length`, the last ones replaced by the first layer of
+    each kind they miss (a hybrid's attention layer, a mixture-of-experts layer), so the tiny model has
+    every kind of layer."""
+    cut = list(range(min(length, len(kinds))))
+    seen = {str(kinds[i]) for i in cut}
+    firsts = {str(kind): i for i, kind in reversed(list(enumerate(kinds)))}
+    missing = [firsts[kind] for kind in dict.fromkeys(map(str, kinds)) if kind not in seen]
     if missing:
-        cut[length - len(missing) :] = [kinds[kind] for kind in missing[:length]]
+        cut[length - len(missing[:length]) :] = missing[:length]
     return cut
 
 
@@ -204,6 +352,9 @@ def run_family(model_type: str, plans: list[tuple[str, str, float, str, int]]) -
 
     torch.set_num_threads(1)
     outcome: dict[str, Any] = {"family": model_type, "rows": [], "skipped": None, "failures": []}
+    if model_type in UNTRAINABLE:
+        outcome["skipped"] = f"cannot train a step on its own: {UNTRAINABLE[model_type]}"
+        return outcome
     try:
         config = tiny_config(model_type)
     except Exception as exc:  # noqa: BLE001 - every reason a family is not swept is reported

@@ -30,7 +30,7 @@ from bench_vs_peers import quiet
 
 from fit_kit import cpu_report
 from fit_kit.cpu_search import reference_peak, search_tool, time_tool, timed_configs
-from fit_kit.cpu_setup import REFERENCE_TOOLS, CpuSetup, model_config, parameters
+from fit_kit.cpu_setup import MEMTRAIN_TOOLS, REFERENCE_TOOLS, CpuSetup, model_config, parameters
 from fit_kit.cpu_tools import cache_planner_traces
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench_fit_budget.py"
@@ -41,7 +41,7 @@ def work(task: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
     """One worker's task: {"kind": reference|search|time, "tool", "setup", and its inputs}."""
     setup = CpuSetup.from_json(task["setup"])
     tool = task["tool"]
-    if tool == "memtrain":
+    if tool in MEMTRAIN_TOOLS:
         cache_planner_traces()
     if task["kind"] == "reference":
         emit(dataclasses.asdict(reference_peak(setup, tool)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from fit_kit.cpu_setup import TOOLS
+from fit_kit.cpu_setup import MEMTRAIN_TOOLS, TOOLS
 
 MiB = 2**20
 
@@ -139,15 +139,7 @@ def tables(result: dict[str, Any]) -> list[str]:
         *_header(result, "tool"),
         *[_row(result, TOOLS[t], t, _timed("common", "tokens_per_s")) for t in result["search"]],
     ]
-    if "memtrain" in result["search"]:
-        lines.append(
-            _row(
-                result,
-                "memtrain auto, the micro-batch its planner chose",
-                "memtrain",
-                _timed("auto", "tokens_per_s"),
-            )
-        )
+    lines += _own_choice_rows(result, "tokens_per_s")
     lines += [
         "",
         "(b) The same runs in tokens per CPU-second of the worker (less disturbed by other jobs on the CPU):",
@@ -155,15 +147,7 @@ def tables(result: dict[str, Any]) -> list[str]:
         *_header(result, "tool"),
         *[_row(result, TOOLS[t], t, _timed("common", "tokens_per_cpu_s")) for t in result["search"]],
     ]
-    if "memtrain" in result["search"]:
-        lines.append(
-            _row(
-                result,
-                "memtrain auto, the micro-batch its planner chose",
-                "memtrain",
-                _timed("auto", "tokens_per_cpu_s"),
-            )
-        )
+    lines += _own_choice_rows(result, "tokens_per_cpu_s")
     lines += [
         "",
         "(b) Each tool's own search, one run: HF `auto_find_batch_size` and accelerate "
@@ -179,10 +163,19 @@ def tables(result: dict[str, Any]) -> list[str]:
         *_header(result, "tool"),
         *[_row(result, TOOLS[t], t, _seq) for t in result["search"]],
     ]
-    if "memtrain" in result["search"]:
-        lines += ["", "memtrain's plans (auto at the global batch):", "", "| budget | plan |", "|---|---|"]
+    for tool in (t for t in MEMTRAIN_TOOLS if t in result["search"]):
+        lines += ["", f"{TOOLS[tool]}: its plans at the global batch:", "", "| budget | plan |", "|---|---|"]
         for b in result["budgets"]:
-            entry = result["summary"].get("memtrain", {}).get(str(b["pct"]))
-            plan = entry["own"]["plan"] or entry["own"]["note"] if entry else _missing(result, "memtrain")
+            entry = result["summary"].get(tool, {}).get(str(b["pct"]))
+            plan = entry["own"]["plan"] or entry["own"]["note"] if entry else _missing(result, tool)
             lines.append(f"| {b['pct']}% | {short(plan, 200)} |")
     return lines
+
+
+def _own_choice_rows(result: dict[str, Any], key: str) -> list[str]:
+    """A row per memtrain tool: the micro-batch its own planner chose (not the common search's)."""
+    return [
+        _row(result, f"{TOOLS[tool]}, the micro-batch its planner chose", tool, _timed("auto", key))
+        for tool in MEMTRAIN_TOOLS
+        if tool in result["search"]
+    ]

@@ -23,7 +23,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fit_kit.cpu_setup import CpuSetup, micro_sizes, model_config, parameters, rungs, seq_lens, shape
+from fit_kit.cpu_setup import (
+    MEMTRAIN_TOOLS,
+    CpuSetup,
+    micro_sizes,
+    model_config,
+    parameters,
+    rungs,
+    seq_lens,
+    shape,
+)
 from fit_kit.cpu_tools import Job, Outcome, run
 
 Emit = Callable[[dict[str, Any]], None]
@@ -167,6 +176,6 @@ def timed_configs(tool: str, record: dict[str, Any]) -> list[dict[str, Any]]:
     configs = []
     if record["batch"].get("micro"):
         configs.append({**base, "method": "common", "micro": record["batch"]["micro"]})
-    if tool == "memtrain" and record["own"]["ok"]:
+    if tool in MEMTRAIN_TOOLS and record["own"]["ok"]:
         configs.append({**base, "method": "auto", "micro": None})
     return configs

@@ -65,8 +65,13 @@ TOOLS: dict[str, str] = {
     "accelerate": "accelerate",
     "accelerate-ckpt": "accelerate + checkpointing",
     "memtrain": "memtrain auto",
+    # the same job without gradient clipping (`train.grad_clip: null`), which lets memtrain step the
+    # optimizer inside backward (`optimizer_step: in_backward`); the peers' memory does not depend on
+    # clipping, so their rows stand for both
+    "memtrain-noclip": "memtrain auto, no gradient clipping",
 }
-PEERS = tuple(t for t in TOOLS if t != "memtrain")
+MEMTRAIN_TOOLS = ("memtrain", "memtrain-noclip")
+PEERS = tuple(t for t in TOOLS if t not in MEMTRAIN_TOOLS)
 REFERENCE_TOOLS = ("hf", "accelerate")  # the unconstrained peak: the plain loops at the global batch
 
 
@@ -207,9 +212,11 @@ def memtrain_recipe(
     micro: int | None,
     steps: int,
     budget_bytes: int,
+    clip: bool = True,
 ) -> Recipe:
     """A user's recipe: every strategy `auto`, the budget as `memory.budget`; `micro` None leaves the
-    micro-batch to memtrain too, a number pins it (the common search of metric (b))."""
+    micro-batch to memtrain too, a number pins it (the common search of metric (b)); `clip` False:
+    `train.grad_clip: null`."""
     return recipe_from_dict(
         {
             "run": {"name": "fit", "output_dir": str(out), "seed": setup.seed},
@@ -227,7 +234,7 @@ def memtrain_recipe(
                 "weight_decay": 0.0,
                 "warmup_steps": 0,
                 "min_lr_ratio": 1.0,
-                "grad_clip": setup.grad_clip,
+                "grad_clip": setup.grad_clip if clip else None,
                 "eval_every": 0,
             },
             "checkpoint": {"every": 0, "at_end": False},

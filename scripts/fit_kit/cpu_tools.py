@@ -30,9 +30,8 @@ import torch
 from bench_vs_peers import QUIET_HF_ARGS, StepClock, TimedTrainer
 from torch import nn
 
-from fit_kit.cpu_setup import CpuSetup, Rows, build_model, memtrain_recipe
-from memtrain.memory.timeline import Timeline
-from memtrain.memory.tracker import MemoryTracker, SimulatedBudget
+from fit_kit.cpu_setup import MEMTRAIN_TOOLS, CpuSetup, Rows, build_model, memtrain_recipe
+from memtrain.memory.tracker import SimulatedBudget
 
 UNLIMITED = 2**62  # the reference run: the tracker counts, nothing is refused
 HF_CHECKPOINTING = ("hf-ckpt", "hf-expert")
@@ -69,7 +68,10 @@ class Outcome:
 
 def run(tool: str, setup: CpuSetup, job: Job) -> Outcome:
     started = time.perf_counter()
-    outcome = run_memtrain(setup, job) if tool == "memtrain" else run_peer(tool, setup, job)
+    if tool in MEMTRAIN_TOOLS:
+        outcome = run_memtrain(setup, job, clip=tool == "memtrain")
+    else:
+        outcome = run_peer(tool, setup, job)
     outcome.seconds = time.perf_counter() - started
     gc.collect()
     return outcome
@@ -102,7 +104,6 @@ def run_peer(tool: str, setup: CpuSetup, job: Job) -> Outcome:
     clock = StepClock()
     outcome = Outcome()
     budget = SimulatedBudget(job.budget_bytes if job.budget_bytes is not None else UNLIMITED)
-    keep_whole_timeline(budget)
     train = train_hf if tool.startswith("hf") else train_accelerate
     with budget:
         budget.begin_step(1)
@@ -229,7 +230,7 @@ def train_accelerate(
 # ------------------------------------------------------------------------------------------ memtrain
 
 
-def run_memtrain(setup: CpuSetup, job: Job) -> Outcome:
+def run_memtrain(setup: CpuSetup, job: Job, clip: bool = True) -> Outcome:
     """memtrain `auto` with `memory.budget`; a plan it cannot find (`PlanError`), or an error it does not
     recover from, is the reason. Re-plans and OOM recoveries on the way are noted (it still trained)."""
     assert job.budget_bytes is not None, "memtrain always runs under a budget here"
@@ -246,12 +247,11 @@ def run_memtrain(setup: CpuSetup, job: Job) -> Outcome:
             micro=job.micro,
             steps=job.steps,
             budget_bytes=job.budget_bytes,
+            clip=clip,
         )
         trainer = TimedTrainer(recipe, clock.tick)
         try:
             trainer.setup()
-            if trainer.tracker is not None:
-                keep_whole_timeline(trainer.tracker)
             trainer.fit()
             outcome.ok = True
         except Exception as exc:  # no plan fits (PlanError), an OOM it did not recover from, or a failure
@@ -275,14 +275,6 @@ def run_memtrain(setup: CpuSetup, job: Job) -> Outcome:
     if outcome.ok:
         outcome.tokens_per_s, outcome.tokens_per_cpu_s = speeds(clock, job.warmup, global_batch * job.seq_len)
     return outcome
-
-
-def keep_whole_timeline(tracker: MemoryTracker) -> None:
-    """Work around a memtrain bug: the tracker's Timeline halves its samples with
-    `zip(samples[::2], samples[1::2], strict=True)` (memory/timeline.py, `Timeline.add`), which raises
-    ValueError mid-step when it holds an odd number of them, so a long step crashes the run. A timeline
-    that never downsamples avoids it; it only feeds plots: budgets, peaks and OOMs are unchanged."""
-    tracker.timeline = Timeline(samples_per_step=2**40, max_steps=tracker.timeline.max_steps)
 
 
 def cache_planner_traces() -> None:

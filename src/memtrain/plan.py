@@ -28,6 +28,7 @@ from memtrain.strategies.checkpointing import CHECKPOINTING, Checkpointing
 from memtrain.strategies.loss import LOSS, Loss
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
+from memtrain.strategies.optimizer_step import OPTIMIZER_STEP, OptimizerStep
 from memtrain.strategies.precision import PRECISION, Precision
 from memtrain.strategies.quantization import QUANTIZATION, Quantization
 from memtrain.strategies.registry import DeviceFacts, Strategy
@@ -35,7 +36,7 @@ from memtrain.strategies.sharding import SHARDING, Sharding
 from memtrain.strategies.sharding.base import ShardingBackend
 
 OPTIONAL_KINDS = ("quantization", "adapters")  # change the recipe's model: "none" unless it asks
-LATER_KINDS = ("loss",)  # plans written before these kinds existed ran their defaults
+LATER_KINDS = ("loss", "optimizer_step")  # plans written before these kinds existed ran their defaults
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Plan:
     adapters: Adapters = dataclasses.field(default_factory=Adapters)
     quantization: Quantization = dataclasses.field(default_factory=Quantization)
     loss: Loss = dataclasses.field(default_factory=Loss)
+    optimizer_step: OptimizerStep = dataclasses.field(default_factory=OptimizerStep)
 
     def strategies(self) -> dict[str, Strategy]:
         return {kind: getattr(self, kind) for kind in REGISTRIES}
@@ -101,6 +103,7 @@ class Plan:
             f"{s['optimizer_states'].describe()}, sharding {s['sharding'].describe()}, micro "
             f"{s['micro_batching'].describe()}"
             + (f", loss {s['loss'].describe()}" if s["loss"].name != "standard" else "")
+            + (f", step {s['optimizer_step'].describe()}" if s["optimizer_step"].name != "standard" else "")
         )
 
     def summary(self) -> dict[str, Any]:
@@ -191,6 +194,7 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     optimizer_states = OPTIMIZER_STATES.create(str(s.optimizer_states), s.model_dump())
     sharding = SHARDING.create(str(s.sharding), s.model_dump())
     loss = LOSS.create(str(s.loss), s.model_dump())
+    optimizer_step = OPTIMIZER_STEP.create(str(s.optimizer_step), s.model_dump())
     adapters, quantization = adapters_of(recipe), quantization_of(recipe)
     facts = DeviceFacts.of(env.device, env.world_size)
     for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states):
@@ -200,6 +204,12 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     rows = per_rank_batch(recipe, env.world_size)
     size = rows if recipe.batch.micro_size == "auto" else int(recipe.batch.micro_size)
     batching = micro_batching(recipe, rows, size)
+    optimizer_step.check_plan(
+        batching=batching,
+        grad_clip=recipe.train.grad_clip,
+        sharding=sharding,
+        precision=precision,
+    )
     return Plan(
         precision,
         checkpointing,
@@ -210,4 +220,5 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
         adapters,
         quantization,
         loss,
+        optimizer_step,
     )

@@ -247,6 +247,12 @@ class StrategiesConfig(_Section):
         description="Share of blocks recomputed when checkpointing is 'fraction'.",
     )
     optimizer_states: StrategyChoice = "fp32"
+    optimizer_step: StrategyChoice = Field(
+        default="standard",
+        description="standard: one optimizer step after backward; in_backward: each parameter stepped as soon "
+        "as its gradient is accumulated, its gradient freed (no gradient memory; needs no accumulation, "
+        "train.grad_clip: null, sharding none).",
+    )
     loss: StrategyChoice = "standard"
     loss_chunk_tokens: int = Field(
         default=1024, gt=0, description="Tokens per chunk of the head and the loss when loss is 'chunked'."

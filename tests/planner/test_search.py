@@ -162,6 +162,7 @@ def test_plan_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         "checkpointing",
         "loss",
         "optimizer_states",
+        "optimizer_step",
         "sharding",
         "micro_batching",
         "world_size",

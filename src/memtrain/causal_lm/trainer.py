@@ -92,10 +92,9 @@ def build_config(recipe: Recipe) -> Any:
             [f"{key}.model_type: unknown transformers model type {shortened(model_type)}{hint}"]
         )
     bad = [
-        f"{key}.{name}: must be a positive integer (got {shortened(raw[name])})"
+        f"{key}.{name}: must be a positive integer or a per-layer list of them (got {shortened(raw[name])})"
         for name in _SIZES
-        if raw.get(name) is not None
-        and (isinstance(raw[name], bool) or not isinstance(raw[name], int) or raw[name] <= 0)
+        if raw.get(name) is not None and not _positive_sizes(raw[name])
     ]
     # before transformers, whose own checks would not name the field (or would pass)
     bad = bad or _head_problems(raw, key)
@@ -120,7 +119,9 @@ def build_config(recipe: Recipe) -> Any:
     # transformers keeps a field it does not know as a plain attribute (a misspelt num_hidden_layers
     # would silently build the default depth); legacy fields it understands (rope_theta) it consumes.
     default = AutoConfig.for_model(model_type)
-    unknown = [f for f in raw if not hasattr(default, f) and hasattr(config, f) and f not in _ALWAYS_ACCEPTED]
+    unknown = [
+        f for f in raw if not _has_field(default, f) and _has_field(config, f) and f not in _ALWAYS_ACCEPTED
+    ]
     if unknown:
         known = [a for a in dir(default) if not a.startswith("_")]
         raise RecipeError(
@@ -130,6 +131,21 @@ def build_config(recipe: Recipe) -> Any:
             ]
         )
     return config
+
+
+def _positive_sizes(value: Any) -> bool:
+    """A positive integer, or a non-empty list of them (a per-layer size, e.g. Gemma-3n's intermediate_size)."""
+    values = value if isinstance(value, list) and value else [value]
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+def _has_field(config: Any, name: str) -> bool:
+    """`hasattr`, where a per-layer field of a heterogeneous config (Gemma-4), whose global read transformers
+    refuses with a RuntimeError (AmbiguousGlobalPerLayerAttributeError), is a field too."""
+    try:
+        return hasattr(config, name)
+    except RuntimeError:
+        return True
 
 
 # Head counts that must divide: (the divided size, the count) under the names of the common configs. A

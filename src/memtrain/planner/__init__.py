@@ -17,9 +17,14 @@ Entry points:
   (`memtrain plan --gpu h100-80gb --world-size 64`).
 - `calibration(result, measured)`: predicted against measured components, for the run's plan.json.
 
+A plan for the device of this process is ranked by step time with this machine's calibrated multipliers
+(step_time_calibration.py: fitted to the first steps of earlier runs here and to a timed probe of the
+model, step_time_probe.py); a what-if plan with the device class's constants.
+
 Layout: spec.py (the trainer's job), model_probe.py + activations.py (shape and traced activations),
-states.py + memory_model.py (the predicted peak), candidates.py (the grid), cost.py (step time),
-search.py (ranking), explain.py (table and JSON). The budget comes from `memtrain.memory.headroom`.
+states.py + memory_model.py (the predicted peak), candidates.py (the grid), cost.py +
+step_time_calibration.py + step_time_probe.py (step time), search.py (ranking), explain.py (table and
+JSON). The budget comes from `memtrain.memory.headroom`.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored
 from memtrain.planner.search import search
 from memtrain.planner.spec import ModelSpec
+from memtrain.planner.step_time_calibration import local_cost_model
 from memtrain.recipe import Recipe
 
 __all__ = [
@@ -115,11 +121,13 @@ def search_for_run(
     failure: MemtrainError | None = None
     if env.is_main:
         try:
+            probe = _probe(recipe, spec, progress)
             outcome = search(
                 recipe,
-                _probe(recipe, spec, progress),
+                probe,
                 target,
                 env.device,
+                cost=None if target.what_if else local_cost_model(env.device, probe, target.budget.usable),
                 correction=correction,
             )
         except MemtrainError as exc:
@@ -144,12 +152,8 @@ def plan_here(
     here = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
     budget = int(recipe.memory.budget) if recipe.memory.budget is not None else None
     target = replace(measured_target(here, budget, recipe.planner.safety_fraction), world_size=world_size)
-    return search(
-        recipe,
-        _probe(recipe, spec, progress),
-        target,
-        device,
-    )
+    probe = _probe(recipe, spec, progress)
+    return search(recipe, probe, target, device, cost=local_cost_model(device, probe, target.budget.usable))
 
 
 def plan_what_if(

@@ -22,7 +22,7 @@ own segment, as every middle block of the real model does (measured: two blocks 
 weights). Embeddings, the head and the loss keep their real sizes (vocabulary and width are unchanged),
 so the head side needs no scaling; each middle block of the real model is one more copy of the clone's.
 Models with at most three blocks are traced whole, and so are models the clone cannot stand for (blocks
-of different structures, blocks run more than once per forward: model_probe.py checks both).
+of different structures or kinds, blocks run more than once per forward: model_probe.py checks both).
 
 One segment is not a block's: `fwd.release`, the end of autocast. Autocast caches the low-precision copy
 of every weight it casts until its context exits; copies that autograd saved live on, the others (those

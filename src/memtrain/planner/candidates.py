@@ -14,6 +14,9 @@ knob offer their `search_variants` (`fraction`: `strategies.checkpointing_fracti
 `planner.checkpointing_fractions`); variants that recompute the same blocks as another candidate are
 dropped as duplicates. With one rank, `auto` sharding is `none`: every other layout shards nothing there.
 A loss that cannot run with a sharding (`chunked` on DeepSpeed ZeRO-3) leaves the grid for that sharding.
+An optimizer step in backward is offered only where it is exact (one micro-step per step, no gradient
+clipping, no sharding, no loss scaling or master copy: `OptimizerStep.check_plan`); pinned, and exact
+nowhere, it is the user's error.
 
 Sharding options the recipe leaves open multiply the layouts (`Sharding.choices`): `sharding_offload`
 `auto` offers each offload the backend supports (a list, each listed one, those that cannot run
@@ -46,8 +49,10 @@ from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import REGISTRIES
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.loss import Loss
+from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.strategies.optimizer import PagedEightBitStates
-from memtrain.strategies.precision import PRECISION
+from memtrain.strategies.optimizer_step import OptimizerStep
+from memtrain.strategies.precision import PRECISION, Precision
 from memtrain.strategies.registry import DeviceFacts
 from memtrain.strategies.sharding import SHARDING, Sharding
 
@@ -80,6 +85,8 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     optimizers = allowed("optimizer_states", REGISTRIES["optimizer_states"].names())
     modes = allowed("checkpointing", REGISTRIES["checkpointing"].names())
     losses = allowed("loss", REGISTRIES["loss"].names())
+    steps = allowed("optimizer_step", REGISTRIES["optimizer_step"].names())
+    refused: list[Unsupported] = []
     multi_rank = tuple(cls.name for cls in SHARDING if cls.multi_rank) if world_size > 1 else ("none",)
     shardings = _allowed(
         "strategies.sharding",
@@ -148,20 +155,51 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                         for size in sizes:
                             if single_only and recipe.batch.micro_tokens is None and size == per_rank:
                                 continue
-                            candidates.append(
-                                Plan(
-                                    precision,
-                                    mode,
-                                    optimizer,
-                                    sharding,
-                                    micro_batching(recipe, per_rank, size),
-                                    world_size,
-                                    adapters,
-                                    quantization,
-                                    loss,
+                            batching = micro_batching(recipe, per_rank, size)
+                            for step in _exact_steps(steps, batching, recipe, sharding, precision, refused):
+                                candidates.append(
+                                    Plan(
+                                        precision,
+                                        mode,
+                                        optimizer,
+                                        sharding,
+                                        batching,
+                                        world_size,
+                                        adapters,
+                                        quantization,
+                                        loss,
+                                        step,
+                                    )
                                 )
-                            )
+    if refused and _pinned(s.optimizer_step) and not candidates:
+        raise refused[0]
+    for refusal in refused:
+        reason = ("strategies.optimizer_step=in_backward", str(refusal).split(": ", 1)[-1])
+        if reason not in excluded:
+            excluded.append(reason)
     return Grid(tuple(candidates), tuple(excluded))
+
+
+def _exact_steps(
+    steps: Sequence[OptimizerStep],
+    batching: MicroBatching,
+    recipe: Recipe,
+    sharding: Sharding,
+    precision: Precision,
+    refused: list[Unsupported],
+) -> list[OptimizerStep]:
+    """The optimizer steps that are exact with these choices; the others' reasons go to `refused`."""
+    kept = []
+    for step in steps:
+        try:
+            step.check_plan(
+                batching=batching, grad_clip=recipe.train.grad_clip, sharding=sharding, precision=precision
+            )
+            kept.append(step)
+        except Unsupported as exc:
+            if all(str(exc) != str(r) for r in refused):
+                refused.append(exc)
+    return kept
 
 
 def _sharding_choices(

@@ -12,7 +12,10 @@ each a count (FLOPs, bytes) divided by a rate:
   `fused` computes its gradients in forward, the same FLOPs as `standard`;
 - a fixed cost per micro-step (kernel launches, Python, hooks), which makes accumulation cost something;
 - the optimizer step: bytes of weights, gradients and states it streams, at device-memory bandwidth, times
-  the state format's `relative_step_cost` (dequantising 8-bit states costs more than fp32 AdamW);
+  the state format's `relative_step_cost` (dequantising 8-bit states costs more than fp32 AdamW); stepped
+  in backward (`optimizer_step: in_backward`), the same bytes plus a fixed cost per parameter tensor (one
+  small optimizer step each, where the standard step runs torch's multi-tensor kernels), so with memory to
+  spare the standard step ranks first;
 - communication: the sharding's `gradient_sync` (all-reduce or reduce-scatter), once per step or, with
   `gradient_reduction=per_micro_step`, once per micro-step (`Sharding.reductions_per_step`), and
   `parameter_gathers` (per step, per micro-step) over the interconnect, partly hidden behind compute;
@@ -23,13 +26,16 @@ each a count (FLOPs, bytes) divided by a rate:
   seconds exceed what recomputation or smaller micro-batches cost, so offload ranks below the plans that
   fit without it (tests/planner/test_offload_choice.py).
 
-Rates are those of a device class (`SPEEDS`); `calibrate` rescales the terms from measured step times
-(probe steps on the device, or the CPU benchmark in scripts/bench_plan_quality.py).
+Rates are those of a device class (`SPEEDS`): the constants a what-if target (`memtrain plan --gpu`) is
+ranked with. A plan for the device that is here is ranked with per-term multipliers that `calibrate` fits to
+seconds measured on it (step_time_calibration.py: the first steps of runs, cached per machine, and a
+timed probe of the model being planned).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -47,6 +53,7 @@ class DeviceSpeed:
     interconnect: float  # per-rank collective bandwidth, bytes/s
     selective_recompute: float  # `selective`: recompute time as a share of the blocks' forward
     checkpoint_call_s: float  # fixed cost of one checkpointed block per micro-step (RNG state, hooks)
+    tensor_step_s: float  # fixed cost of stepping one parameter tensor on its own (in_backward)
 
 
 SPEEDS: dict[str, DeviceSpeed] = {
@@ -66,6 +73,7 @@ SPEEDS: dict[str, DeviceSpeed] = {
         interconnect=300e9,
         selective_recompute=0.1,
         checkpoint_call_s=2e-4,
+        tensor_step_s=3e-5,  # ~5 kernel launches and a Python hook per tensor
     ),
     # One thread of this 2-core CPU, measured (min of 3 runs of 8 steps, a 1.3M-parameter llama at
     # 2k tokens per step): ~130 GFLOP/s fp32 from 128 tokens up, 3 ms per micro-step, 1.3 ms per
@@ -82,8 +90,13 @@ SPEEDS: dict[str, DeviceSpeed] = {
         interconnect=2e9,
         selective_recompute=1.3,
         checkpoint_call_s=1.3e-3,
+        tensor_step_s=2e-5,  # a hook and an optimizer call per tensor (CPU AdamW loops per tensor anyway)
     ),
 }
+TERMS = ("compute", "recompute", "micro_steps", "optimizer", "communication", "offload")
+UNCALIBRATED = (1.0,) * len(TERMS)
+RIDGE = 0.01  # how strongly `calibrate` holds a term that the samples barely tell apart at the overall ratio
+MULTIPLIER_RANGE = 10.0  # a fitted term stays within this factor of the overall measured/predicted ratio
 COMM_OVERLAP = 0.7  # share of gradient/parameter collectives hidden behind compute
 OFFLOAD_OVERLAP = 0.5  # share of host copies hidden behind compute
 ACTIVATION_OFFLOAD_CPU_S_PER_BYTE = 2e-11  # CPU "offload": no copy, but the pack/unpack hooks run
@@ -101,11 +114,13 @@ class Workload:
     rows_per_step: int  # sequences per rank per step
     world_size: int
     head_numel: int = 0  # the output head's weight (a chunked loss recomputes its forward)
+    trained_tensors: int = 0  # parameter tensors the optimizer steps
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Predicted seconds of one step by term."""
+    """Predicted seconds of one step by term; `scale`: the multipliers they were scaled by, `model`: the
+    model whose probe they were fitted to ("" for none)."""
 
     compute: float
     recompute: float
@@ -113,6 +128,8 @@ class StepCost:
     optimizer: float
     communication: float
     offload: float
+    scale: tuple[float, ...] = field(default=UNCALIBRATED, compare=False)
+    model: str = field(default="", compare=False)
 
     @property
     def total(self) -> float:
@@ -135,13 +152,33 @@ class StepCost:
             self.offload,
         )
 
+    @classmethod
+    def from_terms(
+        cls, terms: Sequence[float], scale: tuple[float, ...] = UNCALIBRATED, model: str = ""
+    ) -> StepCost:
+        """A step from its seconds by term, in the order of `TERMS`."""
+        compute, recompute, micro_steps, optimizer, communication, offload = terms
+        return cls(compute, recompute, micro_steps, optimizer, communication, offload, scale, model)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.scale != UNCALIBRATED
+
+    def uncalibrated(self) -> StepCost:
+        """The same step at the device class's rates (each term divided by its multiplier)."""
+        return StepCost.from_terms(
+            [t / k if k else 0.0 for t, k in zip(self.terms(), self.scale, strict=True)]
+        )
+
 
 @dataclass(frozen=True)
 class CostModel:
-    """The rates of one device class and per-term multipliers (1.0 until calibrated)."""
+    """The rates of one device class and per-term multipliers (1.0 until calibrated; `model`: the model
+    whose probe they were fitted to, "" for none)."""
 
     speed: DeviceSpeed
-    scale: tuple[float, ...] = (1.0,) * 6
+    scale: tuple[float, ...] = UNCALIBRATED
+    model: str = ""
 
     @classmethod
     def for_device(cls, device_type: str) -> CostModel:
@@ -178,6 +215,8 @@ class CostModel:
             recompute += tokens * 2 * w.head_numel / rate
         factor = plan.optimizer_states.relative_step_cost.get(device_type, 1.0)
         optimizer = 2 * state_bytes / s.memory_bandwidth * factor
+        if plan.optimizer_step.in_backward:
+            optimizer += w.trained_tensors * s.tensor_step_s
         communication = self._communication(w, plan, micro_steps) * (1 - COMM_OVERLAP)
         offload = self._offload(offloaded_activation_bytes * micro_steps, device_type)
         if host_bytes:
@@ -185,7 +224,8 @@ class CostModel:
             offload += 2 * host_bytes * passes / s.host_link * (1 - OFFLOAD_OVERLAP)
             offload += 2 * host_bytes / s.host_step_bandwidth
         raw = StepCost(compute, recompute, micro_steps * s.micro_step_s, optimizer, communication, offload)
-        return StepCost(*(t * k for t, k in zip(raw.terms(), self.scale, strict=True)))
+        scaled = [t * k for t, k in zip(raw.terms(), self.scale, strict=True)]
+        return StepCost.from_terms(scaled, self.scale, self.model)
 
     def _communication(self, w: Workload, plan: Plan, micro_steps: int) -> float:
         sharding = plan.sharding
@@ -210,17 +250,27 @@ class CostModel:
         return seconds * (1 - OFFLOAD_OVERLAP)
 
 
-def calibrate(model: CostModel, samples: list[tuple[StepCost, float]]) -> CostModel:
-    """Per-term multipliers fitted (least squares, non-negative) to measured step seconds.
+def calibrate(model: CostModel, samples: Sequence[tuple[StepCost, float]]) -> CostModel:
+    """`model` with per-term multipliers fitted to measured seconds (each sample: a predicted step, at
+    whatever multipliers it was predicted with, and the seconds it took).
 
-    Terms that no sample exercises keep their multiplier; the fit starts from the current one."""
+    The fit minimises the squared *relative* error of the samples (a 10 ms step counts as much as a 1 s
+    one), with a ridge that pulls each multiplier towards the overall ratio measured/predicted in
+    proportion to how much the samples exercise its term: one sample rescales every term by that ratio,
+    samples of plans that differ in a term (checkpointing, micro-batches) tell that term apart. A term no
+    sample exercises gets the overall ratio; every multiplier stays within `MULTIPLIER_RANGE` of it."""
     if not samples:
         return model
-    terms = np.array([c.terms() for c, _ in samples], dtype=float)
+    raw = np.array([c.uncalibrated().terms() for c, _ in samples], dtype=float)
     seconds = np.array([t for _, t in samples], dtype=float)
-    used = terms.any(axis=0)
-    solution, *_ = np.linalg.lstsq(terms[:, used], seconds, rcond=None)
-    scale = list(model.scale)
-    for index, value in zip(np.flatnonzero(used), solution, strict=True):
-        scale[index] = max(float(value), 0.0) * model.scale[index] if value > 0 else model.scale[index]
-    return replace(model, scale=tuple(scale))
+    if (seconds <= 0).any() or (raw.sum(axis=1) <= 0).any():
+        raise ValueError("calibrate: every sample needs a positive predicted and measured time")
+    relative = raw / seconds[:, None]  # a row times the multipliers is predicted/measured: 1 when exact
+    # the one multiplier for every term that fits best on average
+    ratio = float(len(seconds) / relative.sum())
+    ridge = RIDGE * (relative**2).sum(axis=0)
+    ridge = ridge + (ridge == 0)  # a term no sample exercises: held at the ratio
+    lhs = relative.T @ relative + np.diag(ridge)
+    rhs = relative.T @ np.ones(len(seconds)) + ridge * ratio
+    fitted = np.clip(np.linalg.solve(lhs, rhs), ratio / MULTIPLIER_RANGE, ratio * MULTIPLIER_RANGE)
+    return replace(model, scale=tuple(float(k) for k in fitted))

@@ -169,6 +169,14 @@ def suggestions(
         out.append(f"strategies.sharding=auto (now {s.sharding}): shard states over ranks (zero1/2/3)")
     if s.precision != "auto" and "bf16-master" not in s.precision:
         out.append("strategies.precision: allow bf16-master (bf16 weights and gradients, fp32 master copy)")
+    if s.optimizer_step != "auto" and "in_backward" not in s.optimizer_step:
+        clip = (
+            f", with train.grad_clip: null (now {recipe.train.grad_clip})" if recipe.train.grad_clip else ""
+        )
+        out.append(
+            "strategies.optimizer_step: allow in_backward (each parameter stepped in backward, its gradient "
+            f"freed: no gradient memory; one micro-step per step, sharding none){clip}"
+        )
     out += [
         f"data.seq_len (now {recipe.data.seq_len}): shorter sequences",
         "more ranks (torchrun --nproc_per_node / --nnodes) with zero3, or a GPU with more memory",
@@ -182,6 +190,7 @@ TABLE_COLUMNS = (  # (header, plan.summary() key) of the strategy columns, in th
     ("checkpointing", "checkpointing"),
     ("loss", "loss"),
     ("optimizer", "optimizer_states"),
+    ("step", "optimizer_step"),
     ("sharding", "sharding"),
 )
 
@@ -225,7 +234,8 @@ def _label(plan: Plan) -> str:
     fields = plan.summary()
     return (
         f"precision={fields['precision']} checkpointing={fields['checkpointing']} loss={fields['loss']} "
-        f"optimizer_states={fields['optimizer_states']} sharding={fields['sharding']} "
+        f"optimizer_states={fields['optimizer_states']} optimizer_step={fields['optimizer_step']} "
+        f"sharding={fields['sharding']} "
         f"micro_batch={fields['micro_batch_size']} x {fields['accumulation_steps']} accumulation"
     )
 

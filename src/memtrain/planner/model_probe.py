@@ -8,8 +8,16 @@ candidates costs a handful of traces. When the trainer can build the model at a 
 (`ModelSpec.build_clone`), a clone of at most three blocks is traced; otherwise the whole model is.
 
 Why the clone is checked: it stands for the model only when every middle block is built like the clone's
-middle block (same module types, same parameter shapes) and each block's forward runs once per micro-step.
-Blocks that differ (hybrids, alternating sizes) are traced whole at the real depth, still cut per block.
+middle block (same module types, same parameter shapes, same kind of layer) and each block's forward runs
+once per micro-step. Blocks that differ (hybrids, alternating sizes, alternating kinds) are traced whole at
+the real depth, still cut per block. Kinds matter even between blocks built alike: Gemma-2 alternates
+sliding-window and global attention layers, each kind reads its own mask (made once per forward), and a
+checkpointed block holds its kind's mask until the first block of that kind runs its backward. The clone
+(sliding, global, global) has its middle block free the global mask, and the walk repeats the middle block
+for every middle one: it freed the mask once per middle block, so a later micro-step started that many
+masks too low (tiny gemma2, eager, bf16-mixed + full checkpointing, micro 4 of 8: -1.21%, one 64 KiB
+mask of 4 rows; the whole model traces it to the byte). A module's plain settings (`_settings`: an
+attention's `layer_type`, a `sliding_window` of None) tell the kinds apart.
 Blocks that run several times per forward (recurrent cycles, shared blocks) make block hooks cut the step at
 the wrong places: such a model is traced whole with each micro-step's forward and backward as one segment
 (`trace_step(block_segments=False)`) — exact for the plan's mode, slower for deep models, no memory.
@@ -18,6 +26,17 @@ Why the smallest and the largest micro-batch the search considers as the two tra
 segment the peak is the highest of many moments, each linear in the rows, so it is convex in the rows and
 a straight line can only be exact where it was measured. Through the two ends of the range the line is
 exact there and on the safe side in between.
+
+Why one row is a size of its own (`fit_rows`): the moments are linear in the rows only from two rows on.
+`torch.matmul` folds the batch dimensions of a broadcast operand into a free view when the batch has one
+row and copies them (expand, then reshape) when it has more: a DeepSeek sparse-attention indexer's single
+key head against its query heads (`[B, S, H, D] @ [B, 1, D, T]`) copies S·D·T fp32 per row from two rows on
+and nothing at one. Measured on tiny deepseek_v32 (bf16-mixed, full checkpointing), a block's forward peak
+is 5.90 MB at 1 row, then 12.66, 18.71, 24.77 MB at 2, 3, 4 rows: 1 row sits 0.70 MB below the line of the
+others, so a line through 1 and 8 rows under-predicted 4 rows' step peak by 1.1% (hy_v4: 3.6%); at real
+sizes the copy is gigabytes. So when the range starts at one row, a micro-batch of one row reads the fit
+through 1 and 2 rows, larger ones the fit through 2 rows and the largest: every traced size exact, convex
+from 2 rows on. Traces are cached per size, so the three sizes cost three traces.
 """
 
 from __future__ import annotations
@@ -74,6 +93,8 @@ class ModelProbe:
     whole_model: str = field(init=False, default="")  # why the clone cannot stand for the model ("": it can)
     block_segments: bool = field(init=False, default=True)  # False: blocks re-entered, one segment per phase
     _fits: dict[TraceKey, FittedTrace] = field(init=False, default_factory=dict)
+    # per traced size, keyed by how the model was traced too (clone or whole, cut per block or not)
+    _steps: dict[tuple[object, ...], StepTrace] = field(init=False, default_factory=dict)
     _failed: dict[TraceKey, Unsupported] = field(init=False, default_factory=dict)
     _param_keys: dict[str, ParamKey] = field(init=False)  # every parameter's (block, name in block)
 
@@ -117,7 +138,7 @@ class ModelProbe:
             return ""
         kinds = [_structure(block) for block in blocks]
         if len(set(kinds[1:-1])) > 1:
-            return f"its middle blocks are of {len(set(kinds[1:-1]))} different structures"
+            return f"its middle blocks are of {len(set(kinds[1:-1]))} different structures or kinds"
         try:
             with torch.device("meta"):
                 model = clone(depth)
@@ -138,6 +159,15 @@ class ModelProbe:
     def step_data_bytes(self, rows: int) -> int:
         """The step batch of this rank on the device (the trainer moves every micro-batch of a step at once)."""
         return rows * self.row_bytes
+
+    def fit_rows(self, rows: tuple[int, int], tokens: int) -> tuple[int, int]:
+        """The two traced sizes (rows) the fit for a micro-batch of `tokens` is drawn through, in the search's
+        range `rows` (smallest, largest): the range's ends, but one row is a size of its own when the range
+        starts there (module docstring): (1, 2) for a micro-batch of at most one row, (2, largest) above."""
+        low, high = rows
+        if low != 1 or high <= 2:
+            return rows
+        return (1, 2) if tokens <= self.seq_len else (2, high)
 
     def trace(
         self,
@@ -169,8 +199,9 @@ class ModelProbe:
         cuda_capability: Capability | None = None,
     ) -> FittedTrace:
         """The activation fit for one precision and one traced checkpointing mode, drawn through traces at
-        the smallest and the largest micro-batch rows the search considers (cached). `weights_dtype`: the
-        sharding backend hands the forward weights of this dtype (FSDP2's and DeepSpeed's bf16-mixed).
+        the two micro-batch sizes `rows` (the search asks for `fit_rows`; fits and traces are cached).
+        `weights_dtype`: the sharding backend hands the forward weights of this dtype (FSDP2's and
+        DeepSpeed's bf16-mixed).
         `loss`: the plan's loss strategy (standard by default). `cuda_capability`: trace attention as the CUDA
         kernel of a GPU of this compute capability (attention_kernels.py); None: this CPU's kernels."""
         loss = loss or Loss()
@@ -187,11 +218,24 @@ class ModelProbe:
                 f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
                 f"{self.num_blocks} blocks, {rows[0]} and {rows[1]} x {self.seq_len} tokens{why})"
             )
-            build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
+            clone_build = (lambda: clone(depth)) if clone is not None else None
+            build = clone_build or self.spec.build_model
 
-            def traced(build: Callable[[], nn.Module] = build) -> FittedTrace:
-                small, large = (
-                    trace_step(
+            def step(build: Callable[[], nn.Module], count: int) -> StepTrace:
+                """One traced size, cached: the fits of a range share their sizes (`fit_rows`)."""
+                whole = build is not clone_build
+                size = (
+                    precision,
+                    mode,
+                    weights_dtype,
+                    loss,
+                    cuda_capability,
+                    count,
+                    whole,
+                    self.block_segments,
+                )
+                if size not in self._steps:
+                    self._steps[size] = trace_step(
                         build,
                         self.spec.blocks,
                         self._batch,
@@ -206,8 +250,10 @@ class ModelProbe:
                         cuda_capability,
                         self.block_segments,
                     )
-                    for count in rows
-                )
+                return self._steps[size]
+
+            def traced(build: Callable[[], nn.Module] = build) -> FittedTrace:
+                small, large = (step(build, count) for count in rows)
                 unmapped = _unreliable_blocks(small)
                 if unmapped and self.block_segments:  # blocks cut wrongly: whole, a segment a phase
                     self.whole_model = unmapped
@@ -296,10 +342,22 @@ def _hidden_size(blocks: list[nn.Module]) -> int:
     return widths.most_common(1)[0][0] if widths else 0
 
 
-def _structure(block: nn.Module) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
-    """What a block is built of: each submodule's type and each parameter's name and shape."""
-    modules = tuple((name, type(m).__name__, ()) for name, m in block.named_modules())
+def _structure(block: nn.Module) -> tuple[tuple[str, str, tuple[object, ...]], ...]:
+    """What a block is built of: each submodule's type and settings (`_settings`), each parameter's name and
+    shape."""
+    modules = tuple((name, type(m).__name__, _settings(m)) for name, m in block.named_modules())
     return modules + tuple((name, "parameter", tuple(p.shape)) for name, p in block.named_parameters())
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    """The public plain attributes that say what kind of layer a module is (an attention's `layer_type`,
+    a `sliding_window` of None in a global layer): strings, booleans and None by value, numbers by type
+    only (a `layer_idx` differs in every block and says nothing of its kind)."""
+    return tuple(
+        (name, value if value is None or isinstance(value, str | bool) else type(value).__name__)
+        for name, value in vars(module).items()
+        if not name.startswith("_") and (value is None or isinstance(value, str | bool | int | float))
+    )
 
 
 def _nbytes(batch: Batch) -> int:

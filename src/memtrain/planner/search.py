@@ -19,6 +19,7 @@ from memtrain.errors import PlanError, Unsupported
 from memtrain.memory.footprint import ModelShape
 from memtrain.memory.headroom import Target
 from memtrain.plan import Plan, per_rank_batch
+from memtrain.planner import in_backward as in_backward_memory
 from memtrain.planner.activations import FittedTrace, SegmentKey
 from memtrain.planner.candidates import Grid, build_grid
 from memtrain.planner.cost import CostModel, Workload
@@ -38,6 +39,7 @@ from memtrain.planner.result import PlanResult, Scored, rank
 from memtrain.planner.states import state_levels
 from memtrain.recipe import Recipe
 from memtrain.strategies.checkpointing import Checkpointing, FullCheckpointing, NoCheckpointing
+from memtrain.strategies.optimizer_step import OptimizerStep
 from memtrain.strategies.registry import DeviceFacts
 
 ACTIVATIONS = 3  # index of the activations component in a Vec
@@ -107,7 +109,7 @@ def search(
         infeasible=infeasible,
         excluded=tuple(excluded),
         full_fine_tuning=evaluation.full_fine_tuning(chosen.plan),
-        attention=_attention(probe, chosen.plan, target, evaluation.rows),
+        attention=_attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
     )
 
 
@@ -131,6 +133,7 @@ class _Evaluation:
             num_blocks=probe.num_blocks,
             hidden=probe.hidden_size,
             head_numel=probe.head_numel,
+            trained_tensors=len(probe.shape.trainable.params),
             seq_len=seq,
             rows_per_step=per_rank,
             world_size=target.world_size,
@@ -154,8 +157,9 @@ class _Evaluation:
             walk = STATES_ONLY  # the model states alone do not fit: no trace can change that
         else:
             weights = _weights_dtype(plan)
-            traces = _traces(probe, plan, target, self.rows, weights)
+            traces = _traces(probe, plan, target, self.rows_of(plan), weights)
             replicated = plan.sharding.replicated
+            in_backward = plan.optimizer_step.in_backward
             key = (
                 plan.precision,
                 plan.checkpointing,
@@ -164,6 +168,7 @@ class _Evaluation:
                 micro_steps > 1,
                 replicated,
                 weights,
+                plan.optimizer_states if in_backward else None,
             )
             if key not in self.walks:
                 modes = (
@@ -171,6 +176,12 @@ class _Evaluation:
                     if _traced_as_itself(probe, plan.checkpointing, target.device_type)
                     else plan.checkpointing.block_modes(probe.num_blocks, target.device_type)
                 )
+                if in_backward:
+                    foreach = target.device_type == "cuda"
+                    added = in_backward_memory.in_flight(
+                        probe.shape, plan.precision, plan.optimizer_states, foreach
+                    )
+                    traces = in_backward_memory.traces(traces, added, tokens)
                 self.walks[key] = step_walk(traces, modes, tokens, micro_steps, replicated)
             walk = self.walks[key]
             if plan.checkpointing.offloads_activations:
@@ -180,16 +191,17 @@ class _Evaluation:
             plan,
             micro_tokens=tokens,
             micro_steps=micro_steps,
-            # what the optimizer streams: a sharded plan's stored states, not its transient gathered weights
-            # and unsharded gradient copies
-            state_bytes=levels.weights + levels.optimizer_gradients + levels.optimizer_states
-            if levels.replicated
-            else sum(levels.stored),
+            # what the optimizer streams (the same bytes when it steps in backward: the standard levels)
+            state_bytes=_streamed(self._levels(plan.replace(optimizer_step=OptimizerStep()), micro_steps)),
             offloaded_activation_bytes=offloaded,
             device_type=target.device_type,
             host_bytes=levels.host,
         )
         return Scored(plan, predict(levels, walk), step, levels)
+
+    def rows_of(self, plan: Plan) -> tuple[int, int]:
+        """The traced sizes `plan`'s fit is drawn through (`ModelProbe.fit_rows`)."""
+        return self.probe.fit_rows(self.rows, plan.micro_batching.tokens(self.probe.seq_len))
 
     def full_fine_tuning(self, plan: Plan) -> tuple[int, int, int] | None:
         """What `plan` would keep between steps training every parameter of an unquantised base (what the
@@ -219,7 +231,14 @@ class _Evaluation:
         return levels.stored
 
     def _levels(self, plan: Plan, micro_steps: int) -> StateLevels:
-        key = (plan.precision, plan.optimizer_states, plan.sharding, micro_steps > 1, plan.quantization)
+        key = (
+            plan.precision,
+            plan.optimizer_states,
+            plan.sharding,
+            micro_steps > 1,
+            plan.quantization,
+            plan.optimizer_step,
+        )
         if key not in self.states:  # the sharding arithmetic visits every rank: once per key
             backend = plan.sharding.build(plan.precision, plan.micro_batch_size, micro_steps)
             self.states[key] = state_levels(
@@ -236,7 +255,19 @@ class _Evaluation:
                 linear_weights=self.probe.linear_weights,
                 no_grad=self.probe.no_grad(plan.precision, self.rows),
             )
+            if plan.optimizer_step.in_backward:
+                self.states[key] = in_backward_memory.levels(
+                    self.states[key], self.probe.shape, plan.optimizer_states
+                )
         return self.states[key]
+
+
+def _streamed(levels: StateLevels) -> int:
+    """The bytes an optimizer step reads and writes: a sharded plan's stored states, not its transient
+    gathered weights and unsharded gradient copies."""
+    if levels.replicated:
+        return levels.weights + levels.optimizer_gradients + levels.optimizer_states
+    return sum(levels.stored)
 
 
 def _traces(

@@ -6,7 +6,8 @@ activation checkpointing (wraps the blocks' forwards) -> the loss (binds to the 
 output head's forward to it) -> the precision's stored dtype -> [device ->
 sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
 plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
-around the trainer's `build_optimizer`].
+around the trainer's `build_optimizer` (one per parameter, stepped in backward, under `optimizer_step:
+in_backward`)].
 
 The trainer's setup runs all of it; `switch_in_place` re-applies checkpointing and the loss to a live model
 when a run re-plans (memtrain.training.replan). The planner's trace runs the model part only (`env=None`), on a model
@@ -29,6 +30,7 @@ from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing, unwrap_blocks
 from memtrain.strategies.loss import Loss
+from memtrain.strategies.optimizer_step import OptimizerStep
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 from memtrain.strategies.sharding.base import ShardingBackend
@@ -60,6 +62,7 @@ def apply_strategies(
     adapters: Adapters | None = None,
     quantization: Quantization | None = None,
     loss: Loss | None = None,
+    optimizer_step: OptimizerStep | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
@@ -100,6 +103,7 @@ def apply_strategies(
     if env is None:
         return Applied(model)
     assert sharding is not None and build_optimizer is not None
+    build = (optimizer_step or OptimizerStep()).wrap_builder(build_optimizer)
     device = env.device
 
     def materialise(target: nn.Module) -> None:
@@ -118,7 +122,7 @@ def apply_strategies(
         model,
         blocks,
         env,
-        lambda m: precision.build_optimizer(m, build_optimizer),
+        lambda m: precision.build_optimizer(m, build),
         materialise=materialise if on_meta else None,
     )
     return Applied(wrapped, optimizer, precision.grad_scaler(device))

@@ -14,6 +14,7 @@ from memtrain.strategies.checkpointing import CHECKPOINTING
 from memtrain.strategies.loss import LOSS
 from memtrain.strategies.micro_batching import MICRO_BATCHING
 from memtrain.strategies.optimizer import OPTIMIZER_STATES
+from memtrain.strategies.optimizer_step import OPTIMIZER_STEP
 from memtrain.strategies.precision import PRECISION
 from memtrain.strategies.quantization import QUANTIZATION
 from memtrain.strategies.registry import Registry
@@ -26,10 +27,11 @@ REGISTRIES: dict[str, Registry[Any]] = {
     "checkpointing": CHECKPOINTING,
     "loss": LOSS,
     "optimizer_states": OPTIMIZER_STATES,
+    "optimizer_step": OPTIMIZER_STEP,
     "sharding": SHARDING,
     "micro_batching": MICRO_BATCHING,
 }
 
 # Kinds a recipe chooses by name under `strategies:` (micro-batching comes from `batch:`, adapters from
 # `adapters:`: they change the model, so the planner never chooses them).
-RECIPE_KINDS = ("precision", "checkpointing", "loss", "optimizer_states", "sharding")
+RECIPE_KINDS = ("precision", "checkpointing", "loss", "optimizer_states", "optimizer_step", "sharding")

@@ -39,10 +39,11 @@ recipe.<n>.json). These keys (`FREE_KEYS`, with everything under them) may chang
 - `train.max_bad_steps`: when to stop, not how to step;
 - `memory.*`, `planner.*`, `batch.micro_size`, `batch.micro_tokens`, and the memory-only strategies
   `strategies.sharding`, `.sharding_backend`, `.sharding_offload`, `.gradient_reduction`,
-  `.checkpointing`, `.checkpointing_fraction`, `.loss`, `.loss_chunk_tokens`: the gradient is that of
-  the global batch whatever the micro-batching (see `memtrain.training.trainer`), and sharding, when
-  gradients are reduced, recomputation or a chunked cross-entropy move bytes, not arithmetic (an out-of-memory error already tells users to
-  resume with a smaller `batch.micro_size`).
+  `.checkpointing`, `.checkpointing_fraction`, `.loss`, `.loss_chunk_tokens`, `.optimizer_step`: the
+  gradient is that of the global batch whatever the micro-batching (see `memtrain.training.trainer`), and
+  sharding, when gradients are reduced, recomputation, a chunked cross-entropy or stepping each parameter
+  in backward (the same update; its optimizer state has the standard layout) move bytes, not arithmetic
+  (an out-of-memory error already tells users to resume with a smaller `batch.micro_size`).
 
 Every other key (data, batch.global_size, the rest of train, precision, optimizer states, comm hook,
 adapters, run.seed) changes the trajectory. `model.*` is never allowed to change: the weights would not
@@ -87,6 +88,7 @@ FREE_KEYS = (
     "strategies.checkpointing_fraction",
     "strategies.loss",
     "strategies.loss_chunk_tokens",
+    "strategies.optimizer_step",
     "checkpoint",
     "output",
     "memory",

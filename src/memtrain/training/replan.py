@@ -21,7 +21,9 @@ re-applied: `strategies.apply.switch_in_place`) and the loss (re-bound). Everyth
   class (and, with sharding, another wrapper) loaded with converted states; a safe conversion exists for
   no sharding at most, and it would change the numerics of the rest of the run. Not switched: a recipe
   that needs smaller states must say so (strategies.optimizer_states) at the start.
-- precision, sharding, adapters and quantisation change the stored weights or their layout.
+- precision, sharding, adapters and quantisation change the stored weights or their layout;
+- the optimizer step (one optimizer, or one per parameter stepped in backward, built at setup). Stepped in
+  backward, a step cannot accumulate: its micro-batch stays, and a pinned plan cannot shrink it.
 Only options the recipe allows are considered (a pinned strategies.checkpointing stays pinned); the
 micro-batch may go down from a pinned batch.micro_size, as out-of-memory recovery always did.
 
@@ -182,6 +184,12 @@ def replan(
 def smaller_micro_batch(plan: Plan, step: int, reason: str) -> tuple[Plan, str]:
     """A pinned plan (no prediction to correct): the same plan with smaller micro-batches, and the log line."""
     current, smaller = plan.micro_batching, plan.micro_batching.smaller()
+    if plan.optimizer_step.in_backward:
+        raise PlanError(
+            f"{reason} at step {step + 1}: smaller micro-batches would accumulate gradients, which "
+            "strategies.optimizer_step: in_backward cannot (it steps on each micro-step's gradient); resume "
+            "(--resume) with strategies.checkpointing: full, or strategies.optimizer_step: standard"
+        )
     if smaller is None:
         unit = "token" if plan.micro_batch_tokens is not None else "sequence"
         raise PlanError(
@@ -203,6 +211,7 @@ def _switchable_recipes(recipe: Recipe, plan: Plan) -> Iterator[Recipe]:
             "precision": plan.precision.name,
             "sharding": plan.sharding.name,
             "optimizer_states": plan.optimizer_states.name,
+            "optimizer_step": plan.optimizer_step.name,  # its optimizer is built: one per parameter or not
         }
     )
     micro: Any = plan.micro_batching

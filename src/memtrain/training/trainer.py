@@ -30,6 +30,7 @@ import contextlib
 import gc
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,11 +47,12 @@ from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distribu
 from memtrain.errors import MemtrainError, PlanError, TrainingStopped
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.plan import Plan
-from memtrain.planner import ModelSpec, PlanResult, calibration, make_plan
+from memtrain.planner import ModelSpec, PlanResult, calibration, make_plan, step_time_calibration
 from memtrain.recipe import Recipe
 from memtrain.strategies.apply import apply_strategies, switch_in_place
 from memtrain.strategies.blocks import discover_blocks, model_shape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
+from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.training import lineage, replan, run_lock
 from memtrain.training.loggers import (
@@ -68,6 +70,7 @@ from memtrain.training.schedule import lr_at
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
 CALIBRATION_STEPS = 2  # the first step differs (lazy optimizer state, allocator warm-up): compare two
+STEP_TIME_STEPS = 3  # steps after a plan's first whose median time is compared with its predicted step time
 
 
 @dataclass
@@ -99,6 +102,9 @@ class Trainer:
         self._plan: Plan | None = None
         self.sharding: ShardingBackend | None = None
         self.calibration: list[dict[str, Any]] = []  # the first steps: predicted against measured
+        self.step_time: dict[str, Any] | None = None  # rank 0: predicted against measured step time
+        self._step_times: list[float] = []  # rank 0: the seconds of the steps timed so far, of `_timed_plan`
+        self._timed_plan: PlanResult | None = None
         self.run_dir = recipe.output_path()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -270,6 +276,7 @@ class Trainer:
             adapters=plan.adapters,
             quantization=plan.quantization,
             loss=plan.loss,
+            optimizer_step=plan.optimizer_step,
         )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         memory = self.recipe.memory
@@ -345,6 +352,7 @@ class Trainer:
                 cleanup.callback(progress.close)
             for step in range(start_step, total):
                 row = self.train_step(step)
+                self._time_step(row, last=step + 1 == total)
                 if step < self._calibrate_until:
                     self._calibrate(step, row)
                 result.losses.append(row["loss"])
@@ -447,6 +455,10 @@ class Trainer:
         if stepped is not None:
             self.skipped_steps += int(stepped[1])
             return stepped
+        if isinstance(self.optimizer, InBackwardOptimizer):  # stepped in backward, gradients freed
+            norm = self.optimizer.finish_step()
+            self.skipped_steps += int(not math.isfinite(norm))
+            return norm, not math.isfinite(norm)
         if isinstance(self.optimizer, MasterWeightOptimizer):
             params = self.optimizer.gradients_to_master()
         else:
@@ -598,6 +610,27 @@ class Trainer:
                 measured=report if report is not None else measured_peak,
             )
 
+    def _time_step(self, row: dict[str, Any], last: bool) -> None:
+        """Rank 0: time the plan's first steps after its first (lazy optimizer state, warm-up);
+        after `STEP_TIME_STEPS` of them, or at the end of a shorter run, compare their median with the
+        predicted step time: a log line, `step_time` in plan.json and summary.json, and a re-fit of this
+        machine's step-time model when more than 10% off (planner/step_time_calibration.py). A plan
+        switched to (re-plan, out-of-memory recovery) is timed afresh."""
+        result = self.plan_result
+        if not self.env.is_main or self.step_time is not None or result is None or result.chosen is None:
+            return
+        if result is not self._timed_plan:  # the first step of this plan, or one a new plan took over
+            self._timed_plan, self._step_times = result, []
+        else:
+            self._step_times.append(row["step_time_s"])
+        if self._step_times and (len(self._step_times) >= STEP_TIME_STEPS or last):
+            self.step_time = step_time_calibration.check_step_time(
+                result.chosen.cost, self._step_times, self.env.device, self.plan.describe()
+            )
+            # stderr, with the planner's progress: `memtrain profile --json` keeps stdout for its report
+            print(step_time_calibration.describe(self.step_time), file=sys.stderr, flush=True)
+            self._write_plan_json()
+
     def _write_plan_json(self) -> None:
         result = self.plan_result
         assert result is not None
@@ -609,6 +642,7 @@ class Trainer:
                 "predicted": result.predicted.to_dict() if result.predicted is not None else None,
                 "budget": result.budget.to_dict() if result.budget is not None else None,
                 "calibration": self.calibration,
+                "step_time": self.step_time,
                 "replans": self.replans,
             },
         )
@@ -621,6 +655,8 @@ class Trainer:
         candidate, and the fastest plan the live model can switch to that fits replaces this one. A
         pinned plan (nothing predicted) only shrinks its micro-batch."""
         assert self.model is not None and self.optimizer is not None
+        if isinstance(self.optimizer, InBackwardOptimizer):
+            self.optimizer.check_redoable(step)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self._sharding.discard_step(self.model)
@@ -942,6 +978,7 @@ class Trainer:
             "seconds": seconds,
             "peak_memory_bytes": self.max_step_peak,
             "skipped_steps": self.skipped_steps,
+            "step_time": self.step_time,
             "plan": self.plan.to_dict(),
             "run_dir": str(self.run_dir),
         }
