@@ -46,6 +46,7 @@ from memtrain.planner.cost import CostModel, calibrate  # noqa: E402
 from memtrain.planner.model_probe import ModelProbe  # noqa: E402
 from memtrain.planner.result import PlanResult, Scored  # noqa: E402
 from memtrain.planner.search import search  # noqa: E402
+from memtrain.planner.step_time_calibration import local_cost_model  # noqa: E402
 from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
 
 MODEL = {
@@ -104,7 +105,9 @@ def plan_search(budget: str, steps: int, out: Path) -> tuple[Recipe, PlanResult]
     base = recipe(budget, steps, out)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     target = measured_target(env, int(base.memory.budget or 0), base.planner.safety_fraction)
-    return base, search(base, ModelProbe(CausalLMTrainer(base).model_spec()), target, env.device)
+    probe = ModelProbe(CausalLMTrainer(base).model_spec())
+    cost = local_cost_model(env.device, probe, target.budget.usable)  # calibrated, as a run plans here
+    return base, search(base, probe, target, env.device, cost=cost)
 
 
 def train_under_budget(base: Recipe, scored: Scored, out: Path) -> dict[str, Any]:

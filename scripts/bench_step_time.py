@@ -40,6 +40,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from bench_plan_quality import MODEL as PLAN_QUALITY_MODEL  # noqa: E402
+
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
 from memtrain.distributed import DistEnv  # noqa: E402
 from memtrain.memory.headroom import measured_target  # noqa: E402
@@ -52,16 +54,7 @@ from memtrain.planner.search import search  # noqa: E402
 from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "llama-h128-l4": {
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 352,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 2048,
-        "max_position_embeddings": 256,
-    },
+    "llama-h128-l4": PLAN_QUALITY_MODEL,  # the plan-quality benchmark's model
     "llama-h256-l2": {
         "model_type": "llama",
         "hidden_size": 256,

@@ -508,6 +508,9 @@ def main() -> int:
         default=None,
         help="print the summary of saved sweeps (later wins)",
     )
+    parser.add_argument(
+        "--timeout", type=float, default=TIMEOUT_S, help=f"seconds per family (default {TIMEOUT_S:.0f})"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     plans = QUICK_PLANS if args.quick else PLANS
@@ -524,7 +527,7 @@ def main() -> int:
     started = time.perf_counter()
     for index, family in enumerate(chosen, 1):
         began = time.perf_counter()
-        outcome = sweep_one(family, args.quick)
+        outcome = sweep_one(family, args.quick, args.timeout)
         outcomes.append(outcome)
         errors = ", ".join(f"{r['attention']} {100 * r['error']:+.2f}%" for r in outcome["rows"])
         state = outcome["skipped"] or "; ".join(

@@ -246,6 +246,7 @@ def memtrain_recipe(
                 "optimizer_states": "auto",
                 "sharding": "auto",
                 "loss": "auto",
+                "optimizer_step": "auto",  # in_backward only where exact (no clipping, no accumulation)
             },
         }
     )

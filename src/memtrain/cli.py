@@ -10,11 +10,14 @@ the flags.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import memtrain
@@ -187,9 +190,31 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Ctrl-C inside the block raises KeyboardInterrupt when it ends, not where it landed: torch's import
+    runs C++ (pybind11) code that aborts the process (SIGABRT, "terminate called after throwing ...
+    KeyboardInterrupt") if the interrupt surfaces inside it. A shell's background job, which ignores
+    SIGINT, keeps ignoring it."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = _parse_args(_parser(), argv)  # the first import of torch (the registries): seconds
+        with _ctrl_c_deferred():
+            import torch  # noqa: F401  (seconds; the registries of `_parse_args` need it)
+        args = _parse_args(_parser(), argv)
         _quiet_libraries()
         return _run(args)
     except MemtrainError as exc:
