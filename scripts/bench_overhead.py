@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.loggers import JsonlLogger, LoggerContext
 from memtrain.memory import StepPeak
 from memtrain.recipe import load_recipe
-from memtrain.training.metrics import MetricsLog
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,12 +89,14 @@ def always_on_metrics_seconds(repeats: int = 2000) -> float:
         "peak_memory_bytes": 1,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        log = MetricsLog(Path(tmp) / "m.jsonl", None)
+        log = JsonlLogger(
+            LoggerContext(Path(tmp) / "m.jsonl", Path(tmp) / "r.json", Path(tmp), "bench", {}, None)
+        )
         start = time.perf_counter()
         for _ in range(repeats):
             peak.start()
             row["peak_memory_bytes"] = peak.stop()
-            log.write(row)
+            log.log(1, row)
         elapsed = time.perf_counter() - start
         log.close()
     return elapsed / repeats

@@ -129,9 +129,9 @@ def train_under_budget(base: Recipe, scored: Scored, out: Path) -> dict[str, Any
         error = ""
     except Exception as exc:  # an OOM memtrain did not recover from, or a failure: the plan's row says which
         error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
-    reports = trainer.memory_reports
+    reports = trainer.monitor.memory_reports
     row["measured_peak"] = max((m.peak_bytes for m in reports), default=None)
-    if trainer.oom_events or "OutOfMemoryError" in error:
+    if trainer.monitor.oom_events or "OutOfMemoryError" in error:
         row.update(status="out of memory", error=error)
     elif error:
         row.update(status="error", error=error)

@@ -247,8 +247,8 @@ def trainer_runs(config: dict[str, Any], steps: int, tmp: Path) -> list[dict[str
     for index in range(2):
         trainer = CausalLMTrainer(recipe(config, tmp / f"trainer{index}", steps))
         trainer.fit()
-        assert trainer.step_time is not None
-        records.append({"plan": trainer.plan.describe(), **trainer.step_time})
+        assert trainer.monitor.step_time is not None
+        records.append({"plan": trainer.plan.describe(), **trainer.monitor.step_time})
         trainer.close()
     return records
 

@@ -77,7 +77,7 @@ def recipe(model: dict[str, Any], strategies: dict[str, Any], steps: int, out: P
 def measure(model: dict[str, Any], strategies: dict[str, Any], steps: int, tmp: Path) -> dict[str, Any]:
     tracked = CausalLMTrainer(recipe(model, strategies, 2, tmp / "tracked", track=True))
     tracked.fit()
-    report = tracked.memory_reports[-1]
+    report = tracked.monitor.memory_reports[-1]
     timed = CausalLMTrainer(recipe(model, strategies, steps, tmp / "timed", track=False))
     timed.setup()
     times = [timed.train_step(step)["step_time_s"] for step in range(steps)]

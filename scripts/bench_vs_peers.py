@@ -510,7 +510,7 @@ def run_memtrain(
     with tempfile.TemporaryDirectory() as tmp:
         trainer = TimedTrainer(setup.recipe(Path(tmp), auto=auto, track=track, steps=steps), clock_probe.end)
         trainer.fit()
-        clock_probe.reports.extend(trainer.memory_reports)
+        clock_probe.reports.extend(trainer.monitor.memory_reports)
         p = trainer.plan
     return p.describe()
 

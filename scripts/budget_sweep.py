@@ -154,16 +154,16 @@ def train_once(
         run.error = f"{type(exc).__name__}: {str(exc)[:300]} | {traceback.format_exc(limit=-3)[-600:]}"
     else:
         run.steps_done = result.steps_done
-        run.measured_peak = max(r.peak_bytes for r in trainer.memory_reports)
+        run.measured_peak = max(r.peak_bytes for r in trainer.monitor.memory_reports)
         over = budget is not None and run.measured_peak > budget
         run.status = "over" if over else "finished"
     run.plan = trainer.plan.describe() if trainer._plan is not None else ""
     run.replans = [
         f"step {r['step']}: {r['reason']} -> {r['to']['checkpointing']}, loss {r['to']['loss']}, "
         f"micro {r['to']['micro_batching']}"
-        for r in trainer.replans
+        for r in trainer.monitor.replans
     ]
-    if run.status == "finished" and not trainer.replans and run.predicted_peak and run.measured_peak:
+    if run.status == "finished" and not trainer.monitor.replans and run.predicted_peak and run.measured_peak:
         run.under_prediction = (run.measured_peak - run.predicted_peak) / run.measured_peak
     return run
 

@@ -185,9 +185,11 @@ def measure(settings: Settings, plan: tuple[str, str, float, str]) -> Measured:
         trainer = CausalLMTrainer(recipe_for(settings, plan, Path(tmp), track=not cuda))
         trainer.fit()
         if cuda:
-            result = Measured(peak=trainer.max_step_peak, reserved=int(torch.cuda.max_memory_reserved()))
+            result = Measured(
+                peak=trainer.monitor.max_step_peak, reserved=int(torch.cuda.max_memory_reserved())
+            )
         else:
-            top = max(trainer.memory_reports, key=lambda r: r.peak_bytes)
+            top = max(trainer.monitor.memory_reports, key=lambda r: r.peak_bytes)
             result = Measured(peak=top.peak_bytes, components=dict(top.at_peak))
         del trainer
     _release()

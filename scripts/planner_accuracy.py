@@ -141,7 +141,7 @@ def predict(recipe: Recipe, probe: ModelProbe) -> Any:
 def measure(recipe: Recipe, trainer_spec: str | None) -> Any:
     trainer = trainer_class(trainer_spec)(recipe)
     trainer.fit()
-    return trainer.memory_reports[-1]
+    return trainer.monitor.memory_reports[-1]
 
 
 def relative(predicted: int, measured: int) -> float:

@@ -29,6 +29,16 @@ if [ "${MEMTRAIN_DEEPSPEED:-1}" = "1" ] && ! "$VENV/bin/python" -c "import deeps
   "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16" 2>&1 | grep -v "is ignored: it is neither" || true
   "$VENV/bin/python" -c "import deepspeed" 2>/dev/null || echo "[setup] deepspeed did not install; its tests will skip" >&2
 fi
+# DeepSpeed compiles its CPU communication op (deepspeed_shm_comm) the first time a CPU run uses it: about
+# two minutes on 2 cores. Build it here, once, into the folder scripts/test.sh points TORCH_EXTENSIONS_DIR
+# at, so no test pays for it (a CUDA machine builds what it needs on first use, as DeepSpeed does).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
+if "$VENV/bin/python" -c "import deepspeed, torch; raise SystemExit(torch.cuda.is_available())" 2>/dev/null \
+  && ! ls "$TORCH_EXTENSIONS_DIR"/deepspeed_shm_comm/*.so >/dev/null 2>&1; then
+  echo "[setup] building DeepSpeed's CPU communication op into $TORCH_EXTENSIONS_DIR (once)"
+  "$VENV/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" \
+    >/dev/null 2>&1 || echo "[setup] DeepSpeed's CPU op did not build; DeepSpeed tests will build it on first use" >&2
+fi
 stamp="$VENV/.memtrain-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[setup] installing memtrain[$EXTRAS] (editable)"

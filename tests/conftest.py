@@ -1,8 +1,42 @@
-"""Every test in this process is one rank, whatever the shell that started pytest says."""
+"""Every test in this process is one rank, whatever the shell that started pytest says. `shared_traces`:
+planner traces of the same job shared between the tests that use it. The tests listed in tests/slow.txt
+(slow by measurement: scripts/slow_tests.py) are marked `slow`."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Hashable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from memtrain.planner import model_probe
+
+SLOW = Path(__file__).with_name("slow.txt")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    listed = {line.strip() for line in SLOW.read_text().splitlines() if line.strip()[:1] not in ("", "#")}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+    if any("::" in arg for arg in config.args):  # some tests of a file asked for: no check of the list
+        return
+    # Listed tests of a collected file that are gone (renamed: they would run in the fast tier until the
+    # list is written again).
+    collected = {item.nodeid for item in items}
+    files = {nodeid.split("::")[0] for nodeid in collected}
+    stale = sorted(t for t in listed - collected if t.split("::")[0] in files)
+    if stale:
+        warnings.warn(
+            pytest.PytestWarning(
+                f"tests/slow.txt names {len(stale)} tests that are not collected (e.g. {stale[0]}); "
+                "rewrite it with scripts/slow_tests.py"
+            ),
+            stacklevel=1,
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +47,21 @@ def single_rank_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # plans are ranked with the device class's constants, not a step-time calibration cached on this
     # machine by earlier runs (tests/planner/test_step_time_calibration.py points it at a directory)
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", "off")
+
+
+@pytest.fixture(scope="session")
+def trace_memo() -> dict[Hashable, Any]:
+    """The traced sizes of every probe in this session that `shared_traces` let share them."""
+    return {}
+
+
+@pytest.fixture
+def shared_traces(trace_memo: dict[Hashable, Any]) -> Iterator[None]:
+    """The planner's traces are shared with earlier tests of this session that traced the same job
+    (`model_probe.shared_traces`: keyed on the trainer's config, the recipe's model and data sections,
+    the hook functions, the strategies and rows of the traced size, adapters, quantisation and threads).
+    Tests that patch what a trace runs (a strategy's internals, torch) must not use it; the planner's
+    tests use it (tests/planner/conftest.py), for they plan the same tiny models again and again,
+    and so do two strategy modules (test_new_strategy.py, test_optimizer_step.py)."""
+    with model_probe.shared_traces(trace_memo):
+        yield

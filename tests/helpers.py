@@ -103,3 +103,55 @@ def probe_of(recipe: Recipe) -> Any:
 class Killed(BaseException):
     """Stands for SIGKILL in this process (nothing in memtrain catches a BaseException that is not an
     Exception), to stop a run at an exact point without a child process."""
+
+
+def initial_weights(recipe: Recipe, trainer_class: Any = None) -> dict[str, Any]:
+    """The weights a run of `recipe` starts training from (its seed, model and adapters), set up here by
+    `trainer_class` (the built-in causal-LM trainer by default)."""
+    from memtrain.causal_lm.trainer import CausalLMTrainer
+
+    trainer = (trainer_class or CausalLMTrainer)(recipe)
+    trainer.setup()
+    assert trainer.model is not None
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+REDUCTION_ORDER = 1e-2
+"""How far two trainings of one job may end apart when only the order of the gradient sums differs (two
+ranks: each sums its half of the micro-batches, the all-reduce adds the halves; one process: a running
+sum), as a fraction of how far the training moved the weights. Why a distance over the model and not a
+per-element tolerance: each gradient element differs by ~2^-24 of the sum of its micro-batches'
+magnitudes, a relative change of 2^-24 times how much the micro-batches cancel in that element, which is
+unbounded; and AdamW steps each element by lr * m/(sqrt(v) + eps), independent of the gradient's scale,
+so an element whose micro-batches nearly cancel can move by up to lr per step more or less (a sign
+flip). Which elements those are depends on the machine's roundings: a fresh clone had 1 of 256 LoRA
+elements off by 1.3e-5 (1.3e-3 lr) where this machine's worst was 3.7e-7. A simulation of the LoRA test
+(64 adapters, 16384 elements, 3 AdamW steps, lr 1e-2) over 200 seeds, each seed another draw of the
+roundings, gave: worst element / lr median 3.4e-4, p99 1.7e-2 (no per-element tolerance below ~lr
+holds), distance / movement median 2.2e-6, p99 8.0e-5, worst 9.3e-5 (the full tiny llama of
+recipes/tests/tiny-ddp.yaml, 6 steps, 100 seeds: worst 2.6e-5). The bound is 100x the worst draw; a
+missed all-reduce (a rank steps with its own half of the gradient) ends at ~1.0, one unreduced tensor
+of the 64 at 0.08-0.17."""
+
+
+def assert_trained_alike(
+    got: dict[str, Any], expected: dict[str, Any], initial: dict[str, Any], rel: float = REDUCTION_ORDER
+) -> None:
+    """`got` and `expected`: final weights of one job trained from `initial` with its gradients summed in
+    another order. Weights the job did not train are bit-identical; the trained ones end within
+    `rel` of the distance `expected` moved from `initial`, over all of them (`REDUCTION_ORDER`)."""
+    import torch
+
+    assert got.keys() == expected.keys()
+    moved = {name: expected[name].float() - initial[name].float() for name in expected}
+    trained = [name for name, step in moved.items() if step.any()]
+    assert trained, "the job trained nothing"
+    for name in expected.keys() - set(trained):
+        assert torch.equal(got[name], expected[name]), f"{name}: not trained, yet it differs"
+    distance = float(torch.cat([(got[n].float() - expected[n].float()).flatten() for n in trained]).norm())
+    movement = float(torch.cat([moved[n].flatten() for n in trained]).norm())
+    worst = max(trained, key=lambda n: float((got[n].float() - expected[n].float()).abs().max()))
+    assert distance <= rel * movement, (
+        f"weights {distance:.3g} apart after moving {movement:.3g} ({distance / movement:.2e} > {rel}); "
+        f"largest difference in {worst}"
+    )

@@ -1,7 +1,13 @@
 """DDP on 2 gloo processes (launched by torchrun) matches one process on the same global batch.
 
 Tolerance: the two runs add the same per-token gradients in a different order (two ranks each
-accumulate half the micro-batches, then gloo sums the halves), so fp32 results agree to rounding only.
+accumulate half the micro-batches, then gloo sums the halves), so fp32 results agree to rounding only:
+the losses to 1e-5, the weights as a whole to `REDUCTION_ORDER` of the distance training moved them.
+Not element by element: AdamW's step does not shrink with the gradient, so an element whose micro-batch
+gradients nearly cancel can step differently by up to lr, and which elements those are depends on the
+machine (tests/helpers.py: the measurement; 100 simulated machines of this model and 6 steps: worst
+element 3.2e-3 lr, above the 2e-5 + 1e-4 |w| this test used to allow, worst distance 2.6e-5 of the
+movement).
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from memtrain.recipe import load_recipe
 from memtrain.training.metrics import read_metrics
 
-from helpers import REPO, subprocess_env
+from helpers import REPO, assert_trained_alike, initial_weights, subprocess_env
 
 RECIPE = "recipes/tests/tiny-ddp.yaml"
 
@@ -64,5 +71,5 @@ def test_ddp_two_ranks_matches_single_process(tmp_path: Path) -> None:
     losses_2, state_2 = _final(double)
     assert losses_1[-1] < losses_1[0]
     assert losses_2 == pytest.approx(losses_1, rel=1e-5)
-    for name, value in state_1.items():
-        torch.testing.assert_close(state_2[name], value, atol=2e-5, rtol=1e-4, msg=name)
+    fresh = [f"run.output_dir={tmp_path / 'initial'}", "strategies.sharding=none"]
+    assert_trained_alike(state_2, state_1, initial_weights(load_recipe(REPO / RECIPE, fresh)))

@@ -13,13 +13,8 @@ import pytest
 
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import RecipeError
-from memtrain.training.loggers import (
-    ProgressLine,
-    check_loggers,
-    format_progress,
-    make_loggers,
-    scalars,
-)
+from memtrain.loggers import scalars
+from memtrain.training.loggers import ProgressLine, check_loggers, format_progress, make_loggers
 from memtrain.training.metrics import read_metrics
 
 from helpers import tiny_recipe

@@ -66,7 +66,7 @@ def test_injected_oom_at_a_random_micro_step_loses_nothing(tmp_path: Path) -> No
     trainer = Ledger(tiny_recipe(tmp_path / "oom", **micro_two), inject={(step, call)})
     losses = trainer.fit().losses
 
-    assert len(trainer.oom_events) == 1 and trainer.oom_events[0]["step"] == step + 1
+    assert len(trainer.monitor.oom_events) == 1 and trainer.monitor.oom_events[0]["step"] == step + 1
     assert trainer.plan.micro_batch_size == 1 and trainer.plan.accumulation_steps == 8
     for s in range(6):
         used = trainer.used_samples(s)
@@ -96,14 +96,14 @@ def test_simulated_budget_oom_is_recovered_by_smaller_micro_batches(tmp_path: Pa
             )
         )
         t.fit()
-        probe[micro] = max(r.peak_bytes for r in t.memory_reports)
+        probe[micro] = max(r.peak_bytes for r in t.monitor.memory_reports)
     assert probe[4] < probe[8]
     budget = (probe[4] + probe[8]) // 2
     trainer = CausalLMTrainer(tiny_recipe(tmp_path / "run", memory={"budget": budget}, **SECTIONS))
     result = trainer.fit()
-    assert len(trainer.oom_events) == 1 and trainer.oom_events[0]["micro_batch_size"] == 8
+    assert len(trainer.monitor.oom_events) == 1 and trainer.monitor.oom_events[0]["micro_batch_size"] == 8
     assert trainer.plan.micro_batch_size == 4
-    assert len(result.losses) == 6 and all(r.peak_bytes <= budget for r in trainer.memory_reports)
+    assert len(result.losses) == 6 and all(r.peak_bytes <= budget for r in trainer.monitor.memory_reports)
 
 
 def test_oom_at_one_sample_per_micro_batch_is_a_clear_error(tmp_path: Path) -> None:

@@ -58,12 +58,14 @@ def test_profile_table_names_components(
 def test_simulated_budget_raises_real_oom(tmp_path: Path) -> None:
     fits = CausalLMTrainer(tiny_recipe(tmp_path / "ok", memory={"budget": "64MiB"}))
     result = fits.fit()
-    measured_peak = max(r.peak_bytes for r in fits.memory_reports)
+    measured_peak = max(r.peak_bytes for r in fits.monitor.memory_reports)
     assert len(result.losses) == 4
     tight = CausalLMTrainer(tiny_recipe(tmp_path / "tight", memory={"budget": measured_peak - 1}))
     assert len(tight.fit().losses) == 4
-    assert tight.oom_events, "one byte short: a real OutOfMemoryError, recovered by smaller micro-batches"
-    assert "Simulated device out of memory" in tight.oom_events[0]["error"]
+    assert tight.monitor.oom_events, (
+        "one byte short: a real OutOfMemoryError, recovered by smaller micro-batches"
+    )
+    assert "Simulated device out of memory" in tight.monitor.oom_events[0]["error"]
     exact = CausalLMTrainer(tiny_recipe(tmp_path / "exact", memory={"budget": measured_peak}))
     assert len(exact.fit().losses) == 4
-    assert not exact.oom_events
+    assert not exact.monitor.oom_events

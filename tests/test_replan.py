@@ -81,10 +81,15 @@ def test_oom_at_micro_batch_one_replans_to_checkpointing_and_redoes_the_batch(
     losses = trainer.fit().losses
 
     assert trainer.plan.micro_batch_size == 1 and trainer.plan.checkpointing.name == "full"
-    assert len(trainer.oom_events) == 1 and trainer.oom_events[0]["replanned_to"]["checkpointing"] == "full"
-    assert [r["step"] for r in trainer.replans] == [2]
-    assert trainer.correction.activation_ratio > 1.0  # the none plan's corrected prediction passed the budget
-    assert all(r.peak_bytes <= budget for r in trainer.memory_reports)
+    assert (
+        len(trainer.monitor.oom_events) == 1
+        and trainer.monitor.oom_events[0]["replanned_to"]["checkpointing"] == "full"
+    )
+    assert [r["step"] for r in trainer.monitor.replans] == [2]
+    assert (
+        trainer.monitor.correction.activation_ratio > 1.0
+    )  # the none plan's corrected prediction passed the budget
+    assert all(r.peak_bytes <= budget for r in trainer.monitor.memory_reports)
     # The same losses as a run pinned to the stronger plan (recompute is exact in fp32), all 4 steps.
     pinned = {**CHOICE, "checkpointing": "full"}
     reference = CausalLMTrainer(
@@ -107,10 +112,10 @@ class InflatedFirstStep(CausalLMTrainer):
         row = super().train_step(step)
         if step == 0:
             assert self.plan_result is not None and self.plan_result.budget is not None
-            report = self.memory_reports[-1]
+            report = self.monitor.memory_reports[-1]
             extra = int(self.plan_result.budget.usable * 1.01) - report.peak_bytes
             at_peak = {**report.at_peak, "activations": report.at_peak["activations"] + extra}
-            self.memory_reports[-1] = dataclasses.replace(
+            self.monitor.memory_reports[-1] = dataclasses.replace(
                 report, peak_bytes=report.peak_bytes + extra, at_peak=at_peak
             )
         return row
@@ -128,8 +133,8 @@ def test_a_measured_excess_corrects_every_candidate_not_only_smaller_micro_batch
     raw = {s.plan: s.prediction.peak for s in (*before.ranked, *before.infeasible)}
     result = trainer.fit()
 
-    assert len(result.losses) == 4 and not trainer.oom_events
-    (record,) = trainer.replans
+    assert len(result.losses) == 4 and not trainer.monitor.oom_events
+    (record,) = trainer.monitor.replans
     assert record["step"] == 1 and "measured peak" in record["reason"]
     # Old recovery would have halved the micro-batch (8 -> 4) with nothing recomputed; with every candidate
     # corrected, recomputing the blocks at the larger micro-batch is faster and fits.
@@ -139,7 +144,7 @@ def test_a_measured_excess_corrects_every_candidate_not_only_smaller_micro_batch
     assert after is not None and after.chosen is not None
     assert all(s.prediction.peak > raw[s.plan] for s in after.ranked)  # corrected, not only the old plan
     assert after.chosen.prediction.peak <= after.budget.usable
-    assert all(r.peak_bytes <= budget for r in trainer.memory_reports)
+    assert all(r.peak_bytes <= budget for r in trainer.monitor.memory_reports)
 
 
 def test_nothing_switchable_fits_is_a_plan_error_naming_what_to_change(
@@ -159,7 +164,9 @@ def test_nothing_switchable_fits_is_a_plan_error_naming_what_to_change(
     assert "strategies.loss" in message  # pinned here: the run may not switch it
     assert "strategies.optimizer_states" in message and "memory.budget" in message
     assert "Traceback" not in message and raised.value.__cause__ is None
-    assert [r["to"]["checkpointing"] for r in trainer.replans] == ["full"]  # it tried the stronger plan first
+    assert [r["to"]["checkpointing"] for r in trainer.monitor.replans] == [
+        "full"
+    ]  # it tried the stronger plan first
 
 
 @pytest.fixture()

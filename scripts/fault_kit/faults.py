@@ -44,12 +44,13 @@ from unittest import mock
 import torch
 from torch import nn
 
-from memtrain import checkpoint as ckpt
+from memtrain import checkpoint as tensor_files
 from memtrain import cli
 from memtrain.causal_lm import trainer as models
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.planner import PlanResult
 from memtrain.recipe import Recipe
+from memtrain.run import checkpoints as ckpt
 from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.training.trainer import Batch, FitResult
 
@@ -310,7 +311,7 @@ class FaultTrainer(CausalLMTrainer):
     def _dying_in(self, fault: Fault) -> Iterator[None]:
         """Patch the checkpoint module so that this save dies at the fault's point."""
         if fault.phase == "save":
-            real_write = ckpt.write_file
+            real_write = tensor_files.write_file
 
             def torn_write(path: Path, write: Callable[[Any], None]) -> None:
                 if path.name != fault.file:
@@ -325,15 +326,15 @@ class FaultTrainer(CausalLMTrainer):
                     os.fsync(handle.fileno())
                 self._fire(fault)
 
-            with mock.patch.object(ckpt, "write_file", torn_write):
+            with mock.patch.object(tensor_files, "write_file", torn_write):
                 yield
         elif fault.phase == "replace":
-            trash = ckpt.trash_dir(self.checkpoint_root, fault.step)
+            trash = ckpt.trash_dir(self.run.layout.checkpoints, fault.step)
             with self._dying_after_move(fault, lambda target: target == trash):
                 yield
         else:  # prune: the new checkpoint is in place; die part of the way through deleting an old one
             real_rmtree = shutil.rmtree
-            final = self.checkpoint_root / ckpt.step_dir_name(fault.step)
+            final = self.run.layout.checkpoints / ckpt.step_dir_name(fault.step)
 
             def rmtree_then_die(path: str | Path, *args: Any, **kwargs: Any) -> None:
                 if not final.is_dir():  # before the rename: e.g. stale staging directories being cleared
@@ -366,11 +367,9 @@ class FaultTrainer(CausalLMTrainer):
         kills = [f for f in self.harness.faults if f.kind == "kill" and f.phase == "truncate"]
         if not kills or not self.first_launch:
             return contextlib.nullcontext()
-        from memtrain.training.lineage import ABANDONED_DIR
-
         name = ckpt.step_dir_name(kills[0].step)
         return self._dying_after_move(
-            kills[0], lambda target: target.name == name and target.parent.parent.name == ABANDONED_DIR
+            kills[0], lambda target: target.name == name and target.parent.parent == self.run.layout.abandoned
         )
 
     def fit(self, resume: str | Path | bool | None = None, allow_recipe_change: bool = False) -> FitResult:
@@ -398,7 +397,7 @@ class FaultTrainer(CausalLMTrainer):
             return
         data = {
             "rank": self.env.rank,
-            "oom_events": self.oom_events,
+            "oom_events": self.monitor.oom_events,
             "steps": {str(s): dataclasses.asdict(r) for s, r in sorted(self.ledger.items())},
         }
         path = self.run_dir / f"ledger_rank{self.env.rank}.json"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from memtrain import checkpoint as ckpt
+from memtrain.run import checkpoints as ckpt
 
 from fault_kit.faults import Fault, Harness
 from fault_kit.scenarios import (

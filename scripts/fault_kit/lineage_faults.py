@@ -27,9 +27,10 @@ from unittest import mock
 
 import torch
 
-from memtrain import checkpoint as ckpt
+from memtrain import checkpoint as tensor_files
 from memtrain import cli
-from memtrain.training import lineage
+from memtrain.run import RunLayout, lineage
+from memtrain.run import checkpoints as ckpt
 from memtrain.training.metrics import read_metrics
 
 from fault_kit.faults import Fault, Harness
@@ -170,7 +171,7 @@ def lineage_problem(run: Path) -> str | None:
     for found in ckpt.list_checkpoints(run / "checkpoints"):
         if found.step > ROLLBACK_STEP and found.meta.get("lineage") != new:
             return f"{found.path} is not of the new lineage {new}"
-    abandoned = run / lineage.ABANDONED_DIR
+    abandoned = RunLayout(run).abandoned
     moved = sorted(p.name for p in abandoned.glob("*/step_*"))
     if moved != [ckpt.step_dir_name(6), ckpt.step_dir_name(8)]:
         return f"abandoned/ holds {moved}, expected the original's steps 6 and 8 once each"
@@ -332,7 +333,7 @@ class _FullDisk(io.RawIOBase):
 @contextmanager
 def full_disk(step: int, file: str, room: int, code: int) -> Iterator[None]:
     """Make `file` of checkpoint `step` hit a full disk after `room` bytes."""
-    real_write = ckpt.write_file
+    real_write = tensor_files.write_file
 
     def write_file(path: Path, write: Callable[[Any], None]) -> None:
         if path.name == file and path.parent == ckpt.staging_dir(path.parent.parent, step):
@@ -340,7 +341,7 @@ def full_disk(step: int, file: str, room: int, code: int) -> Iterator[None]:
         else:
             real_write(path, write)
 
-    with mock.patch.object(ckpt, "write_file", write_file):
+    with mock.patch.object(tensor_files, "write_file", write_file):
         yield
 
 

@@ -39,8 +39,8 @@ import torch
 import yaml
 
 import memtrain
-from memtrain import checkpoint as ckpt
 from memtrain.recipe import recipe_from_dict
+from memtrain.run import checkpoints as ckpt
 from memtrain.training.metrics import read_metrics
 
 from fault_kit import faults
@@ -464,7 +464,7 @@ def oom_one_rank(work: Path, injections: int, seed: int) -> Outcome:
                 "samples lost", sum(_lost(trainer.ledger[s], reference.ledger[s]) for s in trainer.ledger)
             )
             outcome.count("samples seen twice", sum(_doubled(trainer.ledger[s]) for s in trainer.ledger))
-            outcome.count("OOM events recovered", len(trainer.oom_events))
+            outcome.count("OOM events recovered", len(trainer.monitor.oom_events))
             done, index = done + len(chosen), index + 1
     return outcome
 
@@ -502,7 +502,7 @@ def oom_budget(work: Path, trials: int, seed: int) -> Outcome:
                     )
                 )
                 probe.fit()
-                peaks[micro] = max(r.peak_bytes for r in probe.memory_reports)
+                peaks[micro] = max(r.peak_bytes for r in probe.monitor.memory_reports)
             if peaks[size // 2] + 1 >= peaks[size]:
                 outcome.record(
                     f"micro-batch {size // 2} peaks no lower than {size}: {peaks}", f"budget probe {index}"
@@ -519,7 +519,7 @@ def oom_budget(work: Path, trials: int, seed: int) -> Outcome:
                 Harness(micro_schedule=schedule),
             )
             reference.fit()
-            events = trainer.oom_events
+            events = trainer.monitor.oom_events
             problem = None
             if len(events) != 1 or "Simulated device out of memory" not in events[0]["error"]:
                 problem = f"expected one simulated-device OOM, got {[e['error'][:60] for e in events]}"

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.causal_lm.data import synthetic_samples
+from memtrain.causal_lm.sources import synthetic_samples
 from memtrain.recipe import Recipe, recipe_from_dict
 
 HEAD_DIM = 32

@@ -260,15 +260,15 @@ def run_memtrain(setup: CpuSetup, job: Job, clip: bool = True) -> Outcome:
             plan = trainer.plan_result.plan
             outcome.plan = plan.describe()
             outcome.micro, outcome.accumulation = plan.micro_batch_size, plan.accumulation_steps
-        if trainer.memory_reports:
-            outcome.peak_bytes = max(r.peak_bytes for r in trainer.memory_reports)
+        if trainer.monitor.memory_reports:
+            outcome.peak_bytes = max(r.peak_bytes for r in trainer.monitor.memory_reports)
         if outcome.ok and job.micro is not None and outcome.micro != job.micro:
             outcome.ok = False  # it re-split the pinned micro-batch after an OOM: that one did not fit
             outcome.note = f"micro {job.micro} ran out of memory; memtrain re-split it to {outcome.micro}"
-        elif outcome.ok and (trainer.oom_events or trainer.replans):
+        elif outcome.ok and (trainer.monitor.oom_events or trainer.monitor.replans):
             outcome.note = (
-                f"trained after {len(trainer.oom_events)} OOM recovery(ies) and "
-                f"{len(trainer.replans)} re-plan(s)"
+                f"trained after {len(trainer.monitor.oom_events)} OOM recovery(ies) and "
+                f"{len(trainer.monitor.replans)} re-plan(s)"
             )
         trainer.close()
         del trainer

@@ -309,7 +309,7 @@ def fit_memtrain(probe: Probe, start: int, result: Fit) -> None:
             try:
                 trainer.fit()
                 # out of memory (re-split), or a measured peak past the budget (re-planned): accumulation
-                recovered = bool(trainer.oom_events) or trainer.plan.micro_batch_size != batch
+                recovered = bool(trainer.monitor.oom_events) or trainer.plan.micro_batch_size != batch
             except torch.OutOfMemoryError:
                 recovered = True
             p = trainer.plan

@@ -1,147 +1,28 @@
-"""Atomic, resumable checkpoints.
+"""Tensor-file IO: the files a checkpoint is made of, written flushed to disk and read without pickle.
 
-Layout: `<run>/checkpoints/step_00000010/` holding `model.pt`, `optimizer.pt`, `rng_rank<r>.pt` and
-`meta.json`. Only `step_<8 digits>` directories are checkpoints (`list_checkpoints`); every name this
-module uses on the way ends in `.tmp` and is never listed:
-
-- `step_X.tmp/`: the staging directory. Every file is written there, flushed to disk, meta.json last,
-  and the directory is renamed into place only when complete: a crash mid-save leaves the previous
-  checkpoint intact.
-- `step_X.old.tmp/`: a checkpoint being replaced (the same step saved again, e.g. after a fallback).
-  The old one is renamed aside whole, the new one renamed in, then the old deleted. A crash between the
-  two renames leaves no `step_X` at all, and `recover` (run at the start of every `fit`) renames the old
-  one back, so `step_X` is always either the whole old or the whole new checkpoint.
-- `step_X.tmp/` again for pruning: only the last `keep` checkpoints are kept, and an old one is renamed
-  out of the listing before it is deleted, so a crash mid-prune never leaves a half-deleted checkpoint
-  that looks complete.
-
-`recover` removes whatever such directories a crash left (the next save would too, but a run killed
-during its last prune saves nothing again); it runs under the run directory's lock
-(`memtrain.training.run_lock`), so it never deletes another writer's staging directory. Every rename of
-a checkpoint directory goes through `move_dir`. A `step_*` directory is therefore always whole unless
-something outside memtrain damaged it, so one with a damaged or missing meta.json is still listed, and
-fails with an error naming the file (or is skipped by `checkpoint.fallback`).
-
-A full disk (ENOSPC, or EDQUOT for a quota) while saving is `DiskFullError`, one line naming the
-directory, the size of a checkpoint and the intact previous one; the staging directory is removed.
-
-meta.json also carries the run's lineage and resolved recipe (`memtrain.training.lineage`).
-
-Loading uses `torch.load(weights_only=True)`: no arbitrary pickle from a checkpoint directory.
+Why apart from the run: the sharding backends write and read their own tensor files inside a checkpoint
+directory they are handed, and must not import the run's checkpoint lifecycle (staging, commit, pruning,
+lineage: `memtrain.run`). This module is what both share: `save_tensor_file` / `write_file` (fsync'd),
+`load_tensor_file` (`torch.load(weights_only=True)`: no arbitrary pickle from a checkpoint directory),
+the RNG state in a weights_only-loadable form, and `CheckpointError`, the one-line error naming the file.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import os
 import random
-import re
-import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from memtrain import json_out
 from memtrain.errors import MemtrainError
-from memtrain.memory.values import format_bytes
-
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-STAGING_SUFFIX = ".tmp"  # staging, pruning and trash directories all end so: never listed
-TRASH_SUFFIX = ".old.tmp"  # a checkpoint renamed aside while the same step is replaced
-DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class CheckpointError(MemtrainError):
     """A checkpoint that cannot be used; the message names the file."""
-
-
-class DiskFullError(CheckpointError):
-    """No space (or quota) left while saving a checkpoint; the previous checkpoint is intact."""
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    path: Path
-    step: int
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        """meta.json, read and checked when asked for (a damaged one must not hide the others)."""
-        return read_meta(self.path, self.step)
-
-
-# meta.json fields memtrain reads on resume, and their JSON types.
-META_TYPES: dict[str, type] = {
-    "step": int,
-    "world_size": int,
-    "plan": dict,
-    "skipped_steps": int,
-    "model_section": dict,
-}
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def list_checkpoints(root: Path) -> list[Checkpoint]:
-    """Checkpoint directories under `root`, oldest first (`.tmp` directories are not checkpoints)."""
-    if not root.is_dir():
-        return []
-    found = [
-        Checkpoint(child, int(match.group(1)))
-        for child in root.iterdir()
-        if (match := STEP_DIR.match(child.name)) and child.is_dir()
-    ]
-    return sorted(found, key=lambda c: c.step)
-
-
-def read_meta(path: Path, step: int | None = None) -> dict[str, Any]:
-    """The checkpoint's meta.json; CheckpointError naming the file when it is missing or damaged."""
-    file = path / "meta.json"
-    try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
-        raise CheckpointError(f"{file}: unreadable checkpoint metadata ({exc})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{file}: checkpoint metadata must be a JSON object, not {type(meta).__name__}")
-    wrong = [
-        f"{key} is not {kind.__name__}"
-        for key, kind in META_TYPES.items()
-        if key in meta and not isinstance(meta[key], kind)
-    ]
-    if wrong:
-        raise CheckpointError(f"{file}: damaged checkpoint metadata ({'; '.join(wrong)})")
-    if step is not None and meta.get("step", step) != step:
-        raise CheckpointError(f"{file}: says step {meta['step']}, but its directory is step {step}")
-    return meta
-
-
-def find_checkpoint(location: Path) -> Checkpoint:
-    """`location` is one checkpoint directory or a directory of them (the newest is taken)."""
-    match = STEP_DIR.match(location.name)
-    if match and location.is_dir():
-        return Checkpoint(location, int(match.group(1)))
-    found = list_checkpoints(location)
-    if not found:
-        raise CheckpointError(
-            f"no checkpoint under {location}; train without --resume or point --resume at one"
-        )
-    return found[-1]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file(path: Path, write: Callable[[Any], None]) -> None:
@@ -163,104 +44,6 @@ def load_tensor_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from None
-
-
-def staging_dir(root: Path, step: int) -> Path:
-    return root / f"{step_dir_name(step)}{STAGING_SUFFIX}"
-
-
-def trash_dir(root: Path, step: int) -> Path:
-    return root / f"{step_dir_name(step)}{TRASH_SUFFIX}"
-
-
-def move_dir(source: Path, target: Path) -> None:
-    """Rename a checkpoint directory (atomic within one filesystem): every such rename goes through here."""
-    os.replace(source, target)
-
-
-def recover(root: Path) -> None:
-    """At the start of a run, under its lock: rename back a checkpoint set aside by a replace that died
-    before the new one was renamed in, then remove every staging, pruning and trash directory left."""
-    if not root.is_dir():
-        return
-    for trash in root.glob(f"*{TRASH_SUFFIX}"):
-        final = trash.with_name(trash.name[: -len(TRASH_SUFFIX)])
-        if STEP_DIR.match(final.name) and not final.exists():
-            move_dir(trash, final)
-    for stale in root.glob(f"*{STAGING_SUFFIX}"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def begin_save(root: Path, step: int) -> Path:
-    """Create an empty staging directory for `step` (called on rank 0 before the others write)."""
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"*{STAGING_SUFFIX}"):
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = staging_dir(root, step)
-    staging.mkdir()
-    return staging
-
-
-def commit_save(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
-    """Write meta.json last, rename the staging directory into place (an existing checkpoint of the same
-    step is renamed aside first and deleted after), then prune old checkpoints."""
-    staging = staging_dir(root, step)
-    write_file(
-        staging / "meta.json", lambda h: h.write(json_out.dumps(meta, indent=2, sort_keys=True).encode())
-    )
-    _fsync_dir(staging)
-    final = root / step_dir_name(step)
-    trash = trash_dir(root, step) if final.exists() else None
-    if trash is not None:  # (begin_save removed any older one)
-        move_dir(final, trash)  # out of the listing whole; `recover` puts it back if we die here
-    move_dir(staging, final)
-    _fsync_dir(root)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-    for old in list_checkpoints(root)[:-keep]:
-        doomed = old.path.with_name(old.path.name + STAGING_SUFFIX)  # out of the listing in one rename
-        move_dir(old.path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    return final
-
-
-def abort_save(root: Path, step: int) -> None:
-    """Remove the staging directory of a save that failed (the previous checkpoints are untouched)."""
-    shutil.rmtree(staging_dir(root, step), ignore_errors=True)
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc` is, or was raised while handling, an out-of-space or out-of-quota OSError (torch.save
-    wraps the file's OSError in a RuntimeError)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_FULL:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def disk_full_error(root: Path, step: int) -> DiskFullError:
-    """The one-line error for a save of `step` that ran out of space: what a checkpoint needs and what is
-    free (when known), which checkpoint is intact, and what to do."""
-    previous = list_checkpoints(root)
-    known = []
-    with contextlib.suppress(OSError):  # only for the message: a failure to measure leaves the figure out
-        if previous:
-            size = sum(f.stat().st_size for f in previous[-1].path.rglob("*") if f.is_file())
-            known.append(f"a checkpoint needs about {format_bytes(size)}")
-        known.append(f"{format_bytes(shutil.disk_usage(root).free)} free")
-    intact = (
-        f"the previous checkpoint (step {previous[-1].step}) is intact"
-        if previous
-        else "there is no earlier checkpoint"
-    )
-    sizes = f" ({', '.join(known)})" if known else ""
-    return DiskFullError(
-        f"no space left on the device (or disk quota exceeded) saving checkpoint step {step} in {root}"
-        f"{sizes}; {intact}. Free disk space, or copy the run directory to a disk with room and set "
-        "run.output_dir to it, then continue with --resume"
-    )
 
 
 def load_rng_state(path: Path) -> None:

@@ -226,10 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from memtrain.recipe import json_schema
-
     if args.command == "schema":
-        print(json.dumps(json_schema(), indent=2))
+        from memtrain.causal_lm.sources import schema_with_sources
+        from memtrain.recipe import json_schema
+
+        print(json.dumps(schema_with_sources(json_schema()), indent=2))
         return 0
     if args.command == "profile":
         return _profile(args)
@@ -260,7 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     from memtrain.commands.trainers import load_checked_recipe, trainer_class
 
     recipe = load_checked_recipe(args.recipe, overrides)
-    from memtrain.training.trainer import describe_summary
+    from memtrain.training.results import describe_summary
 
     if args.command == "validate":
         from memtrain.commands.trainers import validate
@@ -291,12 +292,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export_run(run_dir: Path, step: int) -> None:
-    """`output.export: hf`: the final checkpoint as run_dir/hf (after `fit`'s closing barrier, in one
-    process: the other ranks have saved and may already have left)."""
-    from memtrain.causal_lm.export import HF_DIR, export_hf
-    from memtrain.checkpoint import list_checkpoints
+    """`output.export: hf`: the final checkpoint into the run's export folder (after `fit`'s closing
+    barrier, in one process: the other ranks have saved and may already have left)."""
+    from memtrain.causal_lm.export import export_hf
+    from memtrain.run import RunDirectory
 
-    if not any(c.step == step for c in list_checkpoints(run_dir / "checkpoints")):
+    run = RunDirectory(run_dir)
+    if not any(c.step == step for c in run.checkpoints()):
         print(
             f"[memtrain] output.export: no checkpoint at the final step {step}, nothing exported; set "
             "checkpoint.at_end: true",
@@ -304,7 +306,7 @@ def _export_run(run_dir: Path, step: int) -> None:
             flush=True,
         )
         return
-    written = export_hf(run_dir, run_dir / HF_DIR, step, overwrite=True)
+    written = export_hf(run_dir, run.layout.export_dir, step, overwrite=True)
     print(f"[memtrain] exported step {step} to {written} (Hugging Face format)", flush=True)
 
 

@@ -90,6 +90,18 @@ def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return out
 
 
+def any_rank(flag: bool, env: DistEnv) -> bool:
+    """Whether `flag` is true on some rank (a collective on several ranks: every rank must call it)."""
+    if not env.distributed:
+        return flag
+    return bool(all_reduce_sum(torch.tensor(int(flag), device=env.device), env) > 0)
+
+
+def one_process() -> DistEnv:
+    """The environment of a process that runs alone (export, a tool reading a run directory)."""
+    return DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 NONFINITE_KEY = "nonfinite"
@@ -35,3 +36,11 @@ def dumps(value: Any, **options: Any) -> str:
     if replaced and isinstance(clean, dict):
         clean[NONFINITE_KEY] = replaced
     return json.dumps(clean, allow_nan=False, **options)
+
+
+def write_atomic(path: Path, data: Any) -> None:
+    """Write `data` as indented, sorted strict JSON to `path` through a temporary file and a rename, so a
+    reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(data, indent=2, sort_keys=True))
+    tmp.replace(path)

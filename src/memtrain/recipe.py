@@ -21,15 +21,28 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
+from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from memtrain.errors import RecipeError, did_you_mean, shortened
 from memtrain.jsonfile import mib
-from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
+from memtrain.loggers import LOGGERS
+from memtrain.registry import Registry
+from memtrain.schedules import SCHEDULES
+from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES, chosen_in
 from memtrain.yamlfile import MAX_RECIPE_BYTES, cut, parse_yaml, read_yaml
 
 PATH_KEYS = (
@@ -44,12 +57,8 @@ PATH_KEYS = (
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")  # e.g. q_proj, mlp.down_proj, h.0.attn
 NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component, of a whole path (Linux)
 
-LoggerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 StrategyChoice = str | list[str]
 """`auto`, one registered name, or a list of allowed names (checked against the kind's registry)."""
-OffloadName = Literal["none", "optimizer", "params"]
-OffloadChoice = Literal["none", "optimizer", "params", "auto"] | list[OffloadName]
-"""`strategies.sharding_offload`: one offload, `auto` (each one the backend supports) or a list of them."""
 
 
 def _registered_name(kind: str, value: str) -> str:
@@ -57,7 +66,7 @@ def _registered_name(kind: str, value: str) -> str:
     registry = REGISTRIES[kind]
     if value not in registry:
         raise PydanticCustomError(
-            "strategy_name",
+            "registered_name",
             "{word} is not one of {listed}{hint}",
             {
                 "word": shortened(value),
@@ -79,7 +88,10 @@ class RunConfig(_Section):
     seed: int = Field(default=0, ge=0, lt=2**32, description="0 <= seed < 2**32 (numpy's range).")
 
 
-class ModelConfig(_Section):
+class _ModelSection(_Section):
+    """`model:` — the causal-LM trainer's model, and the base quantisation (`model.quantization` and its
+    options, generated from the quantization registry into `ModelConfig`)."""
+
     config: dict[str, Any] | None = Field(
         default=None, description="Inline transformers config: model_type plus fields (built from config)."
     )
@@ -90,16 +102,12 @@ class ModelConfig(_Section):
         "a hub id already in the local cache: fine-tune its weights.",
     )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    quantization: str = Field(
-        default="none",
-        description="Base-weight quantisation for QLoRA: none | nf4 | fp4 | int8 (bitsandbytes).",
-    )
-    double_quant: bool = Field(
-        default=True, description="nf4/fp4: quantise the per-block scales too (QLoRA)."
-    )
-    quantization_block_size: int = Field(default=64, gt=0, description="nf4/fp4: elements per scale.")
 
-    @field_validator("quantization")
+    if TYPE_CHECKING:  # the generated strategy keys
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    @field_validator("quantization", check_fields=False)
     @classmethod
     def _registered(cls, value: str) -> str:
         return _registered_name("quantization", value)
@@ -112,10 +120,11 @@ class SyntheticData(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "text", "jsonl", "dataset"] = Field(
+    source: str = Field(
         default="synthetic",
-        description="dataset: through the `datasets` library (data.path: a json/jsonl/parquet/arrow/csv file, "
-        "a directory or glob of them, or a hub id in the local cache).",
+        description="A data source of the built-in trainer (memtrain.causal_lm.sources): synthetic | text | "
+        "jsonl | dataset. dataset: through the `datasets` library (data.path: a json/jsonl/parquet/arrow/csv "
+        "file, a directory or glob of them, or a hub id in the local cache).",
     )
     path: str | None = None
     jsonl_field: str = "text"
@@ -164,9 +173,34 @@ class BatchConfig(_Section):
         return value
 
 
+def _names_in_schema(registry: Registry[Any], items: bool = False) -> Callable[[JsonDict], None]:
+    """A `json_schema_extra` listing the registry's names as the schema is made (a name registered after
+    this module was imported is listed too); `items`: for a list of names."""
+
+    def extra(schema: JsonDict) -> None:
+        target = schema["items"] if items else schema
+        assert isinstance(target, dict)
+        target["enum"] = list(registry.names())
+
+    return extra
+
+
+def _registered_in(registry: Registry[Any], value: str) -> str:
+    """`value` when `registry` has it, else the error naming its names (one line under the key)."""
+    if value not in registry:
+        raise PydanticCustomError("registered_name", "{problem}", {"problem": registry.unknown(value)})
+    return value
+
+
 class TrainConfig(_Section):
     steps: int = Field(default=100, gt=0)
     lr: float = Field(default=3e-4, gt=0)
+    schedule: str = Field(
+        default="cosine",
+        description="Learning-rate schedule after the linear warmup (memtrain.schedules): cosine or linear decay "
+        "to min_lr_ratio * lr at train.steps, or constant.",
+        json_schema_extra=_names_in_schema(SCHEDULES),
+    )
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     warmup_steps: int = Field(default=0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0.0)
@@ -181,6 +215,11 @@ class TrainConfig(_Section):
         gt=0,
         description="Consecutive steps with non-finite gradients (each skipped) before the run stops.",
     )
+
+    @field_validator("schedule")
+    @classmethod
+    def _registered_schedule(cls, value: str) -> str:
+        return _registered_in(SCHEDULES, value)
 
     @field_validator("betas")
     @classmethod
@@ -212,9 +251,10 @@ class MemoryConfig(_Section):
 
 class OutputConfig(_Section):
     progress: Literal["auto", "on", "off"] = "auto"
-    loggers: list[LoggerName] = Field(
-        default_factory=lambda: list[LoggerName](["jsonl"]),
-        description="Where each step's metrics go (jsonl: metrics.jsonl in the run directory).",
+    loggers: list[str] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where each step's metrics go (memtrain.loggers; jsonl: metrics.jsonl in the run directory).",
+        json_schema_extra=_names_in_schema(LOGGERS, items=True),
     )
     log_every_s: float = Field(
         default=30.0,
@@ -232,77 +272,40 @@ class OutputConfig(_Section):
         # YAML 1.1 reads a bare on/off as true/false.
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
+    @field_validator("loggers")
+    @classmethod
+    def _registered_loggers(cls, value: list[str]) -> list[str]:
+        return [_registered_in(LOGGERS, name) for name in value]
 
-class StrategiesConfig(_Section):
-    """Each strategy kind takes `auto`, a name from its registry (`memtrain.strategies.catalog`), or a
-    list of allowed names; the other keys are the strategies' options."""
 
-    precision: StrategyChoice = "fp32"
-    sharding: StrategyChoice = "none"
-    checkpointing: StrategyChoice = "none"
-    checkpointing_fraction: float = Field(
-        default=0.5,
-        gt=0.0,
-        le=1.0,
-        description="Share of blocks recomputed when checkpointing is 'fraction'.",
-    )
-    optimizer_states: StrategyChoice = "fp32"
-    optimizer_step: StrategyChoice = Field(
-        default="standard",
-        description="standard: one optimizer step after backward; in_backward: each parameter stepped as soon "
-        "as its gradient is accumulated, its gradient freed (no gradient memory; needs no accumulation, "
-        "train.grad_clip: null, sharding none).",
-    )
-    loss: StrategyChoice = "standard"
-    loss_chunk_tokens: int = Field(
-        default=1024, gt=0, description="Tokens per chunk of the head and the loss when loss is 'chunked'."
-    )
-    fp8_emulate: bool = Field(default=False, description="fp8 through torchao's emulation (CPU, debugging).")
-    # sharding options (used by strategies.sharding)
-    sharding_backend: Literal["fsdp2", "deepspeed"] = Field(
-        default="fsdp2",
-        description="Backend of zero1/zero2/zero3: fsdp2 (zero1: ZeroRedundancyOptimizer) or deepspeed.",
-    )
-    sharding_offload: OffloadChoice = Field(
-        default="none",
-        description="ZeRO offload to host memory: optimizer states (deepspeed) or params (fsdp2 zero2/zero3, "
-        "deepspeed zero3); auto or a list: the planner offers each the backend supports, on a GPU (also on "
-        "one rank, with sharding auto), priced by the host link and the host's optimizer step.",
-    )
-    gradient_reduction: Literal["auto", "per_step", "per_micro_step"] = Field(
-        default="auto",
-        description="When zero2/zero3 reduce gradients under accumulation: per_step (fsdp2: an unsharded fp32 "
-        "gradient accumulates until the last micro-step, one reduce-scatter) or per_micro_step (a "
-        "reduce-scatter every micro-step, gradients stay sharded; what deepspeed zero2/zero3 always do). "
-        "auto: the planner chooses; a plan that pins every choice takes the backend's own (fsdp2: per_step).",
-    )
-    comm_hook: Literal["none", "bf16", "powersgd"] = Field(
-        default="none", description="DDP gradient-communication hook (ddp, zero1 on fsdp2)."
-    )
-    deepspeed_config: str | None = Field(
-        default=None,
-        description="DeepSpeed JSON merged into the generated config; keys contradicting the recipe are errors.",
-    )
+class _StrategiesSection(_Section):
+    """`strategies:` — each strategy kind takes `auto`, a name from its registry
+    (`memtrain.strategies.catalog`), or a list of allowed names; the other keys are the strategies'
+    options. Every key is generated from the registries' declarations into `StrategiesConfig`."""
 
-    @field_validator(*RECIPE_KINDS)
+    if TYPE_CHECKING:  # the generated keys
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    @field_validator(*RECIPE_KINDS, check_fields=False)
     @classmethod
     def _registered(cls, value: StrategyChoice, info: ValidationInfo) -> StrategyChoice:
         registry = REGISTRIES[str(info.field_name)]
         names = [value] if isinstance(value, str) else value
         if not names:
-            raise PydanticCustomError("strategy_name", "an empty list allows nothing; give a name or auto")
+            raise PydanticCustomError("registered_name", "an empty list allows nothing; give a name or auto")
         for name in names:
             if name in registry or (name == "auto" and isinstance(value, str)):
                 continue
             listed = ", ".join((*registry.names(), "auto"))
             raise PydanticCustomError(
-                "strategy_name",
+                "registered_name",
                 "{word} is not one of {listed} (or a list of them){hint}",
                 {"word": shortened(name), "listed": listed, "hint": did_you_mean(name, registry.names())},
             )
         return value
 
-    @field_validator("sharding_offload")
+    @field_validator("sharding_offload", check_fields=False)
     @classmethod
     def _some_offload(cls, value: str | list[str]) -> str | list[str]:
         if isinstance(value, list) and not value:
@@ -312,26 +315,20 @@ class StrategiesConfig(_Section):
         return value
 
 
-class AdaptersConfig(_Section):
-    """Parameter-efficient fine-tuning: adapters on a frozen base (the planner plans within them)."""
+class _AdaptersSection(_Section):
+    """`adapters:` — parameter-efficient fine-tuning: adapters on a frozen base (the planner plans within
+    them). `kind` and its options are generated from the adapters registry into `AdaptersConfig`."""
 
-    kind: str = Field(default="none", description="none | lora (the adapters registry).")
-    r: int = Field(default=16, gt=0, description="LoRA rank.")
-    alpha: float = Field(
-        default=32.0, gt=0, description="LoRA scale numerator (the update is scaled by alpha / r)."
-    )
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        default="all-linear",
-        description="Module names (suffixes) to adapt, or all-linear (every linear but the head).",
-    )
+    if TYPE_CHECKING:  # the generated keys
 
-    @field_validator("kind")
+        def __getattr__(self, name: str) -> Any: ...
+
+    @field_validator("kind", check_fields=False)
     @classmethod
     def _registered(cls, value: str) -> str:
         return _registered_name("adapters", value)
 
-    @field_validator("target_modules")
+    @field_validator("target_modules", check_fields=False)
     @classmethod
     def _module_names(cls, value: list[str] | str) -> list[str] | str:
         """Each entry is a module name (suffix) as PyTorch spells them: peft silently ignores a name that
@@ -376,6 +373,40 @@ class PlannerConfig(_Section):
         return value
 
 
+def _with_strategy_keys(name: str, base: type[_Section], section: str) -> Any:
+    """`base` with a field per strategy key read from `section`: each kind's choice and every option,
+    as the registries declare them (`memtrain.strategies.registry.option`); nothing here repeats one."""
+    fields: dict[str, Any] = {}
+    for registry in chosen_in(section):
+        kind = registry.recipe
+        assert kind is not None  # chosen_in lists registries a recipe chooses
+        choice = StrategyChoice if kind.planner_choice else str
+        fields[kind.key] = (choice, Field(default=kind.default, description=kind.doc))
+        for spec in registry.options():
+            fields[spec.key] = (
+                spec.annotation,
+                Field(default=spec.default, description=spec.doc, **spec.bounds),
+            )
+    return create_model(name, __base__=base, __module__=__name__, **fields)
+
+
+GENERATED_SECTIONS: dict[str, tuple[str, type[_Section]]] = {
+    "model": ("ModelConfig", _ModelSection),
+    "strategies": ("StrategiesConfig", _StrategiesSection),
+    "adapters": ("AdaptersConfig", _AdaptersSection),
+}
+"""The recipe sections whose keys the strategy registries declare: section -> (model name, hand-written base)."""
+
+if TYPE_CHECKING:
+    ModelConfig = _ModelSection
+    StrategiesConfig = _StrategiesSection
+    AdaptersConfig = _AdaptersSection
+else:
+    ModelConfig, StrategiesConfig, AdaptersConfig = (
+        _with_strategy_keys(name, base, section) for section, (name, base) in GENERATED_SECTIONS.items()
+    )
+
+
 class Recipe(_Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -398,6 +429,20 @@ class Recipe(_Section):
     def fingerprint(self) -> str:
         """Hash of the resolved recipe; stored with checkpoints to detect resuming a different run."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _refresh_strategy_keys() -> None:
+    """Regenerate the sections' strategy keys after a registry changed: a strategy registered after this
+    module was imported (a user's, with options of its own) is a recipe key like the built-in ones."""
+    for section, (name, base) in GENERATED_SECTIONS.items():
+        generated = _with_strategy_keys(name, base, section)
+        field = Recipe.model_fields[section]
+        field.annotation, field.default = generated, generated()
+    Recipe.model_rebuild(force=True)
+
+
+for _registry in REGISTRIES.values():
+    _registry.watch(_refresh_strategy_keys)
 
 
 # ----------------------------------------------------------------------------------------- loading
@@ -522,7 +567,7 @@ def _describe(exc: ValidationError) -> list[str]:
             hint = did_you_mean(loc[-1], parent.model_fields) if parent else ""
             problems.append(f"{cut(path, 120)}: unknown key{hint}")
             continue
-        if first["type"] == "strategy_name":
+        if first["type"] == "registered_name":
             problems.append(f"{path}: {first['msg']}")
             continue
         allowed = _allowed_at(loc)
@@ -593,8 +638,6 @@ def _cross_checks(recipe: Recipe) -> list[str]:
     problems = []
     if recipe.model.config is not None and recipe.model.config_path is not None:
         problems.append("model: give only one of model.config and model.config_path")
-    if recipe.data.source in ("text", "jsonl") and not recipe.data.path:
-        problems.append(f"data.path: required when data.source is {recipe.data.source!r}")
     micro = recipe.batch.micro_size
     if recipe.batch.micro_tokens is not None and micro != "auto":
         problems.append("batch.micro_tokens: give either batch.micro_tokens or batch.micro_size, not both")

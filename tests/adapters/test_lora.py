@@ -14,9 +14,18 @@ import yaml
 
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import RecipeError
+from memtrain.recipe import recipe_from_dict
 from memtrain.training.metrics import read_metrics
 
-from helpers import REPO, TINY_LLAMA, subprocess_env, tiny_recipe, tiny_recipe_dict
+from helpers import (
+    REPO,
+    TINY_LLAMA,
+    assert_trained_alike,
+    initial_weights,
+    subprocess_env,
+    tiny_recipe,
+    tiny_recipe_dict,
+)
 
 MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "vocab_size": 256}
 LORA = {"kind": "lora", "r": 4, "alpha": 8}
@@ -53,7 +62,7 @@ def test_predicted_peak_and_states_are_the_adapters(tmp_path: Path, plan: str) -
     stepped = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert stepped == {id(p) for p in adapters.values()}, "only the adapters are in the optimizer"
     trainer.fit()
-    measured = trainer.memory_reports[-1]
+    measured = trainer.monitor.memory_reports[-1]
     predicted = spec_result.prediction
     assert abs(predicted.peak - measured.peak_bytes) / measured.peak_bytes < 0.02, (predicted.peak, measured)
     numel = sum(p.numel() for p in adapters.values())
@@ -134,7 +143,16 @@ def test_unknown_adapter_kind_and_target(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_two_rank_ddp_matches_one_process(tmp_path: Path) -> None:
-    runs = {}
+    """Two ranks sum the same micro-batch gradients in another order than one process: (a+b)+(c+d), not
+    ((a+b)+c)+d (the micro-batches' own gradients are the same: same kernels, one thread; the scale by 2
+    and the average over 2 ranks are exact). Each gradient element then differs by ~2^-24 of the sum of its
+    micro-batches' magnitudes, and AdamW's step lr * m/(sqrt(v) + eps) does not shrink with the gradient:
+    an element whose micro-batches nearly cancel can step differently by up to lr. So single elements are
+    not comparable (a fresh clone had 1 of 256 off by 1.3e-5, 1.3e-3 lr, against atol 1e-6), the model is:
+    the adapters end within `REDUCTION_ORDER` (1e-2) of the distance they moved, 100x the worst of 200
+    simulated machines (helpers.py says how it was measured); a missed all-reduce ends at ~1. The frozen
+    base is bit-identical, and the losses (sums over every token) agree to 1e-5."""
+    runs, raws = {}, {}
     for name, ranks, sharding in (("one", 1, "none"), ("ddp", 2, "ddp")):
         raw = tiny_recipe_dict(
             tmp_path / name,
@@ -145,6 +163,7 @@ def test_two_rank_ddp_matches_one_process(tmp_path: Path) -> None:
             batch={"global_size": 8, "micro_size": 2},
             checkpoint={"at_end": True},
         )
+        raws[name] = raw
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(raw))
         launch = (
@@ -165,5 +184,6 @@ def test_two_rank_ddp_matches_one_process(tmp_path: Path) -> None:
     losses = [[r["loss"] for r in read_metrics(runs[n] / "metrics.jsonl")] for n in runs]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     states = [torch.load(runs[n] / "checkpoints/step_00000003/model.pt", weights_only=True) for n in runs]
-    for key in states[0]:
-        torch.testing.assert_close(states[1][key], states[0][key], rtol=1e-4, atol=1e-6)
+    fresh = {**raws["one"], "run": {**raws["one"]["run"], "output_dir": str(tmp_path / "initial")}}
+    initial = initial_weights(recipe_from_dict(fresh))  # seeded: the weights both runs started from
+    assert_trained_alike(states[1], states[0], initial)

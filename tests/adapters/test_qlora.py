@@ -53,7 +53,7 @@ def test_planned_peak_matches_the_tracker(tmp_path: Path, case: str) -> None:
     assert quantised, "the base linears are bitsandbytes layers"
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)
-    measured = trainer.memory_reports[-1]
+    measured = trainer.monitor.memory_reports[-1]
     assert abs(result.predicted.peak - measured.peak_bytes) / measured.peak_bytes < 0.02, (
         result.predicted,
         measured,

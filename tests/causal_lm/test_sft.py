@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memtrain.causal_lm import data as data_lib
-from memtrain.causal_lm import sft
+from memtrain.causal_lm import sft, sources
 from memtrain.causal_lm.packing import document_sample
 from memtrain.causal_lm.tokenizer import ByteTokenizer, PretrainedTokenizer, load_tokenizer
 from memtrain.causal_lm.trainer import CausalLMTrainer, check_model_recipe
@@ -144,9 +144,9 @@ def test_text_documents_carry_loss_on_every_token(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps({"body": "abc"}) + "\n" + json.dumps({"body": "de"}) + "\n")
     cfg = DataConfig(source="jsonl", path=str(path), fields={"text": "body"}, packing=False, seq_len=16)
-    docs = data_lib.documents(cfg, ByteTokenizer())
+    docs = sources.source_of(cfg).documents(cfg, ByteTokenizer(), None)
     assert [d.tokens for d in docs] == [list(b"abc\n\n"), list(b"de\n\n")]
-    batch = data_lib.collate(data_lib.samples_of(docs, cfg, ByteTokenizer()), [0, 1])
+    batch = data_lib.collate(sources.samples_of(docs, cfg, ByteTokenizer()), [0, 1])
     assert batch["labels"].tolist() == [list(b"bc\n\n"), [*b"e\n\n", -100]]
     assert "position_ids" not in batch  # one document per row: no packing
 
@@ -157,7 +157,8 @@ def test_prompt_completion_rows_from_jsonl(tmp_path: Path) -> None:
     cfg = DataConfig(
         source="jsonl", path=str(path), kind="prompt_completion", fields={"prompt": "q"}, packing=False
     )
-    (sample,) = data_lib.samples_of(data_lib.documents(cfg, ByteTokenizer()), cfg, ByteTokenizer())
+    docs = sources.source_of(cfg).documents(cfg, ByteTokenizer(), None)
+    (sample,) = sources.samples_of(docs, cfg, ByteTokenizer())
     assert bytes(sample.input_ids.tolist()).decode() == "2+2=4\n"
     assert [t for t in sample.labels.tolist() if t != -100] == list(b"4\n\n")
 

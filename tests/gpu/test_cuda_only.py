@@ -181,5 +181,5 @@ def test_planner_prediction_against_the_allocator(tmp_path: Path) -> None:
     trainer = CausalLMTrainer(pinned)
     torch.cuda.empty_cache()
     trainer.fit()
-    predicted, measured = result.chosen.prediction.peak, trainer.max_step_peak
+    predicted, measured = result.chosen.prediction.peak, trainer.monitor.max_step_peak
     assert abs(predicted - measured) / measured < PLANNER_TOLERANCE, (predicted, measured)

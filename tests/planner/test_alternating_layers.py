@@ -64,6 +64,6 @@ def test_a_later_micro_step_of_alternating_layers_is_predicted(tmp_path: Path, o
     predicted = scored_plan(planned, micro_batch_size=4).prediction.peak
     trainer = CausalLMTrainer(recipe)
     trainer.fit()
-    measured = trainer.memory_reports[-1].peak_bytes
+    measured = trainer.monitor.memory_reports[-1].peak_bytes
     error = (predicted - measured) / measured
     assert MAX_UNDER <= error <= MAX_OVER, (predicted, measured)

@@ -169,7 +169,7 @@ def test_prediction_is_never_below_the_measured_peak(
 
     trainer = trainer_class(recipe)
     trainer.fit()
-    measured = trainer.memory_reports[-1].peak_bytes
+    measured = trainer.monitor.memory_reports[-1].peak_bytes
     assert measured * (1 - UNDER) <= predicted <= measured * (1 + over), (predicted, measured)
 
 

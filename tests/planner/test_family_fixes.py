@@ -63,7 +63,7 @@ def test_parameters_without_gradient_get_no_state(tmp_path: Path, precision: str
 
     predicted = scored_plan(plan_on(recipe, cpu_target(), probe), micro_batch_size=8).prediction
     trainer.fit()
-    measured = trainer.memory_reports[-1]
+    measured = trainer.monitor.memory_reports[-1]
     assert predicted.maxima.optimizer_states == measured.component_peaks["optimizer_states"]
     assert abs(predicted.peak - measured.peak_bytes) / measured.peak_bytes < 0.005, (predicted, measured)
 

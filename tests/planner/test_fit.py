@@ -29,8 +29,8 @@ def test_chosen_plan_trains_under_the_budget(tmp_path: Path, budget: int) -> Non
     trainer = CausalLMTrainer(recipe)
     result = trainer.fit()
     assert result.steps_done == 3
-    assert trainer.oom_events == [], trainer.oom_events
-    measured = max(report.peak_bytes for report in trainer.memory_reports)
+    assert trainer.monitor.oom_events == [], trainer.monitor.oom_events
+    measured = max(report.peak_bytes for report in trainer.monitor.memory_reports)
     assert measured <= budget
     usable = int(budget * (1 - 0.02))  # the CPU safety fraction
     assert measured <= usable, (trainer.plan, measured, usable)
@@ -48,7 +48,7 @@ def test_calibration_compares_prediction_and_measurement(tmp_path: Path) -> None
     trainer.setup()
     assert trainer.plan == result.plan  # deterministic: the trainer resolves the same plan
     trainer.fit()
-    report = calibration(result, trainer.memory_reports[-1])
+    report = calibration(result, trainer.monitor.memory_reports[-1])
     assert (
         set(report["predicted"])
         == set(report["measured"])

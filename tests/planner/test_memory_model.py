@@ -57,7 +57,7 @@ def test_predicted_peak_matches_the_tracker(tmp_path: Path, plan: tuple[str, str
     )
     trainer = CausalLMTrainer(run)
     trainer.fit()
-    measured = trainer.memory_reports[-1]
+    measured = trainer.monitor.memory_reports[-1]
     assert predicted.peak == pytest.approx(measured.peak_bytes, rel=TOLERANCE)
     for component in ("weights", "optimizer_states"):  # model states at the peak are arithmetic: exact
         assert getattr(predicted.at_peak, component) == measured.at_peak[component], component

@@ -88,6 +88,6 @@ def test_a_broadcast_matmul_is_predicted_at_every_size(
 ) -> None:
     trainer = IndexedTrainer(_recipe(tmp_path, micro))
     trainer.fit()
-    measured = trainer.memory_reports[-1].peak_bytes
+    measured = trainer.monitor.memory_reports[-1].peak_bytes
     error = (predictions[micro] - measured) / measured
     assert MAX_UNDER <= error <= MAX_OVER, (micro, predictions[micro], measured)

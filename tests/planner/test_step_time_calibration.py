@@ -202,7 +202,7 @@ def test_a_run_records_predicted_against_measured_and_refits(
         )
         trainer = CausalLMTrainer(recipe)
         trainer.fit()
-        record = trainer.step_time
+        record = trainer.monitor.step_time
         assert record is not None
         rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
         # the median of the steps after the first, against the chosen plan's predicted step time

@@ -60,7 +60,6 @@ def test_deepspeed_zero_states_follow_the_formulas(probe: ModelProbe) -> None:
         assert states == pytest.approx(12 * psi / N, rel=1e-3)
 
 
-@pytest.mark.slow
 def test_fsdp2_zero3_states_follow_the_formulas(probe: ModelProbe) -> None:
     psi = probe.shape.numel
     weights, gradients, states = _stored(probe, "strategies.sharding=zero3")

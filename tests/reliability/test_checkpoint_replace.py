@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from memtrain import checkpoint as ckpt
+from memtrain import checkpoint as tensor_files
 from memtrain import cli
 from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.run import checkpoints as ckpt
 
 from fault_kit.scenarios import in_process, recipe_dict, run_difference, write_recipe
 from helpers import Killed, tiny_recipe
@@ -110,7 +111,7 @@ def test_a_full_disk_is_one_line_and_the_previous_checkpoint_resumes(
     args = ["train", str(recipe), "--no-progress"]
     straight = ["train", str(recipe), f"run.output_dir={tmp_path / 'straight'}", "--no-progress"]
     assert in_process(cli.main, straight)[0] == 0
-    real_write = ckpt.write_file
+    real_write = tensor_files.write_file
 
     def write_file(path: Path, write: Any) -> None:
         if path.name == "model.pt" and path.parent.name == "step_00000004.tmp":
@@ -118,7 +119,7 @@ def test_a_full_disk_is_one_line_and_the_previous_checkpoint_resumes(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         real_write(path, write)
 
-    monkeypatch.setattr(ckpt, "write_file", write_file)
+    monkeypatch.setattr(tensor_files, "write_file", write_file)
     rc, _, err = in_process(cli.main, args)
     monkeypatch.undo()
 

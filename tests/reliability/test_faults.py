@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain import checkpoint as ckpt
+from memtrain import checkpoint as tensor_files
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import TrainingStopped
+from memtrain.run import checkpoints as ckpt
 from memtrain.training.trainer import Batch
 
 from helpers import tiny_recipe
@@ -57,7 +58,7 @@ def test_k_consecutive_bad_steps_stop_with_a_checkpoint(tmp_path: Path) -> None:
     trainer.bad_steps = {3, 4, 5, 6, 7}
     with pytest.raises(TrainingStopped, match="3 steps in a row"):
         trainer.fit()
-    assert ckpt.find_checkpoint(trainer.checkpoint_root).step == 6  # stopped after the 3rd bad step
+    assert ckpt.find_checkpoint(trainer.run.layout.checkpoints).step == 6  # stopped after the 3rd bad step
 
 
 class SigtermAt(CausalLMTrainer):
@@ -96,7 +97,7 @@ def test_corrupt_checkpoint_error_names_the_file_and_falls_back(tmp_path: Path, 
     newest = ckpt.find_checkpoint(tmp_path / "run/checkpoints")
     _corrupt(newest.path / "model.pt", how)
     longer = {**SECTIONS, "train": {**SECTIONS["train"], "steps": 10}}
-    with pytest.raises(ckpt.CheckpointError, match=str(newest.path / "model.pt")):
+    with pytest.raises(tensor_files.CheckpointError, match=str(newest.path / "model.pt")):
         CausalLMTrainer(tiny_recipe(tmp_path, **longer)).fit(resume=True)
     fallback = {**longer, "checkpoint": {**SECTIONS["checkpoint"], "fallback": True}}
     resumed = CausalLMTrainer(tiny_recipe(tmp_path, **fallback))

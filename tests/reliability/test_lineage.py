@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from memtrain import checkpoint as ckpt
 from memtrain import cli
+from memtrain.run import checkpoints as ckpt
 from memtrain.training.metrics import read_metrics
 
 from fault_kit.faults import Fault, Harness

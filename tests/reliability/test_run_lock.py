@@ -117,7 +117,7 @@ def test_the_lock_of_a_sigkilled_holder_is_taken_over(tmp_path: Path) -> None:
 def test_every_rank_stops_with_the_holder_named(tmp_path: Path) -> None:
     """Under torchrun only rank 0 locks; the ranks agree on its result, so rank 1 stops with the same
     error instead of waiting in the next collective."""
-    from memtrain.training import run_lock
+    from memtrain.run import lock as run_lock
 
     run = tmp_path / "run"
     recipe = write_recipe(tmp_path / "recipe.yaml", recipe_dict(run, strategies={"sharding": "ddp"}))

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain import checkpoint as ckpt
 from memtrain import cli
 from memtrain.commands.trainers import trainer_class
+from memtrain.run import checkpoints as ckpt
 
 from fault_kit import launcher_faults
 from fault_kit.scenarios import (
@@ -78,7 +78,7 @@ def test_fit_stops_on_the_signal_with_a_checkpoint_and_names_it(tmp_path: Path, 
         pytest.fail("Ctrl-C escaped fit() as KeyboardInterrupt")
     assert result.preempted and result.steps_done == 3
     assert getattr(result, "stopped_by", None) == sent
-    assert ckpt.find_checkpoint(trainer.checkpoint_root).step == 3
+    assert ckpt.find_checkpoint(trainer.run.layout.checkpoints).step == 3
     assert signal.getsignal(signal.SIGINT) is before, "Ctrl-C's handler is the one before fit() again"
 
 

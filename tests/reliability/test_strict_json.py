@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from memtrain import json_out
-from memtrain.training.metrics import MetricsLog
+from memtrain.loggers import JsonlLogger, LoggerContext
 
 
 def _strict_loads(text: str) -> object:
@@ -31,8 +31,10 @@ def test_nonfinite_numbers_become_null_and_are_listed() -> None:
 
 
 def test_metrics_jsonl_with_a_nan_eval_loss_is_strict_json(tmp_path: Path) -> None:
-    log = MetricsLog(tmp_path / "metrics.jsonl", None)
-    log.write({"step": 1, "loss": 2.0, "eval_loss": math.nan})
+    log = JsonlLogger(
+        LoggerContext(tmp_path / "metrics.jsonl", tmp_path / "recipe.json", tmp_path, "run", {}, None)
+    )
+    log.log(1, {"step": 1, "loss": 2.0, "eval_loss": math.nan})
     log.close()
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     row = _strict_loads(line)

@@ -1,7 +1,7 @@
 """`strategies.gradient_reduction`: when zero2/zero3 reduce gradients under accumulation.
 
 - FSDP2 `per_micro_step` on 2 gloo ranks trains like one process (fp32: the same micro-step gradients
-  summed in another order, 1e-5 as in test_two_ranks.py), also with parameter offload, and keeps no
+  summed in another order, `REDUCTION_ORDER` as in test_two_ranks.py), also with parameter offload, and keeps no
   unsharded gradient between micro-steps, where `per_step` keeps one of the whole model: both measured
   (FSDP2's per-parameter state at the start of each micro-step) equal to `state_bytes`' gradient copies.
 - DeepSpeed does what its stage does (ZeRO-1 per step, ZeRO-2/3 per micro-step); the other is refused.
@@ -38,7 +38,14 @@ from memtrain.strategies.sharding import make_sharding  # noqa: E402
 from memtrain.training.trainer import Batch  # noqa: E402
 
 from census import CensusTrainer, storage_bytes  # noqa: E402
-from helpers import probe_of, run_two_ranks, tiny_recipe, tiny_recipe_dict  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_trained_alike,
+    initial_weights,
+    probe_of,
+    run_two_ranks,
+    tiny_recipe,
+    tiny_recipe_dict,
+)
 
 STEPS = {"train": {"steps": 3}, "batch": {"global_size": 8, "micro_size": 2}}  # 2 micro-steps per rank
 JOBS = {
@@ -106,7 +113,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     spec, out = root / "spec.json", root / "out.json"
     spec.write_text(json.dumps({"jobs": jobs}))
     run_two_ranks(str(Path(__file__).resolve()), str(spec), str(out))
-    return {"root": root, "ref": reference, **json.loads(out.read_text())}
+    initial = initial_weights(tiny_recipe(root / "initial", **STEPS))  # what every job started from
+    return {"root": root, "ref": reference, "initial": initial, **json.loads(out.read_text())}
 
 
 @pytest.mark.distributed
@@ -115,8 +123,7 @@ def test_per_micro_step_trains_like_one_process(runs: dict[str, Any], name: str)
     assert runs[name]["losses"] == pytest.approx(runs["ref"]["losses"], rel=1e-5)
     expected = torch.load(runs["root"] / "ref.pt", weights_only=True)
     got = torch.load(runs["root"] / f"{name}.pt", weights_only=True)
-    for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=key)
+    assert_trained_alike(got, expected, runs["initial"])  # sums in another order: helpers.REDUCTION_ORDER
 
 
 @pytest.mark.distributed

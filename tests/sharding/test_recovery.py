@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.training.trainer import Batch
 
-from helpers import tiny_recipe
+from helpers import assert_trained_alike, initial_weights, tiny_recipe
 
 SECTIONS = {
     "train": {"steps": 3, "lr": 1e-3},
@@ -56,7 +56,10 @@ def test_zero3_step_redone_after_oom_equals_uninterrupted(tmp_path: Path, one_ra
     expected = reference.fit().losses
     failing = FailOnce(tiny_recipe(tmp_path / "oom", **SECTIONS))
     losses = failing.fit().losses
-    assert len(failing.oom_events) == 1 and failing.plan.micro_batch_size == 1
+    assert len(failing.monitor.oom_events) == 1 and failing.plan.micro_batch_size == 1
     assert losses == pytest.approx(expected, rel=1e-6)
-    for name, value in _weights(reference).items():
-        torch.testing.assert_close(_weights(failing)[name], value, atol=1e-6, rtol=0, msg=name)
+    # The redone step runs micro-batches of one row, not two: the same gradient summed in another order,
+    # compared as a whole (tests/helpers.py, `REDUCTION_ORDER`), not per element.
+    unsharded = {**SECTIONS, "strategies": {"sharding": "none"}}  # the same seed and model, no group
+    initial = initial_weights(tiny_recipe(tmp_path / "initial", **unsharded))
+    assert_trained_alike(_weights(failing), _weights(reference), initial)

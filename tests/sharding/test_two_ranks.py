@@ -6,7 +6,11 @@ then one launch runs the 2-rank jobs; resumes that go back to one rank run here 
 Tolerances, and why:
 - fp32, 2 ranks vs 1: the same per-token gradients are summed in another order (each rank sums its
   half, then the all-reduce / reduce-scatter adds the halves), so results agree to fp32 rounding
-  compounded over 3 Adam steps: losses to 1e-5 relative, weights to 1e-5 absolute (measured: 1e-6).
+  compounded over 3 Adam steps: losses to 1e-5 relative, the weights as a whole to `REDUCTION_ORDER`
+  (1e-2) of the distance training moved them (tests/helpers.py). Not element by element: Adam's step
+  does not shrink with the gradient, so an element whose per-rank sums nearly cancel can step
+  differently by up to lr (1e-2); 1e-5 absolute held here (measured: 1e-6) but not on every machine
+  (simulated: the worst element of 100 draws was 3.2e-3 lr).
 - bf16-mixed under ddp / zero1: the reference's computation (fp32 weights, autocast); each rank
   rounds only its partial matmul results, so the same tolerances hold (measured: 1e-7).
 - bf16-mixed under FSDP2 (zero2/3) and DeepSpeed: these compute with bf16 *parameters* (FSDP2's
@@ -17,7 +21,7 @@ Tolerances, and why:
   must stay within twice the reference's own bf16-vs-fp32 distance (measured: 1.2-1.3x), and losses agree
   to 1e-3 relative (measured: 1.5e-4).
 - zero3 with 4 one-row micro-steps vs 1 four-row micro-step: per-row matmuls and 4 accumulated
-  backward passes sum in another order than one batched pass: 1e-5 (measured: 1e-6).
+  backward passes sum in another order than one batched pass: `REDUCTION_ORDER` (measured: 1e-6 absolute).
 - resumes on the same world size: the same reductions in the same order, so bit-identical.
 """
 
@@ -34,7 +38,7 @@ import torch
 import torch.distributed as dist
 from sharding_jobs import run_job
 
-from helpers import REPO, run_two_ranks
+from helpers import REPO, assert_trained_alike, initial_weights, run_two_ranks, tiny_recipe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -94,7 +98,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             }
         )
     )
-    local: dict[str, Any] = {}
+    # what every job started from (one seed, one model): the scale of `assert_trained_alike`
+    local: dict[str, Any] = {"initial": initial_weights(tiny_recipe(root / "initial", **STEPS))}
     for precision in PRECISIONS:
         local[f"ref-{precision}"] = run_job(
             {
@@ -212,8 +217,7 @@ def test_matches_single_process(runs: dict[str, Any], mode: str, precision: str)
         assert _distance(got, expected) <= 2 * bf16_noise
         return
     assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=name)
+    assert_trained_alike(got, expected, runs["initial"])
 
 
 @pytest.mark.parametrize(
@@ -235,8 +239,7 @@ def test_zero3_accumulation_equals_one_micro_step(runs: dict[str, Any]) -> None:
     four, one = runs["zero3-micro1"], runs["zero3-micro4"]  # 4 micro-steps of 1 row vs 1 of 4 rows
     assert four["losses"] == pytest.approx(one["losses"], rel=1e-5)
     expected, got = _weights(runs, "zero3-micro4"), _weights(runs, "zero3-micro1")
-    for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=name)
+    assert_trained_alike(got, expected, runs["initial"])
 
 
 MEASURED = ("weights", "gradients", "optimizer_states", "buffers", "gathered")

@@ -48,7 +48,7 @@ def test_model_state_estimates_match_tracker(tmp_path: Path, precision: str, sta
     predicted = OPTIMIZER_STATES.create(states).estimate(
         shape, trainer.plan.precision.estimate(shape, Footprint())
     )
-    measured = trainer.memory_reports[-1].component_peaks
+    measured = trainer.monitor.memory_reports[-1].component_peaks
     assert measured["weights"] == predicted.weights
     assert measured["gradients"] == predicted.gradients
     assert measured["optimizer_states"] == predicted.optimizer_states
@@ -66,6 +66,6 @@ def test_eight_bit_states_cost_about_two_bytes_per_parameter(tmp_path: Path) -> 
     trainer = CausalLMTrainer(recipe)
     result = trainer.fit()
     numel = sum(p.numel() for p in trainer.model.parameters())
-    per_param = trainer.memory_reports[-1].component_peaks["optimizer_states"] / numel
+    per_param = trainer.monitor.memory_reports[-1].component_peaks["optimizer_states"] / numel
     assert 2.0 <= per_param <= 2.2, per_param  # 1+1 byte moments, absmax per 256, small tensors in fp32
     assert sum(result.losses[-5:]) / 5 < result.losses[0] - 0.3, "loss falls"

@@ -12,10 +12,14 @@ import pytest
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import RecipeError
 from memtrain.recipe import json_schema
+from memtrain.strategies.catalog import free_keys
 from memtrain.strategies.checkpointing import CHECKPOINTING
 
 from helpers import tiny_recipe
+from toy_every_nth import EveryNthBlock
 from toy_every_other import EveryOtherBlock
+
+pytestmark = pytest.mark.usefixtures("shared_traces")  # tests/conftest.py: they plan alike jobs
 
 MODEL = {
     "model_type": "llama",
@@ -36,7 +40,7 @@ def registered() -> Iterator[None]:
     CHECKPOINTING.unregister(EveryOtherBlock.name)
 
 
-def _recipe(tmp_path: Path, checkpointing: str):  # type: ignore[no-untyped-def]
+def _recipe(tmp_path: Path, checkpointing: str, **options: object):  # type: ignore[no-untyped-def]
     return tiny_recipe(
         tmp_path / checkpointing,
         model={"config": MODEL},
@@ -44,7 +48,7 @@ def _recipe(tmp_path: Path, checkpointing: str):  # type: ignore[no-untyped-def]
         data={"seq_len": 32, "synthetic": {"num_samples": 64, "min_len": 0}},
         batch={"global_size": 8, "micro_size": "auto"},
         train={"steps": 3},
-        strategies={"checkpointing": checkpointing},
+        strategies={"checkpointing": checkpointing, **options},
     )
 
 
@@ -67,14 +71,14 @@ def test_toy_strategy_is_planned_and_applied(tmp_path: Path) -> None:
     wrapped = [getattr(block, "_memtrain_checkpointing", None) for block in trainer.blocks(trainer.model)]
     assert wrapped == ["every-other", None, "every-other", None], "the trainer applied it to blocks 0 and 2"
     fitted = trainer.fit()
-    measured = trainer.memory_reports[-1].peak_bytes
+    measured = trainer.monitor.memory_reports[-1].peak_bytes
     assert abs(result.predicted.peak - measured) / measured < 0.02, (result.predicted.peak, measured)
 
     plain = CausalLMTrainer(_recipe(tmp_path, "none"))
     reference = plain.fit()
     assert fitted.losses == reference.losses, "recompute is exact: the same losses as without checkpointing"
-    saved = plain.memory_reports[-1].at_peak["activations"]
-    assert trainer.memory_reports[-1].at_peak["activations"] < saved, "it keeps fewer activations"
+    saved = plain.monitor.memory_reports[-1].at_peak["activations"]
+    assert trainer.monitor.memory_reports[-1].at_peak["activations"] < saved, "it keeps fewer activations"
 
 
 @pytest.mark.usefixtures("registered")
@@ -83,3 +87,25 @@ def test_auto_offers_the_toy_strategy(tmp_path: Path) -> None:
     result = trainer.choose_plan()
     offered = {s.plan.checkpointing.name for s in (*result.ranked, *result.infeasible)}
     assert "every-other" in offered and "none" in offered
+
+
+def test_a_new_strategy_option_is_a_recipe_key_declared_once(tmp_path: Path) -> None:
+    """The option's one declaration (toy_every_nth.py) makes the recipe key, its bounds, its schema entry
+    and its place among the keys a resume may change; removing the strategy removes the key."""
+    CHECKPOINTING.register(EveryNthBlock)  # the one registry line
+    try:
+        strategies = json_schema()["$defs"]["StrategiesConfig"]["properties"]
+        assert strategies["checkpointing_stride"]["default"] == 2
+        assert "strategies.checkpointing_stride" in free_keys()
+        with pytest.raises(RecipeError, match="strategies.checkpointing_stride"):
+            _recipe(tmp_path, "every-nth", checkpointing_stride=0)
+        trainer = CausalLMTrainer(_recipe(tmp_path, "every-nth", checkpointing_stride=3))
+        trainer.setup()
+        assert trainer.plan.checkpointing == EveryNthBlock(stride=3)
+        wrapped = [getattr(block, "_memtrain_checkpointing", None) for block in trainer.blocks(trainer.model)]
+        assert wrapped == ["every-nth", None, None, "every-nth"], "blocks 0 and 3 recompute"
+        trainer.close()
+    finally:
+        CHECKPOINTING.unregister(EveryNthBlock.name)
+    with pytest.raises(RecipeError, match="strategies.checkpointing_stride: unknown key"):
+        _recipe(tmp_path, "none", checkpointing_stride=3)

@@ -21,6 +21,8 @@ from memtrain.strategies.sharding import SHARDING
 
 from helpers import TINY_LLAMA, probe_of, tiny_recipe
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # tests/conftest.py: they plan alike jobs
+
 # Wide enough that the gradients are a large part of the peak, small enough to train in a second.
 MODEL = {
     **TINY_LLAMA,
@@ -78,14 +80,19 @@ def test_peak_falls_by_the_gradients_and_is_predicted(tmp_path: Path, states: st
         return trained(recipe)
 
     standard, in_backward = run("standard"), run("in_backward")
-    measured = in_backward.memory_reports[-1]
-    gradients = standard.memory_reports[-1].component_peaks["gradients"]
+    measured = in_backward.monitor.memory_reports[-1]
+    gradients = standard.monitor.memory_reports[-1].component_peaks["gradients"]
     largest = max(p.numel() for p in in_backward.model.parameters()) * 4  # type: ignore[union-attr]
     # The peak falls by the gradients, less the activations backward still holds when a step runs (the
     # standard step's optimizer phase has none) and one step's gradient and temporaries.
-    limit = standard.memory_reports[-1].peak_bytes - gradients + measured.at_peak["activations"] + 3 * largest
+    limit = (
+        standard.monitor.memory_reports[-1].peak_bytes
+        - gradients
+        + measured.at_peak["activations"]
+        + 3 * largest
+    )
     assert measured.peak_bytes <= limit, (measured.peak_bytes, limit)
-    assert standard.memory_reports[-1].peak_bytes - measured.peak_bytes > gradients / 2
+    assert standard.monitor.memory_reports[-1].peak_bytes - measured.peak_bytes > gradients / 2
     assert measured.component_peaks["gradients"] <= largest  # never more than one gradient
     predicted = in_backward.plan_result.predicted  # type: ignore[union-attr]
     assert predicted is not None

@@ -156,5 +156,13 @@ def test_subclass_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     states = [
         torch.load(tmp_path / n / "checkpoints/step_00000004/model.pt", weights_only=True) for n in runs
     ]
-    for key, value in states[0].items():
-        torch.testing.assert_close(states[1][key], value, rtol=1e-4, atol=1e-6)
+    # The ranks sum the gradients in another order: compared as a whole, not per element (tests/helpers.py,
+    # `REDUCTION_ORDER`: AdamW can step an element whose gradient nearly cancels differently by up to lr).
+    from memtrain.commands.trainers import trainer_class
+    from memtrain.recipe import load_recipe
+
+    from helpers import assert_trained_alike, initial_weights
+
+    fresh = [*common[1:5], "strategies.sharding=none", f"run.output_dir={tmp_path / 'initial'}"]
+    initial = initial_weights(load_recipe(RECIPE, fresh), trainer_class(TRAINER))
+    assert_trained_alike(states[1], states[0], initial)

@@ -1,5 +1,6 @@
-"""Datasets for the built-in causal-LM trainer: synthetic tokens, local text and jsonl files, and datasets
-through the `datasets` library (`causal_lm.dataset_source`, streamed by `causal_lm.streaming`).
+"""Datasets for the built-in causal-LM trainer, from the source `data.source` names (`causal_lm.sources`:
+synthetic tokens, local text and jsonl files, datasets through the `datasets` library; a stream is read
+by `causal_lm.streaming`).
 
 Every record becomes a document (`causal_lm.sft`: which tokens carry loss for `data.kind`), and documents
 become rows (`causal_lm.packing`): one per row, or packed with position ids that restart per document.
@@ -15,22 +16,18 @@ sample.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from memtrain.causal_lm import dataset_source, packing, sft
+from memtrain.causal_lm import packing, sft
 from memtrain.causal_lm import tokenizer as tokenizer_lib
 from memtrain.causal_lm.packing import Sample
+from memtrain.causal_lm.sources import DataSource, source_of
 from memtrain.causal_lm.streaming import StreamedSamples
 from memtrain.causal_lm.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError
-from memtrain.jsonfile import decode_utf8
 from memtrain.recipe import DataConfig
 
 IGNORE_INDEX = sft.IGNORE_INDEX
@@ -47,67 +44,7 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 def carries_positions(cfg: DataConfig) -> bool:
     """Whether batches carry `position_ids` (packed documents): attention is then masked per document."""
-    return cfg.packing and cfg.source != "synthetic"
-
-
-def read_documents(cfg: DataConfig) -> list[str]:
-    """Documents of a text file (separated by blank lines)."""
-    return [doc.strip() for doc in _read(cfg).split("\n\n") if doc.strip()]
-
-
-def read_records(cfg: DataConfig) -> Iterator[tuple[Mapping[str, Any], str]]:
-    """The records of a jsonl file, one per line, each with where it is."""
-    for number, line in enumerate(_read(cfg).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise RecipeError([f"data.path: {cfg.path}:{number} is not valid JSON ({exc.msg})"]) from None
-        if not isinstance(record, dict):
-            raise RecipeError([f"data.path: {cfg.path}:{number} is not a JSON object"])
-        yield record, f"{cfg.path}:{number}"
-
-
-def _read(cfg: DataConfig) -> str:
-    """The text of `data.path`; `RecipeError` naming data.path when it is missing, unreadable or not UTF-8
-    (with the line of the first bad byte)."""
-    assert cfg.path is not None
-    path = Path(cfg.path)
-    if not path.is_file():
-        raise RecipeError([f"data.path: file not found: {path} (relative paths start at {Path.cwd()})"])
-    return decode_utf8(path.read_bytes(), path, "data.path")
-
-
-def documents(cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None = None) -> list[sft.Document]:
-    """Every document of a text, jsonl or (not streamed) dataset source, in stored order."""
-    if cfg.source == "text":
-        return [sft.text_document(tokenizer, doc) for doc in read_documents(cfg)]
-    if cfg.source == "jsonl":
-        encode = sft.RecordEncoder(cfg, tokenizer)
-        return [encode(record, where) for record, where in read_records(cfg)]
-    return dataset_source.documents(cfg, tokenizer, env)
-
-
-def samples_of(docs: list[sft.Document], cfg: DataConfig, tokenizer: Tokenizer) -> list[Sample]:
-    """Packed rows, or one row per document (cut to seq_len; documents without a target dropped)."""
-    if cfg.packing:
-        return packing.pack(docs, cfg.seq_len, tokenizer.bos)
-    return [s for s in (packing.document_sample(d, cfg.seq_len) for d in docs) if s is not None]
-
-
-def synthetic_samples(num: int, seq_len: int, vocab: int, min_len: int, seed: int) -> list[torch.Tensor]:
-    """Learnable synthetic sequences: arithmetic progressions modulo the vocabulary, so loss can fall.
-    With `min_len > 0` lengths vary uniformly in [min_len, seq_len + 1] (padded batches)."""
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, vocab, (num,), generator=gen)
-    strides = torch.randint(1, min(vocab, 8), (num,), generator=gen)
-    if min_len > 0:
-        lengths = torch.randint(max(min_len, 2), seq_len + 2, (num,), generator=gen)
-    else:
-        lengths = torch.full((num,), seq_len + 1)
-    positions = torch.arange(seq_len + 1)
-    return [(starts[i] + strides[i] * positions[: lengths[i]]) % vocab for i in range(num)]
+    return cfg.packing and source_of(cfg).tokenized
 
 
 @dataclass(frozen=True)
@@ -127,15 +64,10 @@ def build_splits(
 ) -> Splits:
     """Samples of the recipe's data, shuffled once by `seed`, with the last `eval_fraction` held out.
     A streamed dataset keeps its training samples in the stream and holds out `eval_rows` samples."""
-    if cfg.source == "synthetic":
-        vocab = cfg.synthetic.vocab_size or vocab_size
-        tokens = synthetic_samples(cfg.synthetic.num_samples, cfg.seq_len, vocab, cfg.synthetic.min_len, seed)
-        samples = [Sample(t[:-1], t[1:]) for t in tokens]
-    elif cfg.streaming:
-        return _streamed(cfg, seed, global_batch, eval_rows)
-    else:
-        tokenizer = load_tokenizer(cfg)
-        samples = samples_of(documents(cfg, tokenizer, env), cfg, tokenizer)
+    source = source_of(cfg)
+    if cfg.streaming:
+        return _streamed(cfg, source, seed, global_batch, eval_rows)
+    samples = source.samples(cfg, vocab_size, seed, env)
     if not samples:
         raise RecipeError([f"data.path: {cfg.path} yields no sample with a target (of at least 2 tokens)"])
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 1)).tolist()
@@ -145,11 +77,10 @@ def build_splits(
     return Splits(train=shuffled[:cut], eval=shuffled[cut:])
 
 
-def _streamed(cfg: DataConfig, seed: int, global_batch: int, eval_rows: int) -> Splits:
+def _streamed(cfg: DataConfig, source: DataSource, seed: int, global_batch: int, eval_rows: int) -> Splits:
     tokenizer = load_tokenizer(cfg)
-    dataset = dataset_source.load(cfg, streaming=True)
     stream = StreamedSamples(
-        records=lambda: dataset_source.records(dataset, cfg.path),
+        records=source.records(cfg),
         encode=sft.RecordEncoder(cfg, tokenizer),
         seq_len=cfg.seq_len,
         packing=cfg.packing,

@@ -25,8 +25,10 @@ from memtrain.causal_lm.sft import ROLES, Document, RecordEncoder, column
 from memtrain.causal_lm.tokenizer import Tokenizer
 from memtrain.distributed import DistEnv, barrier
 from memtrain.errors import RecipeError
+from memtrain.jsonfile import check_utf8
 from memtrain.recipe import DataConfig
 
+TEXT_FORMATS = (".json", ".jsonl", ".csv")  # the datasets formats that are text
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 ENCODING_VERSION = "1"  # bump when the documents of a record change, so cached tokenizations are not reused
 T = TypeVar("T")
@@ -116,6 +118,28 @@ def column_problems(cfg: DataConfig, columns: list[str]) -> list[str]:
                 f"name the {role} column with data.fields.{role}"
             )
     return problems
+
+
+def check_text_files(cfg: DataConfig) -> None:
+    """The local json, jsonl and csv files of a dataset that is loaded whole must be UTF-8 throughout:
+    datasets reads some of them with replacement characters in place of bad bytes, silently. (A streamed
+    dataset may be larger than a scan is worth: its bad bytes are found where they are read.)"""
+    if cfg.streaming or cfg.path is None:
+        return
+    names = sorted(glob.glob(cfg.path, recursive=True)) if glob.has_magic(cfg.path) else [cfg.path]
+    for name in names:
+        path = Path(name)
+        if path.is_file() and path.suffix.lower() in TEXT_FORMATS:
+            check_utf8(path, "data.path")
+
+
+def head(cfg: DataConfig, count: int) -> tuple[list[tuple[Mapping[str, Any], str]], list[str]]:
+    """The first `count` records (streamed, unless a hub dataset is to be loaded whole) and the columns."""
+    hub = cfg.path is not None and not Path(cfg.path).exists() and not glob.has_magic(cfg.path)
+    dataset = load(cfg, streaming=cfg.streaming if hub else True)
+    first = list(itertools.islice(records(dataset, cfg.path), count))
+    columns = dataset.column_names or (list(first[0][0]) if first else [])
+    return first, list(columns)
 
 
 def records(dataset: Any, path: str | None) -> Iterator[tuple[Mapping[str, Any], str]]:

@@ -39,7 +39,6 @@ before loading, then writes one of two things:
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import warnings
@@ -54,6 +53,7 @@ from memtrain import checkpoint as ckpt
 from memtrain.errors import MemtrainError
 from memtrain.plan import adapters_of
 from memtrain.recipe import Recipe, recipe_from_dict
+from memtrain.run import RunDirectory
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.registry import DeviceFacts
 from memtrain.strategies.sharding.sharded_checkpoint import DCP_DIR, DEEPSPEED_DIR, detect_format
@@ -61,7 +61,6 @@ from memtrain.strategies.sharding.sharded_checkpoint import DCP_DIR, DEEPSPEED_D
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-HF_DIR = "hf"  # the export's directory inside the run directory (`output.export: hf`)
 DEEPSPEED_TAG = "state"  # the tag memtrain's DeepSpeed backend saves under (deepspeed_backend.TAG)
 
 # Files a Hugging Face tokenizer directory may hold (slow and fast tokenizers, chat templates).
@@ -96,7 +95,8 @@ def export_hf(
     `run_dir/hf`, rewritten when a resumed run exports again). Returns `out`.
     """
     run_dir, out = Path(run_dir), Path(out)
-    recipe = run_recipe(run_dir)
+    run = RunDirectory(run_dir)
+    recipe = run_recipe(run)
     adapters = adapters_of(recipe)
     if adapters_only and not has_adapters(adapters):
         raise MemtrainError(
@@ -105,7 +105,7 @@ def export_hf(
         )
     adapters.check(DeviceFacts.of(torch.device("cpu")))  # peft is installed
     config = model_config(recipe)
-    found = pick_checkpoint(run_dir, step)
+    found = run.checkpoint_at(step)
     _check_out(out, overwrite)
     state = dequantised(load_model_state(found.path))
     staging = out.with_name(out.name + ".tmp")
@@ -140,18 +140,9 @@ def has_adapters(adapters: Adapters) -> bool:
 # ------------------------------------------------------------------------------------- the run
 
 
-def run_recipe(run_dir: Path) -> Recipe:
-    """The run's resolved recipe (`recipe.json`, written by rank 0 when the run started)."""
-    file = run_dir / "recipe.json"
-    if not file.is_file():
-        raise MemtrainError(f"RUN_DIR: {run_dir} holds no recipe.json (not a memtrain run directory)")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise MemtrainError(f"{file}: unreadable ({exc})") from None
-    if not isinstance(raw, dict):
-        raise MemtrainError(f"{file}: must hold a JSON object")
-    return recipe_from_dict(raw, source=str(file))
+def run_recipe(run: RunDirectory) -> Recipe:
+    """The run's resolved recipe (written by rank 0 when the run started), validated."""
+    return recipe_from_dict(run.read_recipe(), source=str(run.layout.recipe_file))
 
 
 def model_config(recipe: Recipe) -> Any:
@@ -174,23 +165,6 @@ def model_config(recipe: Recipe) -> Any:
     from memtrain.causal_lm.trainer import build_config
 
     return build_config(recipe)
-
-
-def pick_checkpoint(run_dir: Path, step: int | None) -> ckpt.Checkpoint:
-    """Checkpoint `step` of the run, or its newest; errors name the flag to change."""
-    root = run_dir / "checkpoints"
-    found = ckpt.list_checkpoints(root)
-    if not found:
-        raise MemtrainError(
-            f"RUN_DIR: no checkpoint under {root}; train with checkpoint.at_end: true (or checkpoint.every)"
-        )
-    if step is None:
-        return found[-1]
-    for candidate in found:
-        if candidate.step == step:
-            return candidate
-    steps = ", ".join(str(c.step) for c in found)
-    raise MemtrainError(f"--step: no checkpoint at step {step} in {root} (it has steps {steps})")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

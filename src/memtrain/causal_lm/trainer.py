@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks, pretrained
+from memtrain.causal_lm.sources import source_of
 from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import ModelSpec
@@ -235,13 +236,13 @@ def model_problems(recipe: Recipe) -> list[str]:
             "(lower data.seq_len or raise the model config's max_position_embeddings / n_positions)"
         )
     vocab = getattr(config, "vocab_size", None)
-    tokenizer_ok = not any(p.startswith("data.tokenizer") for p in data_problems)
-    data_vocab = _data_vocab_size(recipe) if tokenizer_ok else None
-    if isinstance(vocab, int) and data_vocab is not None and data_vocab > vocab:
+    data_ok = not any(p.startswith(("data.tokenizer", "data.source")) for p in data_problems)
+    data_vocab = source_of(recipe.data).vocabulary(recipe.data) if data_ok else None
+    if isinstance(vocab, int) and data_vocab is not None and data_vocab.size > vocab:
         _, key = config_dict(recipe)
         field = "model.config.vocab_size" if key == "model.config" else f"{key} (its vocab_size)"
         problems.append(
-            f"{field}: {vocab} is smaller than {_vocab_source(recipe, data_vocab)}; ids past the vocabulary "
+            f"{field}: {vocab} is smaller than {data_vocab.described}; ids past the vocabulary "
             "would fail in the embedding"
         )
     return problems
@@ -263,20 +264,6 @@ def _attention_problems(recipe: Recipe, config: Any) -> list[str]:
         f"model.attn_implementation: sdpa{default}, but transformers builds {model_class.__name__} "
         "without SDPA attention; set model.attn_implementation: eager"
     ]
-
-
-def _data_vocab_size(recipe: Recipe) -> int | None:
-    """The number of token ids the data can hold: every id of the tokenizer, added and special tokens
-    included (`len(tokenizer)`, not only its base vocabulary)."""
-    if recipe.data.source == "synthetic":
-        return recipe.data.synthetic.vocab_size
-    return data_lib.load_tokenizer(recipe.data).vocab_size
-
-
-def _vocab_source(recipe: Recipe, ids: int) -> str:
-    if recipe.data.source == "synthetic":
-        return f"data.synthetic.vocab_size ({ids})"
-    return f"the tokenizer's {ids} tokens (added and special tokens included)"
 
 
 # Config fields of transformers families whose logits are not `head(hidden)`: (field, the value that
@@ -453,7 +440,9 @@ class CausalLMTrainer(Trainer):
     def model_spec(self) -> ModelSpec:
         """The built-in hooks, with the traced model on `trace_sdpa()` when the recipe runs `sdpa` on rows of
         one sequence each (packed rows build the 4-D document mask, as the plain `sdpa` model does)."""
-        spec = dataclasses.replace(super().model_spec(), name=str(self.model_config.model_type))
+        spec = dataclasses.replace(
+            super().model_spec(), name=str(self.model_config.model_type), trace_key=self._trace_key()
+        )
         self._layers_per_block()  # now, on the meta device: clones are built under the trace's fake tensors
         if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):
             return spec
@@ -476,6 +465,22 @@ class CausalLMTrainer(Trainer):
             build_model=lambda: build(self.model_config),
             build_clone=lambda depth: build(self._clone_config(depth)),
         )
+
+    def _trace_key(self) -> Hashable | None:
+        """`ModelSpec.trace_key`: what these hooks read (the model config, the recipe's `model` and `data`
+        sections). None when a subclass or this instance replaces a method the trace calls: its own version
+        may read anything."""
+        if any(
+            name in vars(self) or getattr(type(self), name) is not own
+            for name, own in _TRACED_METHODS.items()
+        ):
+            return None
+        try:
+            config = self.model_config.to_json_string(use_diff=False)
+        except Exception:  # a config JSON cannot write: no key, nothing shared (planning goes on)
+            return None
+        model, data = self.recipe.model.model_dump_json(), self.recipe.data.model_dump_json()
+        return (type(self.model_config), config, model, data)
 
     def step_batch(self, step: int) -> Batch:
         share = self.per_rank_batch_size
@@ -516,6 +521,22 @@ class CausalLMTrainer(Trainer):
 
 
 _DECODER_DEPTH = ("num_decoder_layers", "decoder_layers")
+# What a planner trace calls (through `model_spec`'s hooks), so what `_trace_key` stands for: this class's
+# own functions, taken now (the fault kit replaces the module's `CausalLMTrainer` with a partial).
+_TRACED_METHODS = {
+    name: getattr(CausalLMTrainer, name)
+    for name in (
+        "model_spec",
+        "build_model",
+        "build_model_clone",
+        "blocks",
+        "planning_batch",
+        "loss",
+        "_from_config",
+        "_clone_config",
+        "_layers_per_block",
+    )
+}
 
 
 def _depth_field(config: Any) -> str:

@@ -18,9 +18,10 @@ def run(run_dir: str | Path, out: str | Path, step: int | None = None, *, adapte
     """Export and print where the model went; `MemtrainError`s name the flag to change."""
     if step is not None and step < 1:
         raise MemtrainError(f"--step: must be a positive checkpoint step (got {step})")
-    from memtrain.causal_lm.export import export_hf, pick_checkpoint
+    from memtrain.causal_lm.export import export_hf
+    from memtrain.run import RunDirectory
 
-    chosen = pick_checkpoint(Path(run_dir), step)
+    chosen = RunDirectory(Path(run_dir)).checkpoint_at(step)
     written = export_hf(run_dir, out, chosen.step, adapters_only=adapters_only)
     what = "adapters, peft format" if adapters_only else "Hugging Face format"
     print(f"[memtrain] exported step {chosen.step} of {run_dir} to {written} ({what})", flush=True)

@@ -16,6 +16,7 @@ from memtrain.commands.trainers import load_checked_recipe, trainer_class
 from memtrain.memory import cuda_stats
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
 from memtrain.recipe import load_recipe
+from memtrain.run import RunLayout
 
 PROFILE_OVERRIDES = [
     "checkpoint.every=0",
@@ -31,7 +32,7 @@ def run_profile(
     """Train `steps` steps of the recipe under the tracker with the built-in trainer or `trainer_spec`
     (`--trainer FILE.py:Class`); returns (memory.json content, output dir)."""
     probe = load_checked_recipe(recipe_path, overrides)
-    out_dir = out or probe.output_path() / "profile"
+    out_dir = out or RunLayout(probe.output_path()).profile_dir
     recipe = load_recipe(
         recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}", *PROFILE_OVERRIDES]
     )
@@ -40,11 +41,13 @@ def run_profile(
     if on_cuda:
         cuda_stats.start_memory_history()
     trainer.fit()
-    assert trainer.tracker is not None
-    report = memory_json(trainer.memory_reports, trainer.env.device)
-    if len(trainer.memory_reports) >= 2:
-        device_peaks = trainer.device_peaks if on_cuda else None  # RSS is no per-tensor peak on CPU
-        report["first_step"] = trainer.tracker.first_step_report(device_peaks)
+    monitor = trainer.monitor
+    tracker = monitor.tracker
+    assert tracker is not None
+    report = memory_json(monitor.memory_reports, trainer.env.device)
+    if len(monitor.memory_reports) >= 2:
+        device_peaks = monitor.device_peaks if on_cuda else None  # RSS is no per-tensor peak on CPU
+        report["first_step"] = tracker.first_step_report(device_peaks)
     if on_cuda:
         snapshot = cuda_stats.dump_memory_history(out_dir / "memory_snapshot.pickle")
         stats = cuda_stats.allocator_stats(trainer.env.device)
@@ -57,8 +60,8 @@ def run_profile(
     if trainer.env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "memory.json").write_text(json_out.dumps(report, indent=2))
-        write_timeline_png(trainer.tracker, out_dir / "timeline.png", trainer.memory_reports)
-        write_timeline_html(trainer.tracker, out_dir / "timeline.html", trainer.memory_reports)
+        write_timeline_png(tracker, out_dir / "timeline.png", monitor.memory_reports)
+        write_timeline_html(tracker, out_dir / "timeline.html", monitor.memory_reports)
     return report, out_dir
 
 

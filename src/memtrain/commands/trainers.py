@@ -19,8 +19,11 @@ import sys
 from collections.abc import Set
 from pathlib import Path
 
+import torch
+
 from memtrain.errors import MemtrainError, RecipeError
 from memtrain.recipe import Recipe, load_recipe
+from memtrain.strategies.blocks import model_shape
 from memtrain.training import preflight
 from memtrain.training.trainer import Trainer
 
@@ -127,10 +130,23 @@ def _validated_model(recipe: Recipe, source: str, spec: str | None) -> str:
 
         trainer = trainer_class(spec)(recipe)
         try:
-            described = trainer.describe_model()
+            described = describe_model(trainer)
             problems = preflight.model_problems(recipe, trainer.build_model)
         finally:
             shutdown(trainer.env)
     if problems:
         raise RecipeError(problems, source)
     return described
+
+
+def describe_model(trainer: Trainer) -> str:
+    """A line for `memtrain validate`: the trainer's model as the planner will see it (built on the meta
+    device), after checking that `planning_batch` works."""
+    with torch.device("meta"):
+        model = trainer.build_model()
+    shape = model_shape(model, trainer.blocks(model))
+    trainer.planning_batch(1)
+    return (
+        f"{type(trainer).__name__}: {shape.numel:,} parameters ({shape.trainable_numel:,} trainable), "
+        f"{shape.num_blocks} blocks"
+    )

@@ -37,19 +37,30 @@ others, so a line through 1 and 8 rows under-predicted 4 rows' step peak by 1.1%
 sizes the copy is gigabytes. So when the range starts at one row, a micro-batch of one row reads the fit
 through 1 and 2 rows, larger ones the fit through 2 rows and the largest: every traced size exact, convex
 from 2 rows on. Traces are cached per size, so the three sizes cost three traces.
+
+Why traces can be shared between probes, and only inside `shared_traces()`: a traced size is a function of
+the spec's hooks, the size's strategies and rows, the adapters, the base quantisation and torch's thread
+count and default dtype, nothing else, so two probes of equal `ModelSpec.trace_key` (which the trainer sets
+only where its key determines its hooks) with the same hook functions can share it. A program plans one job
+and needs none of this; a test suite that plans the same tiny model in a hundred tests turns it on. It is
+off by default because what the key cannot see (a hook patched from outside, a kernel swapped in torch)
+would be shared too; and a trace on real tensors (trace_fallback.py) is never shared.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from memtrain.errors import MemtrainError, Unsupported
+from memtrain.memory import fake_tensors
 from memtrain.memory.footprint import ModelShape
+from memtrain.planner import activations
 from memtrain.planner.activations import (
     MICRO_STEPS,
     FittedTrace,
@@ -72,6 +83,20 @@ from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 
 TraceKey = tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss, Capability | None]
+
+_shared: dict[Hashable, StepTrace] | None = None  # `shared_traces`: None (off) unless inside it
+
+
+@contextlib.contextmanager
+def shared_traces(memo: dict[Hashable, StepTrace] | None = None) -> Iterator[dict[Hashable, StepTrace]]:
+    """Within it, probes share their traced sizes through `memo` (a new one by default) when their specs
+    have equal `trace_key`s and the same hook functions (module docstring)."""
+    global _shared
+    previous, _shared = _shared, ({} if memo is None else memo)
+    try:
+        yield _shared
+    finally:
+        _shared = previous
 
 
 @dataclass
@@ -234,6 +259,9 @@ class ModelProbe:
                     whole,
                     self.block_segments,
                 )
+                shared = self._shared_key(size)
+                if shared is not None and _shared is not None and shared in _shared:
+                    self._steps[size] = _shared[shared]
                 if size not in self._steps:
                     self._steps[size] = trace_step(
                         build,
@@ -250,6 +278,8 @@ class ModelProbe:
                         cuda_capability,
                         self.block_segments,
                     )
+                    if shared is not None and _shared is not None:
+                        _shared[shared] = self._steps[size]
                 return self._steps[size]
 
             def traced(build: Callable[[], nn.Module] = build) -> FittedTrace:
@@ -307,6 +337,31 @@ class ModelProbe:
 
     def _batch(self, rows: int) -> Batch:
         return self.spec.micro_batch(rows)
+
+    def _shared_key(self, size: tuple[object, ...]) -> Hashable | None:
+        """What a traced `size` of this probe is shared under in `shared_traces()`; None: not shared (off, no
+        `trace_key`, a hook that is not a plain function or method, or a trace on anything but the fake
+        tensors `trace_step` makes)."""
+        if _shared is None or self.spec.trace_key is None or activations.fake_tensors is not fake_tensors:
+            return None
+        spec = self.spec
+        hooks = tuple(_hook_identity(h) for h in (spec.build_model, spec.blocks, spec.micro_batch, spec.loss))
+        clone = None if spec.build_clone is None else _hook_identity(spec.build_clone)
+        if None in hooks or (spec.build_clone is not None and clone is None):
+            return None
+        hooks += (clone,)
+        threads = (torch.get_num_threads(), torch.get_default_dtype())
+        return (spec.trace_key, hooks, size, self.adapters, self.quantization, threads)
+
+
+def _hook_identity(hook: Callable[..., object] | None) -> Hashable | None:
+    """A hook's function (and, for a bound method, its instance's class): another spec with the same key
+    but a hook swapped (`dataclasses.replace(spec, loss=...)`) has another identity. None: not a plain
+    function or method."""
+    function = getattr(hook, "__func__", None)
+    if function is not None:
+        return (function, type(getattr(hook, "__self__", None)))
+    return getattr(hook, "__code__", None)
 
 
 def _fit_or_none(traced: Callable[[], FittedTrace]) -> FittedTrace | None:

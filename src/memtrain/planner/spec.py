@@ -9,7 +9,7 @@ causal-LM trainer is one subclass among others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,11 @@ class ModelSpec:
     host_bytes: -> bytes of data the trainer keeps in host memory (asked only when the device is a CPU,
         where host memory is the device).
     name: what to call the model in progress lines and errors.
+    trace_key: a value that determines everything the hooks above do in a trace: two specs with equal keys
+        build the same model and clones, cut the same blocks, make the same micro-batches and compute the
+        same loss. Set only where that holds (the built-in causal-LM trainer with its own hooks: its
+        config and the recipe's `model` and `data` sections); None, the default: this spec's traces are
+        never shared with another probe's (`model_probe.shared_traces`).
     """
 
     build_model: Callable[[], nn.Module]
@@ -43,3 +48,4 @@ class ModelSpec:
     build_clone: Callable[[int], nn.Module] | None = None
     host_bytes: Callable[[], int] = lambda: 0
     name: str = "model"
+    trace_key: Hashable | None = None

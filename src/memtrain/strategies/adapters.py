@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from memtrain.errors import Unsupported
 from memtrain.strategies.blocks import output_head
-from memtrain.strategies.registry import DeviceFacts, Registry, Strategy, option
+from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 
 ALL_LINEAR = "all-linear"
 
@@ -47,7 +47,18 @@ class Adapters(Strategy):
         """Initialise the adapters' parameters after a meta-device model was materialised."""
 
 
-ADAPTERS: Registry[Adapters] = Registry("adapters", Adapters)
+ADAPTERS: Registry[Adapters] = Registry(
+    "adapters",
+    Adapters,
+    RecipeKey(
+        "adapters",
+        "kind",
+        "none",
+        "Parameter-efficient fine-tuning: none, or lora (peft adapters on a frozen base).",
+        changes_trajectory=True,
+        planner_choice=False,
+    ),
+)
 ADAPTERS.register(Adapters)
 
 
@@ -57,10 +68,29 @@ class LoRA(Adapters):
     """Low-rank adapters (peft): W x + (alpha / r) B A x, with A (r x in) and B (out x r) trained."""
 
     name: ClassVar[str] = "lora"
-    r: int = option(16, recipe_key="r")
-    alpha: int = option(32, recipe_key="alpha")
-    dropout: float = option(0.0, recipe_key="dropout")
-    target_modules: tuple[str, ...] | str = option(ALL_LINEAR, recipe_key="target_modules")
+    r: int = option(16, recipe_key="r", doc="LoRA rank.", changes_trajectory=True, gt=0)
+    alpha: float = option(
+        32.0,
+        recipe_key="alpha",
+        doc="LoRA scale numerator (the update is scaled by alpha / r).",
+        changes_trajectory=True,
+        gt=0,
+    )
+    dropout: float = option(
+        0.0,
+        recipe_key="dropout",
+        doc="Dropout on the adapters' input.",
+        changes_trajectory=True,
+        ge=0.0,
+        lt=1.0,
+    )
+    target_modules: tuple[str, ...] | str = option(
+        ALL_LINEAR,
+        recipe_key="target_modules",
+        recipe_type=list[str] | Literal["all-linear"],
+        doc="Module names (suffixes) to adapt, or all-linear (every linear but the head).",
+        changes_trajectory=True,
+    )
 
     def check(self, facts: DeviceFacts) -> None:
         if importlib.util.find_spec("peft") is None:
@@ -74,7 +104,7 @@ class LoRA(Adapters):
             check_targets(model, targets)
         config = LoraConfig(
             r=self.r,
-            lora_alpha=self.alpha,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]  # typed int by peft; the scale alpha / r takes a float
             lora_dropout=self.dropout,
             target_modules=list(targets) if isinstance(targets, tuple) else targets,
             exclude_modules=[head] if (head := output_head(model)) else [],

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from memtrain.errors import Unsupported
 from memtrain.memory.activation_profile import is_matmul
 from memtrain.memory.footprint import ActivationProfile, Footprint
-from memtrain.strategies.registry import DeviceFacts, Registry, Strategy
+from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 
 # transformers layers take their KV cache under one of these names. A recomputed layer would append its keys
 # and values a second time, so a checkpointed call drops the cache, as transformers' own checkpointing does.
@@ -149,7 +149,17 @@ class Checkpointing(Strategy):
         return footprint.with_(activations=max(sum(kept) + profile.outside_blocks, running))
 
 
-CHECKPOINTING: Registry[Checkpointing] = Registry("checkpointing", Checkpointing)
+CHECKPOINTING: Registry[Checkpointing] = Registry(
+    "checkpointing",
+    Checkpointing,
+    RecipeKey(
+        "strategies",
+        "checkpointing",
+        "none",
+        "Activation checkpointing: which blocks keep less in forward and recompute in backward.",
+        changes_trajectory=False,
+    ),
+)
 
 
 @CHECKPOINTING.register
@@ -183,7 +193,13 @@ class FractionCheckpointing(Checkpointing):
 
     name: ClassVar[str] = "fraction"
     recompute: ClassVar[str] = "forward"
-    fraction: float = 0.5
+    fraction: float = option(
+        0.5,
+        doc="Share of blocks recomputed when checkpointing is 'fraction'.",
+        changes_trajectory=False,
+        gt=0.0,
+        le=1.0,
+    )
 
     def check(self, facts: DeviceFacts) -> None:
         if not 0.0 < self.fraction <= 1.0:

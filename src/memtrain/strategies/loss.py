@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain.errors import Unsupported
 from memtrain.strategies.fused_cross_entropy import fused_linear_cross_entropy
-from memtrain.strategies.registry import Registry, Strategy, option
+from memtrain.strategies.registry import RecipeKey, Registry, Strategy, option
 from memtrain.strategies.sharding import Sharding
 
 BINDING = "memtrain_loss"  # the model attribute `apply` sets
@@ -69,7 +69,18 @@ class Loss(Strategy):
         setattr(model, BINDING, BoundLoss(self, None))
 
 
-LOSS: Registry[Loss] = Registry("loss", Loss)
+LOSS: Registry[Loss] = Registry(
+    "loss",
+    Loss,
+    RecipeKey(
+        "strategies",
+        "loss",
+        "standard",
+        "How the head and the cross-entropy run: standard, chunked (no full fp32 logits) or fused (the "
+        "head's gradients chunk by chunk in forward).",
+        changes_trajectory=False,
+    ),
+)
 LOSS.register(Loss)
 
 
@@ -83,7 +94,12 @@ class Chunked(Loss):
     recomputes_head: ClassVar[bool] = True
     applies_bare_head: ClassVar[bool] = True
     # one chunk's fp32 logits at a 128k vocabulary: 512 MiB; 1024-row matmuls still fill a GPU
-    chunk_tokens: int = option(1024)
+    chunk_tokens: int = option(
+        1024,
+        doc="Tokens per chunk of the head and the loss when loss is 'chunked' or 'fused'.",
+        changes_trajectory=False,
+        gt=0,
+    )
 
     def check_sharding(self, sharding: Sharding) -> None:
         if sharding.name == "zero3" and sharding.backend == "deepspeed":

@@ -37,7 +37,7 @@ from torch.optim.optimizer import ParamsT
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.strategies.lowbit_adamw import BF16StateAdamW, local_tensor
-from memtrain.strategies.registry import DeviceFacts, Registry, Strategy
+from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy
 
 BNB_MIN_8BIT_SIZE = 4096  # tensors with fewer elements keep fp32 states (passed to bitsandbytes by `build`)
 BNB_BLOCK_SIZE = 256  # elements per fp32 absmax, hard-coded in bitsandbytes' init_state
@@ -85,7 +85,17 @@ class OptimizerStates(Strategy):
         return footprint.with_(optimizer_states=footprint.optimizer_states + states)
 
 
-OPTIMIZER_STATES: Registry[OptimizerStates] = Registry("optimizer_states", OptimizerStates)
+OPTIMIZER_STATES: Registry[OptimizerStates] = Registry(
+    "optimizer_states",
+    OptimizerStates,
+    RecipeKey(
+        "strategies",
+        "optimizer_states",
+        "fp32",
+        "How AdamW's two moments are stored: fp32, bf16, 8bit or paged-8bit (bitsandbytes).",
+        changes_trajectory=True,
+    ),
+)
 OPTIMIZER_STATES.register(OptimizerStates)
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from memtrain.errors import PlanError, Unsupported
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.precision import Precision
-from memtrain.strategies.registry import Registry, Strategy
+from memtrain.strategies.registry import RecipeKey, Registry, Strategy
 from memtrain.strategies.sharding import Sharding
 
 OptimizerBuilder = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -65,7 +65,19 @@ class OptimizerStep(Strategy):
         return build
 
 
-OPTIMIZER_STEP: Registry[OptimizerStep] = Registry("optimizer_step", OptimizerStep)
+OPTIMIZER_STEP: Registry[OptimizerStep] = Registry(
+    "optimizer_step",
+    OptimizerStep,
+    RecipeKey(
+        "strategies",
+        "optimizer_step",
+        "standard",
+        "standard: one optimizer step after backward; in_backward: each parameter stepped as soon as its "
+        "gradient is accumulated, its gradient freed (no gradient memory; needs no accumulation, "
+        "train.grad_clip: null, sharding none).",
+        changes_trajectory=False,
+    ),
+)
 OPTIMIZER_STEP.register(OptimizerStep)
 
 

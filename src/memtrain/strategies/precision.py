@@ -26,7 +26,7 @@ from torch import nn
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
-from memtrain.strategies.registry import DeviceFacts, Registry, Strategy, option
+from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,17 @@ class Precision(Strategy):
         return footprint.with_(weights=stored * shape.numel, gradients=stored * trainable)
 
 
-PRECISION: Registry[Precision] = Registry("precision", Precision)
+PRECISION: Registry[Precision] = Registry(
+    "precision",
+    Precision,
+    RecipeKey(
+        "strategies",
+        "precision",
+        "fp32",
+        "The dtypes of weights, compute and gradients (fp32, bf16-mixed, bf16-master, fp16-mixed, fp8).",
+        changes_trajectory=True,
+    ),
+)
 PRECISION.register(Precision)
 
 
@@ -154,7 +164,12 @@ class FP8(Precision):
     compute: ClassVar[str] = "fp8"
     needs_bf16: ClassVar[bool] = True
     preserves_numerics: ClassVar[bool] = False
-    emulate: bool = option(False, recipe_key="fp8_emulate")  # torchao's emulation (CPU, debugging)
+    emulate: bool = option(
+        False,
+        recipe_key="fp8_emulate",
+        doc="fp8 through torchao's emulation (CPU, debugging).",
+        changes_trajectory=True,
+    )
 
     def check(self, facts: DeviceFacts) -> None:
         super().check(facts)

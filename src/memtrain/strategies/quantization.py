@@ -49,7 +49,7 @@ from torch import nn
 
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
-from memtrain.strategies.registry import DeviceFacts, Registry, Strategy, option
+from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 
 # 4-bit (bitsandbytes/functional.py `quantize_4bit` and `QuantState`, backends/*/ops.py `quantize_4bit`):
 BNB_4BIT_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes quantize_4bit accepts
@@ -118,7 +118,18 @@ class Quantization(Strategy):
         return footprint
 
 
-QUANTIZATION: Registry[Quantization] = Registry("quantization", Quantization)
+QUANTIZATION: Registry[Quantization] = Registry(
+    "quantization",
+    Quantization,
+    RecipeKey(
+        "model",
+        "quantization",
+        "none",
+        "Base-weight quantisation for QLoRA: none, nf4, fp4 or int8 (bitsandbytes).",
+        changes_trajectory=True,
+        planner_choice=False,
+    ),
+)
 QUANTIZATION.register(Quantization)
 
 
@@ -210,8 +221,13 @@ class FourBit(BitsAndBytes):
     """bitsandbytes `Linear4bit`: blockwise 4-bit weights, one absmax per `block_size` elements."""
 
     quant_type: ClassVar[str] = ""
-    double_quant: bool = option(True, recipe_key="double_quant")
-    block_size: int = 64
+    double_quant: bool = option(
+        True,
+        recipe_key="double_quant",
+        doc="nf4/fp4: quantise the per-block scales too (QLoRA).",
+        changes_trajectory=True,
+    )
+    block_size: int = option(64, doc="nf4/fp4: elements per scale.", changes_trajectory=True, gt=0)
 
     def check(self, facts: DeviceFacts) -> None:
         if self.block_size not in BNB_4BIT_BLOCK_SIZES:
@@ -291,7 +307,12 @@ class Int8(BitsAndBytes):
     """
 
     name: ClassVar[str] = "int8"
-    threshold: float = 6.0
+    threshold: float = option(
+        6.0,
+        doc="int8: the outlier threshold of LLM.int8()'s mixed-precision decomposition (0 turns it off).",
+        changes_trajectory=True,
+        ge=0.0,
+    )
 
     def weight_bytes(
         self,

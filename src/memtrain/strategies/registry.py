@@ -6,8 +6,14 @@ so a new strategy is one file (a frozen dataclass subclassing its kind's base) p
 (`CHECKPOINTING.register(MyMode)`, or the decorator form); nothing else changes.
 
 A strategy is a small frozen dataclass. Its class attribute `name` is what a recipe types; its fields
-are its recipe options. Each field is read from the flat `strategies:` key named by the field's
-`recipe_key` metadata (default `<kind>_<field>`, e.g. `checkpointing_fraction`), so the YAML stays flat.
+are its recipe options, each declared once with `option(...)`: default, type, bounds, a line of
+documentation and whether changing it mid-run changes the training (`changes_trajectory`). Each is read
+from the flat key of the kind's recipe section named by `recipe_key` (default `<kind>_<field>`, e.g.
+`strategies.checkpointing_fraction`), so the YAML stays flat. From these declarations (and the kind's own
+`RecipeKey` on its registry) come the recipe schema (`memtrain.recipe`), the keys a resume may change
+freely (`memtrain.run.lineage`) and the options table of docs/STRATEGIES.md (`catalog.options_table`);
+`tests/test_architecture.py` fails when any of them is written by hand.
+
 Every strategy has `check(facts)`, which raises `Unsupported` naming the key to change when it cannot run
 on a device, and `to_dict()` / `Registry.from_dict()` for plan.json and checkpoint metadata.
 """
@@ -15,8 +21,9 @@ on a device, and `to_dict()` / `Registry.from_dict()` for plan.json and checkpoi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -69,13 +76,51 @@ class Strategy:
 S = TypeVar("S", bound=Strategy)
 
 
-class Registry(Generic[S]):
-    """Names of one kind, in registration order, and the class behind each."""
+@dataclass(frozen=True)
+class RecipeKey:
+    """Where a kind is chosen in a recipe: `section.key` (e.g. `strategies.precision`, `adapters.kind`,
+    `model.quantization`), its default name, whether a list of names (and `auto`) may leave the choice to
+    the planner, and whether switching it on a resume changes the training."""
 
-    def __init__(self, kind: str, base: type[S]) -> None:
+    section: str
+    key: str
+    default: str
+    doc: str
+    changes_trajectory: bool
+    planner_choice: bool = True
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One strategy option as the recipe sees it (see `option`)."""
+
+    section: str
+    key: str
+    default: Any
+    annotation: Any  # the type a recipe gives (the field's own unless `recipe_type` says otherwise)
+    doc: str
+    changes_trajectory: bool
+    bounds: Mapping[str, Any] = field(default_factory=dict)  # pydantic's gt / ge / lt / le
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.key}"
+
+
+class Registry(Generic[S]):
+    """Names of one kind, in registration order, and the class behind each; `recipe` says where a recipe
+    chooses the kind (None: the plan derives it, like micro-batching from `batch:`)."""
+
+    def __init__(self, kind: str, base: type[S], recipe: RecipeKey | None = None) -> None:
         self.kind = kind
         self.base = base
+        self.recipe = recipe
         self._classes: dict[str, type[S]] = {}
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, changed: Callable[[], None]) -> None:
+        """Call `changed` after every later registration or removal (the recipe regenerates its keys)."""
+        self._watchers.append(changed)
 
     def register(self, cls: type[S]) -> type[S]:
         """Add a strategy class (usable as a decorator). Its `name` must be new to this kind."""
@@ -83,12 +128,20 @@ class Registry(Generic[S]):
             raise TypeError(f"{cls!r} is not a {self.base.__name__}")
         if not cls.name or cls.name == "auto" or cls.name in self._classes:
             raise ValueError(f"strategies.{self.kind}: name {cls.name!r} is empty, reserved or taken")
+        if self.recipe is not None:
+            self._option_specs(cls)  # every field is a declared option (raises naming the one that is not)
         self._classes[cls.name] = cls
+        self._changed()
         return cls
 
     def unregister(self, name: str) -> None:
         """Remove a name (tests that register a toy strategy clean up with this)."""
-        self._classes.pop(name, None)
+        if self._classes.pop(name, None) is not None:
+            self._changed()
+
+    def _changed(self) -> None:
+        for changed in self._watchers:
+            changed()
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._classes)
@@ -108,13 +161,17 @@ class Registry(Generic[S]):
             )
         return cls
 
+    def option_key(self, f: dataclasses.Field[Any]) -> str:
+        """The recipe key (within the kind's section) a field is read from."""
+        return str(f.metadata.get("recipe_key") or f"{self.kind}_{f.name}")
+
     def create(self, name: str, options: Mapping[str, Any] | None = None) -> S:
-        """The strategy `name` with its options read from the recipe's flat `strategies:` mapping."""
+        """The strategy `name` with its options read from the flat mapping of the kind's recipe section."""
         cls = self.get(name)
         given = options or {}
         values = {}
         for f in dataclasses.fields(cls):
-            key = f.metadata.get("recipe_key", f"{self.kind}_{f.name}")
+            key = self.option_key(f)
             if key in given:
                 values[f.name] = given[key]
         return cls(**values)
@@ -125,8 +182,64 @@ class Registry(Generic[S]):
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
+    def options(self) -> list[OptionSpec]:
+        """Every option of every registered class, once (classes sharing a field share its declaration)."""
+        found: dict[str, OptionSpec] = {}
+        for cls in self:
+            for spec in self._option_specs(cls):
+                if found.setdefault(spec.key, spec) != spec:
+                    raise TypeError(f"{self.kind}: option {spec.key!r} is declared twice, differently")
+        return list(found.values())
 
-def option(default: Any, recipe_key: str | None = None) -> Any:
-    """A strategy field read from `strategies.<recipe_key>` (default `<kind>_<field name>`)."""
-    metadata = {"recipe_key": recipe_key} if recipe_key else {}
+    def _option_specs(self, cls: type[S]) -> list[OptionSpec]:
+        assert self.recipe is not None
+        hints = typing.get_type_hints(cls)
+        specs = []
+        for f in dataclasses.fields(cls):
+            declared = f.metadata.get("option")
+            if not isinstance(declared, _Declared):
+                raise TypeError(
+                    f"{cls.__name__}.{f.name}: a {self.kind} strategy's field is a recipe option; declare it "
+                    "with memtrain.strategies.registry.option(default, doc=..., changes_trajectory=...)"
+                )
+            annotation = declared.recipe_type if declared.recipe_type is not None else hints[f.name]
+            specs.append(
+                OptionSpec(
+                    self.recipe.section,
+                    self.option_key(f),
+                    f.default,
+                    annotation,
+                    declared.doc,
+                    declared.changes_trajectory,
+                    dict(declared.bounds),
+                )
+            )
+        return specs
+
+
+@dataclass(frozen=True)
+class _Declared:
+    doc: str
+    changes_trajectory: bool
+    recipe_type: Any
+    bounds: tuple[tuple[str, Any], ...]
+
+
+def option(
+    default: Any,
+    *,
+    doc: str,
+    changes_trajectory: bool,
+    recipe_key: str | None = None,
+    recipe_type: Any = None,
+    **bounds: Any,
+) -> Any:
+    """A strategy field that is a recipe option, declared once: its default, a line for the docs and the
+    schema, whether changing it on a resume changes the training (False: memory or speed only), the key
+    it is read from (default `<kind>_<field name>` in the kind's section), the type a recipe gives when
+    it differs from the field's (e.g. a list for a tuple), and pydantic bounds (`gt`, `ge`, `lt`, `le`)."""
+    declared = _Declared(doc, changes_trajectory, recipe_type, tuple(sorted(bounds.items())))
+    metadata: dict[str, Any] = {"option": declared}
+    if recipe_key:
+        metadata["recipe_key"] = recipe_key
     return dataclasses.field(default=default, metadata=metadata)

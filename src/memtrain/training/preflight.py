@@ -33,11 +33,10 @@ from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.plan import Plan, is_open, per_rank_batch, pinned_plan, quantization_of
 from memtrain.planner.result import PlanResult
 from memtrain.recipe import Recipe
+from memtrain.run import RunLayout
 from memtrain.strategies.adapters import check_targets
 from memtrain.strategies.blocks import model_shape
 from memtrain.training import deepspeed_checks
-
-CHECKPOINTS = "checkpoints"
 
 
 def recipe_problems(recipe: Recipe, skip: Set[str] = frozenset()) -> list[str]:
@@ -74,7 +73,7 @@ def _directory_problems(run_dir: Path) -> list[str]:
             f"run.output_dir: {existing} is not writable; set run.output_dir to a directory you can write, "
             "or change its permissions"
         ]
-    checkpoints = run_dir / CHECKPOINTS
+    checkpoints = RunLayout(run_dir).checkpoints
     if checkpoints.exists() and not (checkpoints.is_dir() and _writable(checkpoints)):
         return [
             f"run.output_dir: {checkpoints} is not a writable directory, and checkpoints are saved there; "

@@ -22,6 +22,10 @@ The planner predicts the job these hooks describe (`model_spec()`): it calls `bu
 device and under fake tensors, `loss` on micro-batches shaped like `planning_batch(rows)` (default: rows
 of `step_batch(0)`), and counts `host_data_bytes()`. Planning happens in `setup()` (or an explicit
 `choose_plan()`), once the subclass is fully constructed.
+
+The loop's collaborators live beside it: the run directory (`memtrain.run.RunDirectory`: lock, checkpoints,
+lineage, the run's files), the memory monitor (`memory_monitor`: measurement, calibration, re-planning)
+and the checkpoint's contents (`trainer_state`).
 """
 
 from __future__ import annotations
@@ -29,67 +33,34 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import random
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from memtrain import checkpoint as ckpt
-from memtrain import json_out
-from memtrain.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
-from memtrain.errors import MemtrainError, PlanError, TrainingStopped
-from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
+from memtrain.distributed import DistEnv, all_reduce_sum, any_rank, init_distributed, shutdown
+from memtrain.errors import MemtrainError, TrainingStopped
 from memtrain.plan import Plan
-from memtrain.planner import ModelSpec, PlanResult, calibration, make_plan, step_time_calibration
+from memtrain.planner import ModelSpec, PlanResult, make_plan
 from memtrain.recipe import Recipe
+from memtrain.run import Resume, RunDirectory
+from memtrain.run.checkpoints import Checkpoint
+from memtrain.schedules import lr_at
 from memtrain.strategies.apply import apply_strategies, switch_in_place
-from memtrain.strategies.blocks import discover_blocks, model_shape
+from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.training import lineage, replan, run_lock
-from memtrain.training.loggers import (
-    ProgressLine,
-    check_loggers,
-    close_loggers,
-    log_row,
-    make_loggers,
-    wants_progress_line,
-)
-from memtrain.training.metrics import make_progress
+from memtrain.training import loggers, preflight, trainer_state
+from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
 from memtrain.training.preemption import PreemptionFlag
-from memtrain.training.schedule import lr_at
+from memtrain.training.results import FitResult, StepTotals, seed_everything, summary_of
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
-CALIBRATION_STEPS = 2  # the first step differs (lazy optimizer state, allocator warm-up): compare two
-STEP_TIME_STEPS = 3  # steps after a plan's first whose median time is compared with its predicted step time
-
-
-@dataclass
-class FitResult:
-    run_dir: Path
-    plan: Plan
-    losses: list[float] = field(default_factory=list)
-    eval_losses: dict[int, float] = field(default_factory=dict)
-    steps_done: int = 0
-    preempted: bool = False  # stopped by a signal after a checkpoint
-    stopped_by: str | None = None  # that signal: "SIGTERM" (exit 0) or "SIGINT" (Ctrl-C, exit 130)
-    summary: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class StepTotals:
-    loss_sum: torch.Tensor  # this rank's summed loss (float64 scalar)
-    global_tokens: int  # loss tokens of the step over all ranks
-    micro_batches: int
 
 
 class Trainer:
@@ -98,29 +69,28 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.env: DistEnv = init_distributed()
-        self.plan_result: PlanResult | None = None  # set by choose_plan() (setup() calls it)
+        self.run = RunDirectory(recipe.output_path(), self.env)
+        self.monitor = MemoryMonitor(self.env, self.run)
         self._plan: Plan | None = None
         self.sharding: ShardingBackend | None = None
-        self.calibration: list[dict[str, Any]] = []  # the first steps: predicted against measured
-        self.step_time: dict[str, Any] | None = None  # rank 0: predicted against measured step time
-        self._step_times: list[float] = []  # rank 0: the seconds of the steps timed so far, of `_timed_plan`
-        self._timed_plan: PlanResult | None = None
-        self.run_dir = recipe.output_path()
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.skipped_steps = 0
-        self.step_peak = StepPeak(self.env.device)
-        self.max_step_peak = 0
-        self.tracker: MemoryTracker | None = None
-        self.memory_reports: list[StepMemory] = []
-        self.oom_events: list[dict[str, Any]] = []  # out-of-memory errors recovered from, in order
-        self.replans: list[dict[str, Any]] = []  # plans switched to during the run (training/replan.py)
-        self.correction = replan.Correction()  # what the run measured beyond the predictions, so far
-        self._calibrate_until = 0  # the steps before this one compare their measured peak with the plan
         self._blocks: list[nn.Module] = []  # the blocks strategies wrapped (a re-plan re-wraps them)
-        self.device_peaks: list[int] = []  # the cheap per-step peak, kept beside tracked reports
-        self.segment: lineage.Segment | None = None  # rank 0: the lineage fit() continues (in meta.json)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.path
+
+    @property
+    def plan_result(self) -> PlanResult | None:
+        """The planner's result for the plan in use (set by `choose_plan`, replaced by a re-plan)."""
+        return self.monitor.plan_result
+
+    @plan_result.setter
+    def plan_result(self, value: PlanResult | None) -> None:
+        self.monitor.plan_result = value
 
     # ------------------------------------------------------------------------------------ hooks
 
@@ -207,18 +177,6 @@ class Trainer:
             name=f"{type(self).__name__}.build_model()",
         )
 
-    def describe_model(self) -> str:
-        """A line for `memtrain validate`: the model as the planner will see it (built on the meta device),
-        after checking that `planning_batch` works."""
-        with torch.device("meta"):
-            model = self.build_model()
-        shape = model_shape(model, self.blocks(model))
-        self.planning_batch(1)
-        return (
-            f"{type(self).__name__}: {shape.numel:,} parameters ({shape.trainable_numel:,} trainable), "
-            f"{shape.num_blocks} blocks"
-        )
-
     def choose_plan(self, free_bytes: int | None = None) -> PlanResult:
         """Plan the run (collective on several ranks when the recipe leaves choices open): the planner
         predicts this trainer's job; a recipe that pins every choice gets those strategies, checked.
@@ -243,7 +201,7 @@ class Trainer:
         assert self.sharding is not None, "setup() builds the sharding backend"
         return self.sharding
 
-    # ------------------------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------------------------ setup
 
     @property
     def per_rank_batch_size(self) -> int:
@@ -258,8 +216,7 @@ class Trainer:
         applied by `apply_strategies`, in its one fixed order."""
         if self._plan is None:
             self.choose_plan()
-        plan, sharding = self.plan, self.sharding
-        assert sharding is not None
+        plan, sharding = self.plan, self._sharding
         seed_everything(self.recipe.run.seed)
         sharding.check(self.env)
         model = self.build_model()
@@ -279,22 +236,13 @@ class Trainer:
             optimizer_step=plan.optimizer_step,
         )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
-        memory = self.recipe.memory
-        if memory.track or memory.budget is not None:
-            self.tracker = MemoryTracker(
-                sharding.unwrap(self.model),
-                self.optimizer,
-                budget_bytes=int(memory.budget) if memory.budget is not None else None,
-                device=self.env.device,
-            )
+        self.monitor.track(sharding.unwrap(self.model), self.optimizer, self.recipe.memory)
         # What would fail late (an output directory that cannot take a checkpoint, a full disk, a budget
         # below the weights) fails now: rank 0 checks, every rank raises.
-        from memtrain.training import preflight
-
         found = []
         if self.env.is_main:
             found = preflight.run_problems(self.recipe, plan, self.plan_result, sharding.unwrap(self.model))
-        preflight.agree(found, self._any_rank(bool(found)))
+        preflight.agree(found, any_rank(bool(found), self.env))
 
     def close(self) -> None:
         """Free the model and optimizer, then leave the process group. The order matters under gloo: a
@@ -308,110 +256,115 @@ class Trainer:
         gc.collect()
         shutdown(self.env)
 
-    def fit(self, resume: str | Path | bool | None = None, allow_recipe_change: bool = False) -> FitResult:
+    # ------------------------------------------------------------------------------------ the loop
+
+    def fit(self, resume: Resume = None, allow_recipe_change: bool = False) -> FitResult:
         """Train `train.steps` steps. `resume=True` continues from the run's newest checkpoint, a path
         from that checkpoint (or the newest under that directory), "auto" from the newest checkpoint
         if the run has one (else it starts fresh). A checkpoint older than the run's newest truncates
-        the run, one of another run forks it (`memtrain.training.lineage`); a resume whose recipe
-        changes the training needs `allow_recipe_change`. One process at a time writes a run directory
-        (`memtrain.training.run_lock`)."""
-        check_loggers(self.recipe.output.loggers)  # a missing package fails before the model is built
+        the run, one of another run forks it (`memtrain.run.lineage`); a resume whose recipe changes
+        the training needs `allow_recipe_change`. One process at a time writes a run directory
+        (`RunDirectory.locked`)."""
+        loggers.check_loggers(self.recipe.output.loggers)  # a missing package fails before the model is built
         if self.model is None:
             self.setup()
-        with self._run_dir_lock():  # before anything in the run directory is written or cleaned
-            return self._fit(resume, allow_recipe_change)
+        with self.run.locked():  # before anything in the run directory is written or cleaned
+            resume = self.run.wants_resume(resume)
+            start = self._restore(resume, allow_recipe_change) if resume else self._start_fresh()
+            self.monitor.start_at(start)
+            result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start)
+            started = time.perf_counter()
+            with contextlib.ExitStack() as cleanup:
+                self._train_steps(result, start, bool(resume), cleanup)
+            seconds = time.perf_counter() - started
+            result.summary = summary_of(
+                result,
+                self.plan,
+                start,
+                seconds,
+                self.monitor.max_step_peak,
+                self.skipped_steps,
+                self.monitor.step_time,
+            )
+            if self.env.is_main:
+                self.run.write_summary(result.summary)
+            return result
 
-    def _fit(self, resume: str | Path | bool | None, allow_recipe_change: bool) -> FitResult:
-        output = self.recipe.output
-        assert self.model is not None and self.optimizer is not None
-        self._recover_run_dir()
-        if resume == "auto":
-            resume = bool(ckpt.list_checkpoints(self.checkpoint_root))
-        start_step = self._restore(resume, allow_recipe_change) if resume else self._fresh_run_dir()
-        self._calibrate_until = start_step + CALIBRATION_STEPS
-        result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start_step)
-        loggers = make_loggers(
-            output.loggers, self.run_dir, self.recipe, self.env.is_main, start_step if resume else None
-        )
+    def _train_steps(
+        self, result: FitResult, start: int, resumed: bool, cleanup: contextlib.ExitStack
+    ) -> None:
+        """The steps from `start` to `train.steps`, their logging, and the checkpoints along the way;
+        `cleanup` closes what they open (loggers, the progress bar, the tracker, the signal handlers)."""
         total = self.recipe.train.steps
-        progress = make_progress(output.progress, total, start_step, self.env.is_main)
-        progress_line = ProgressLine(
-            total,
-            output.log_every_s,
-            wants_progress_line(output.progress, output.log_every_s, self.env.is_main),
+        preemption = cleanup.enter_context(PreemptionFlag())
+        if self.monitor.tracker is not None:
+            cleanup.enter_context(self.monitor.tracker)
+        resume_step = start if resumed else None
+        report = cleanup.enter_context(
+            loggers.StepReport(self.recipe, self.run_dir, self.env.is_main, start, resume_step)
         )
-        started = time.perf_counter()
-        tokens_seen = 0
         bad_steps = 0
-        with contextlib.ExitStack() as cleanup:
-            preemption = cleanup.enter_context(PreemptionFlag())
-            if self.tracker is not None:
-                cleanup.enter_context(self.tracker)
-            cleanup.callback(close_loggers, loggers)
-            if progress is not None:
-                cleanup.callback(progress.close)
-            for step in range(start_step, total):
-                row = self.train_step(step)
-                self._time_step(row, last=step + 1 == total)
-                if step < self._calibrate_until:
-                    self._calibrate(step, row)
-                result.losses.append(row["loss"])
-                result.steps_done = step + 1
-                tokens_seen += row["tokens"]
-                if self._due(step, self.recipe.train.eval_every):
-                    row["eval_loss"] = self.evaluate()
-                    result.eval_losses[step + 1] = row["eval_loss"]
-                if self._due(step, self.recipe.train.log_every) or "eval_loss" in row:
-                    log_row(loggers, row)  # rank 0 only: other ranks have no loggers
-                if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                progress_line.update(row)
-                bad_steps = bad_steps + 1 if row["skipped"] else 0
-                if bad_steps >= self.recipe.train.max_bad_steps:
-                    self.save_checkpoint(step + 1)
-                    raise TrainingStopped(
-                        f"{bad_steps} steps in a row had non-finite gradients (last loss {row['loss']}); "
-                        f"stopped at step {step + 1} with a checkpoint in {self.checkpoint_root}. Lower "
-                        "train.lr, use strategies.precision=bf16-mixed, or raise train.max_bad_steps"
-                    )
-                if self._any_rank(preemption.raised):
-                    result.preempted = True
-                    interrupted = self._any_rank(preemption.signal_name == "SIGINT")  # Ctrl-C wins
-                    result.stopped_by = "SIGINT" if interrupted else "SIGTERM"
-                    self.save_checkpoint(step + 1)
-                    if self.env.is_main:
-                        print(
-                            f"[memtrain] {result.stopped_by}: stopped after step {step + 1} with a "
-                            "checkpoint; continue with --resume",
-                            flush=True,
-                        )
-                    break
-                if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
-                    self.save_checkpoint(step + 1)
-            else:
-                if self.recipe.checkpoint.at_end and result.steps_done > start_step:
-                    self.save_checkpoint(result.steps_done)
-        result.summary = self._summary(result, start_step, tokens_seen, time.perf_counter() - started)
-        return result
+        for step in range(start, total):
+            row = self._step_and_record(step, result)
+            report.add(row)  # rank 0 only: other ranks have no loggers
+            bad_steps = bad_steps + 1 if row["skipped"] else 0
+            self._stop_on_bad_steps(step, bad_steps, row)
+            if self._stop_on_signal(step, preemption, result):
+                return
+            if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
+                self.save_checkpoint(step + 1)
+        if self.recipe.checkpoint.at_end and result.steps_done > start:
+            self.save_checkpoint(result.steps_done)
+
+    def _step_and_record(self, step: int, result: FitResult) -> dict[str, Any]:
+        """Train step `step`, let the monitor check it (and re-plan when it passed the budget), evaluate
+        when due; the step's metrics row."""
+        row = self.train_step(step)
+        over = self.monitor.after_step(step, row, self.plan, last=step + 1 == self.recipe.train.steps)
+        if over is not None:
+            self._recover_from_oom(step, over)
+        result.losses.append(row["loss"])
+        result.steps_done = step + 1
+        result.tokens_seen += row["tokens"]
+        if self._due(step, self.recipe.train.eval_every):
+            row["eval_loss"] = self.evaluate()
+            result.eval_losses[step + 1] = row["eval_loss"]
+        return row
+
+    def _stop_on_bad_steps(self, step: int, bad_steps: int, row: dict[str, Any]) -> None:
+        if bad_steps < self.recipe.train.max_bad_steps:
+            return
+        self.save_checkpoint(step + 1)
+        raise TrainingStopped(
+            f"{bad_steps} steps in a row had non-finite gradients (last loss {row['loss']}); "
+            f"stopped at step {step + 1} with a checkpoint in {self.run.layout.checkpoints}. Lower "
+            "train.lr, use strategies.precision=bf16-mixed, or raise train.max_bad_steps"
+        )
+
+    def _stop_on_signal(self, step: int, preemption: PreemptionFlag, result: FitResult) -> bool:
+        """After a SIGTERM or Ctrl-C on any rank: a checkpoint of this step, and True (stop)."""
+        if not any_rank(preemption.raised, self.env):
+            return False
+        result.preempted = True
+        interrupted = any_rank(preemption.signal_name == "SIGINT", self.env)  # Ctrl-C wins
+        result.stopped_by = "SIGINT" if interrupted else "SIGTERM"
+        self.save_checkpoint(step + 1)
+        if self.env.is_main:
+            print(
+                f"[memtrain] {result.stopped_by}: stopped after step {step + 1} with a checkpoint; "
+                "continue with --resume",
+                flush=True,
+            )
+        return True
 
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step over this rank's step batch; returns the metrics row."""
         assert self.model is not None and self.optimizer is not None
         t0 = time.perf_counter()
-        self.step_peak.start()
-        if self.tracker is not None:
-            self.tracker.begin_step(step + 1)
-        lr = lr_at(
-            step,
-            self.recipe.train.lr,
-            self.recipe.train.steps,
-            self.recipe.train.warmup_steps,
-            self.recipe.train.min_lr_ratio,
-        )
+        self.monitor.begin_step(step)
+        lr = lr_at(step, self.recipe.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-
         totals = self.accumulate_gradients(step)
         grad_norm, skipped = self.optimizer_step()
         loss = float(all_reduce_sum(totals.loss_sum, self.env)) / max(totals.global_tokens, 1)
@@ -426,38 +379,25 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": skipped,
             "micro_batches": totals.micro_batches,
-            "oom_recoveries": len(self.oom_events),
-            "replans": len(self.replans),
-            "peak_memory_bytes": self.step_peak.stop(),
         }
-        self.max_step_peak = max(self.max_step_peak, row["peak_memory_bytes"])
-        if self.tracker is not None:
-            report = self.tracker.end_step()
-            self.memory_reports.append(report)
-            self.device_peaks.append(row["peak_memory_bytes"])
-            row["tracked"] = {
-                "peak_bytes": report.peak_bytes,
-                "at_peak": dict(report.at_peak),
-                "peak_phase": report.peak_phase,
-                "peak_module": report.peak_module,
-            }
+        self.monitor.end_step(row)
         return row
 
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip and step; a step whose gradients are not finite is skipped (fp16's GradScaler also
         lowers its scale) and counted. Returns (gradient norm before clipping, skipped)."""
-        with self._phase("optimizer"):
-            return self._clip_and_step()
+        with self.monitor.phase("optimizer"):
+            norm, skipped = self._clip_and_step()
+        self.skipped_steps += int(skipped)
+        return norm, skipped
 
     def _clip_and_step(self) -> tuple[float, bool]:
         assert self.model is not None and self.optimizer is not None
         stepped = self._sharding.engine_step(self.model)  # DeepSpeed: its engine clips and steps
         if stepped is not None:
-            self.skipped_steps += int(stepped[1])
             return stepped
         if isinstance(self.optimizer, InBackwardOptimizer):  # stepped in backward, gradients freed
             norm = self.optimizer.finish_step()
-            self.skipped_steps += int(not math.isfinite(norm))
             return norm, not math.isfinite(norm)
         if isinstance(self.optimizer, MasterWeightOptimizer):
             params = self.optimizer.gradients_to_master()
@@ -474,7 +414,6 @@ class Trainer:
         elif not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.skipped_steps += int(skipped)
         return norm, skipped
 
     def accumulate_gradients(self, step: int) -> StepTotals:
@@ -494,20 +433,18 @@ class Trainer:
             if totals is not None:
                 return totals
             self._recover_from_oom(step)
-            self.step_peak.start()  # the step's peak is that of the attempt that completes
-            if self.tracker is not None:
-                self.tracker.begin_step(step + 1)
+            self.monitor.begin_step(step)  # the step's peak is that of the attempt that completes
 
     def _try_accumulate(self, step: int, batch: Batch) -> StepTotals | None:
         """One attempt at the step's micro-steps; None when some rank ran out of memory.
 
         The ranks agree before the last micro-step, the one that synchronises them (DDP all-reduces the
         gradients in its backward), so an OOM in any earlier micro-step is redone by every rank together
-        and no rank is left waiting in a collective. An OOM inside the last micro-step on several ranks cannot be agreed on: the peers are
-        in (or about to enter) the backend's collectives, which the failed rank can neither join nor
-        cancel (answering with the agreement would pair it with a gradient bucket: a collective
-        mismatch). That rank stops with a `PlanError` and issues no further collective, and its peers'
-        collective fails on the lost peer (or at the collective timeout).
+        and no rank is left waiting in a collective. An OOM inside the last micro-step on several ranks
+        cannot be agreed on: the peers are in (or about to enter) the backend's collectives, which the
+        failed rank can neither join nor cancel (answering with the agreement would pair it with a
+        gradient bucket: a collective mismatch). That rank stops with a `PlanError` and issues no further
+        collective, and its peers' collective fails on the lost peer (or at the collective timeout).
         """
         assert self.model is not None
         micro_batches = [self._to_device(mb) for mb in self.split_batch(batch, self.plan.micro_batch_size)]
@@ -519,23 +456,16 @@ class Trainer:
         failed = False
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
-            if last and self._any_rank(failed):
+            if last and any_rank(failed, self.env):
                 return None
             if failed:
                 continue
             try:
                 loss_total += self._micro_step(micro_batch, scale, last, counts[index] if step == 0 else None)
             except torch.OutOfMemoryError as exc:
-                self.oom_events.append(
-                    {
-                        "step": step + 1,
-                        "micro_step": index + 1,
-                        "micro_batch_size": self.plan.micro_batch_size,
-                        "error": str(exc)[:200],
-                    }
-                )
+                self.monitor.record_oom(step, index, self.plan, exc)
                 if last and self.env.distributed:
-                    raise self._unagreeable_oom(step) from None
+                    raise self.monitor.unagreeable_oom(step, self.plan) from None
                 failed = True
         if failed:
             return None
@@ -548,112 +478,20 @@ class Trainer:
         tensors live only in this frame, so an exception here releases them."""
         assert self.model is not None
         with self._sharding.micro_step(self.model, last):
-            with self._phase("forward"), self.plan.precision.autocast(self.env.device):
+            with self.monitor.phase("forward"), self.plan.precision.autocast(self.env.device):
                 loss_sum, num_tokens = self.loss(self.model, micro_batch)
             if expected_tokens is not None:
                 self._check_token_count(num_tokens, expected_tokens)
-            with self._phase("backward"):
+            with self.monitor.phase("backward"):
                 scaled = loss_sum * scale
                 self._sharding.backward(
                     self.model, self.scaler.scale(scaled) if self.scaler is not None else scaled
                 )
         return loss_sum.detach().double()
 
-    def _unagreeable_oom(self, step: int) -> PlanError:
-        tokens = self.plan.micro_batch_tokens
-        smaller = (
-            f"a smaller batch.micro_tokens (it was {tokens})"
-            if tokens is not None
-            else f"a smaller batch.micro_size (it was {self.plan.micro_batch_size})"
-        )
-        return PlanError(
-            f"out of memory on rank {self.env.rank} in the last micro-step of step {step + 1}, while the other "
-            "ranks were synchronising it: the ranks cannot agree to redo this step (only an earlier micro-step "
-            f"can be redone). Continue with --resume and {smaller}"
-        )
-
-    def _any_rank(self, flag: bool) -> bool:
-        if not self.env.distributed:
-            return flag
-        return bool(all_reduce_sum(torch.tensor(int(flag), device=self.env.device), self.env) > 0)
-
-    def _calibrate(self, step: int, row: dict[str, Any]) -> None:
-        """Compare a first step's measured memory with the plan's prediction, record it in plan.json,
-        and re-plan (`_recover_from_oom`) when the measured peak passed the usable budget.
-
-        The measurement is the tracker's report when it runs (all components), else the allocator's
-        peak on CUDA; on a CPU without the tracker, RSS is no per-tensor figure and only the budget
-        check is skipped."""
-        result = self.plan_result
-        assert result is not None
-        report = self.memory_reports[-1] if self.tracker is not None and self.memory_reports else None
-        if report is not None:
-            entry = calibration(result, report)
-            measured_peak: int | None = report.peak_bytes
-        else:
-            predicted = result.predicted
-            measured_peak = row["peak_memory_bytes"] if self.env.device.type == "cuda" else None
-            entry = {
-                "predicted": predicted.to_dict() if predicted is not None else None,
-                "measured": {"peak": measured_peak} if measured_peak is not None else None,
-            }
-        self.calibration.append({"step": step + 1, **entry})
-        budget = result.budget
-        over = budget is not None and measured_peak is not None and measured_peak > budget.usable
-        if self.env.is_main:
-            self._write_plan_json()
-        if self._any_rank(over):
-            self._recover_from_oom(
-                step,
-                reason=f"measured peak {format_bytes(measured_peak or 0)} passed the "
-                f"usable {format_bytes(budget.usable if budget else 0)}",
-                measured=report if report is not None else measured_peak,
-            )
-
-    def _time_step(self, row: dict[str, Any], last: bool) -> None:
-        """Rank 0: time the plan's first steps after its first (lazy optimizer state, warm-up);
-        after `STEP_TIME_STEPS` of them, or at the end of a shorter run, compare their median with the
-        predicted step time: a log line, `step_time` in plan.json and summary.json, and a re-fit of this
-        machine's step-time model when more than 10% off (planner/step_time_calibration.py). A plan
-        switched to (re-plan, out-of-memory recovery) is timed afresh."""
-        result = self.plan_result
-        if not self.env.is_main or self.step_time is not None or result is None or result.chosen is None:
-            return
-        if result is not self._timed_plan:  # the first step of this plan, or one a new plan took over
-            self._timed_plan, self._step_times = result, []
-        else:
-            self._step_times.append(row["step_time_s"])
-        if self._step_times and (len(self._step_times) >= STEP_TIME_STEPS or last):
-            self.step_time = step_time_calibration.check_step_time(
-                result.chosen.cost, self._step_times, self.env.device, self.plan.describe()
-            )
-            # stderr, with the planner's progress: `memtrain profile --json` keeps stdout for its report
-            print(step_time_calibration.describe(self.step_time), file=sys.stderr, flush=True)
-            self._write_plan_json()
-
-    def _write_plan_json(self) -> None:
-        result = self.plan_result
-        assert result is not None
-        self._write_json(
-            self.run_dir / "plan.json",
-            {
-                "plan": self.plan.to_dict(),
-                "summary": self.plan.summary(),
-                "predicted": result.predicted.to_dict() if result.predicted is not None else None,
-                "budget": result.budget.to_dict() if result.budget is not None else None,
-                "calibration": self.calibration,
-                "step_time": self.step_time,
-                "replans": self.replans,
-            },
-        )
-
-    def _recover_from_oom(
-        self, step: int, reason: str = "out of memory", measured: StepMemory | int | None = None
-    ) -> None:
-        """Drop the failed attempt's gradients and cached blocks, then re-plan (training/replan.py): the
-        excess `measured` shows over the prediction (None: an out-of-memory error) corrects every
-        candidate, and the fastest plan the live model can switch to that fits replaces this one. A
-        pinned plan (nothing predicted) only shrinks its micro-batch."""
+    def _recover_from_oom(self, step: int, over: OverBudget | None = None) -> None:
+        """Drop the failed attempt's gradients and cached blocks, then go on with the plan the monitor
+        chooses (`MemoryMonitor.replan`), switched into the live model in place."""
         assert self.model is not None and self.optimizer is not None
         if isinstance(self.optimizer, InBackwardOptimizer):
             self.optimizer.check_redoable(step)
@@ -663,35 +501,10 @@ class Trainer:
         gc.collect()
         if self.env.device.type == "cuda":
             torch.cuda.empty_cache()
-        result = self.plan_result
-        if result is None or result.chosen is None or result.budget is None:
-            self.plan, line = replan.smaller_micro_batch(self.plan, step, reason)
-        else:
-            excess = replan.excess(result.chosen.prediction.at_peak, measured, result.budget)
-            self.correction = replan.agree(self.correction.then(excess), self.env)
-            done = replan.replan(
-                self.recipe,
-                self.env,
-                self.model_spec(),
-                result,
-                self.plan,
-                self.correction,
-                step,
-                reason,
-                self.tracker,
-            )
-            new = done.result.plan
+        new = self.monitor.replan(step, self.plan, self.recipe, self.model_spec(), over)
+        if (new.checkpointing, new.loss) != (self.plan.checkpointing, self.plan.loss):
             switch_in_place(self._sharding.unwrap(self.model), self._blocks, new.checkpointing, new.loss)
-            self.plan, self.plan_result, line = new, done.result, done.line
-            self.replans.append(done.record)
-            if self.oom_events and measured is None:
-                self.oom_events[-1]["replanned_to"] = done.record["to"]
-            # the new plan's first steps are compared with its (corrected) prediction too
-            self._calibrate_until = step + 1 + CALIBRATION_STEPS
-            if self.env.is_main:
-                self._write_plan_json()
-        if self.env.is_main:
-            print(line + ("; redoing the same batch" if measured is None else ""), flush=True)
+        self.plan = new
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -711,244 +524,45 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ checkpoints
 
-    @property
-    def checkpoint_root(self) -> Path:
-        return self.run_dir / "checkpoints"
-
     def save_checkpoint(self, step: int) -> Path:
-        """Atomically save everything needed to continue exactly after `step` steps. A full disk (or
-        quota) on any rank is the same one-line `DiskFullError` on every rank: the staging directory is
-        removed and the previous checkpoint stays."""
+        """Atomically save everything needed to continue exactly after `step` steps
+        (`RunDirectory.save_checkpoint`: a full disk on any rank is one error on every rank)."""
+        meta = trainer_state.checkpoint_meta(self.recipe, self.plan, self.env.world_size, self.skipped_steps)
+        return self.run.save_checkpoint(step, self._state().write, meta, self.recipe.checkpoint.keep)
+
+    def _state(self) -> trainer_state.TrainerState:
         assert self.model is not None and self.optimizer is not None
-        root = self.checkpoint_root
-        staging = ckpt.staging_dir(root, step)
-        if self.env.is_main:
-            ckpt.begin_save(root, step)
-        barrier(self.env)
-        self._save_agreed(step, lambda: self._write_checkpoint_files(staging))
-        self._save_agreed(step, lambda: self._commit_checkpoint(step) if self.env.is_main else None)
-        return root / ckpt.step_dir_name(step)
+        return trainer_state.TrainerState(self.model, self.optimizer, self.scaler, self._sharding, self.env)
 
-    def _write_checkpoint_files(self, staging: Path) -> None:
-        assert self.model is not None and self.optimizer is not None
-        self._sharding.save(staging, self.model, self.optimizer, self.env)
-        if self.env.is_main and self.scaler is not None:
-            ckpt.save_tensor_file(staging / "grad_scaler.pt", self.scaler.state_dict())
-        ckpt.save_tensor_file(staging / f"rng_rank{self.env.rank}.pt", ckpt.rng_state())
-
-    def _commit_checkpoint(self, step: int) -> None:
-        segment = self.segment
-        recipe = self.recipe.to_dict()
-        meta = {
-            "step": step,
-            "world_size": self.env.world_size,
-            "plan": self.plan.to_dict(),
-            "recipe_fingerprint": self.recipe.fingerprint(),
-            "recipe": recipe,  # what a resume compares its recipe with (lineage.check_recipe)
-            "lineage": segment.lineage if segment is not None else None,
-            "parent": segment.parent if segment is not None else None,
-            "skipped_steps": self.skipped_steps,
-            "model_section": recipe["model"],
-            "saved_at": time.time(),
-        }
-        ckpt.commit_save(self.checkpoint_root, step, meta, self.recipe.checkpoint.keep)
-
-    def _save_agreed(self, step: int, write: Callable[[], None]) -> None:
-        """Run one part of a save, then agree with the other ranks (this is the save's barrier), so that a
-        full disk on one rank stops every rank with the same error instead of leaving them waiting."""
-        full = False
-        try:
-            write()
-        except Exception as exc:
-            if not ckpt.is_disk_full(exc):
-                raise
-            full = True
-        if self._any_rank(full):
-            if self.env.is_main:
-                ckpt.abort_save(self.checkpoint_root, step)
-            raise ckpt.disk_full_error(self.checkpoint_root, step) from None
-
-    def _restore(self, resume: str | Path | bool, allow_recipe_change: bool = False) -> int:
-        """Load the checkpoint to resume from; with `checkpoint.fallback`, an unreadable newest checkpoint
-        falls back to the previous one (the error names each file that failed). The ranks agree on each
-        candidate, so a file only one rank reads (its RNG state) moves them all to the same checkpoint.
-        Then the run's lineage goes on from the checkpoint loaded (`_continue_lineage`)."""
-        location = self.checkpoint_root if resume is True else Path(str(resume))
-        found = ckpt.find_checkpoint(location)
-        event = self._resume_event(found)
-        candidates = [found]
-        if self.recipe.checkpoint.fallback and found.path.parent == location:
-            candidates += [c for c in reversed(ckpt.list_checkpoints(location)) if c.step < found.step]
-        for index, candidate in enumerate(candidates):
-            try:
-                step, problem = self._load_checkpoint(candidate, allow_recipe_change), None
-            except ckpt.CheckpointError as exc:
-                step, problem = -1, str(exc)
-            if not self._any_rank(problem is not None):
-                self._continue_lineage(event, candidate)
-                return step
-            problem = problem or f"{candidate.path}: another rank could not load it (see its error)"
-            if index + 1 == len(candidates):
-                raise ckpt.CheckpointError(problem)
-            if self.env.is_main:
-                print(f"[memtrain] {problem}; falling back to {candidates[index + 1].path}", flush=True)
-        raise AssertionError("unreachable")
-
-    def _resume_event(self, found: ckpt.Checkpoint) -> str:
-        """'resume' from this run's newest checkpoint, 'truncate' from an older one of this run, 'fork'
-        from another run's (this run must hold no checkpoint then)."""
-        own = ckpt.list_checkpoints(self.checkpoint_root)
-        if found.path.parent.resolve() == self.checkpoint_root.resolve():
-            return "truncate" if found.step < own[-1].step else "resume"
-        if own:
-            raise ckpt.CheckpointError(
-                f"{found.path} belongs to another run: resuming from it forks that run into run.output_dir "
-                f"{self.run_dir}, which already holds checkpoints (newest: step {own[-1].step}); set "
-                "run.output_dir to a new directory, or resume from a checkpoint of this run"
-            )
-        return "fork"
-
-    def _load_checkpoint(self, found: ckpt.Checkpoint, allow_recipe_change: bool = False) -> int:
-        """Load `found` into the run; the plan changes only once every file has loaded. A recipe that
-        changes the training is refused first (`lineage.check_recipe`) unless `allow_recipe_change`."""
-        assert self.model is not None and self.optimizer is not None
-        meta = found.meta
-        current = self.recipe.to_dict()
-        if meta.get("model_section") != current["model"]:
-            raise ckpt.CheckpointError(
-                f"{found.path / 'meta.json'}: saved for a different model section; resume with the same "
-                "model: settings or start a new run.output_dir"
-            )
-        if found.step > self.recipe.train.steps:
-            raise ckpt.CheckpointError(
-                f"{found.path}: is at step {found.step}, past train.steps={self.recipe.train.steps}"
-            )
-        if not allow_recipe_change:
-            unfinished = lineage.unfinished_segment(self.run_dir, found, meta)
-            lineage.check_recipe(found, meta, current, unfinished["recipe"] if unfinished else None)
-        optimizer_file = found.path / "optimizer.pt"
-        try:
-            self._sharding.load(found.path, self.model, self.optimizer, self.env)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:  # e.g. another optimizer's state
-            where = optimizer_file if optimizer_file.is_file() else found.path
-            raise ckpt.CheckpointError(
-                f"{where}: does not fit this run ({type(exc).__name__}: {exc})"
-            ) from None
-        if optimizer_file.is_file() and self.plan.sharding.replicated:
-            self._check_optimizer_shapes(optimizer_file)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(ckpt.load_tensor_file(found.path / "grad_scaler.pt"))
-        rng_file = found.path / f"rng_rank{self.env.rank}.pt"
-        ckpt.load_rng_state(rng_file if rng_file.is_file() else found.path / "rng_rank0.pt")
-        self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self._adopt_saved_micro_batch(meta.get("plan", {}))
-        if self.env.is_main:
-            print(f"[memtrain] resumed from {found.path} at step {found.step}", flush=True)
-        return found.step
-
-    def _check_optimizer_shapes(self, file: Path) -> None:
-        """Another model's optimizer.pt loads without complaint (same number of tensors) and would fail,
-        or broadcast silently, in the first step: each state tensor must have its parameter's shape."""
-        assert self.optimizer is not None
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                for name, value in self.optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                        raise ckpt.CheckpointError(
-                            f"{file}: optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
-                            f"shape {tuple(param.shape)} (written for another model)"
-                        )
-
-    def _adopt_saved_micro_batch(self, saved: dict[str, Any]) -> None:
-        """Keep micro-batches that an out-of-memory recovery made smaller before the checkpoint."""
-        try:
-            micro = Plan.from_dict(saved).micro_batching
-        except ValueError:
-            return  # an older layout of plan metadata: keep this run's plan
-        current = self.plan.micro_batching
-        if (
-            saved.get("world_size") == self.env.world_size
-            and type(micro) is type(current)
-            and micro.rows == current.rows
-            and micro.tokens(1) < current.tokens(1)
-        ):
-            self.plan = self.plan.replace(micro_batching=micro)
-
-    def _continue_lineage(self, event: str, loaded: ckpt.Checkpoint) -> None:
-        """Rank 0 (which alone writes meta.json): start this segment of the run's lineage
-        (`memtrain.training.lineage`) from the checkpoint just loaded, and record it. Its lineage id is a
-        new one unless it resumes the newest checkpoint's, or continues a segment that started from the
-        same checkpoint and died before saving."""
-        if not self.env.is_main:
-            return
-        meta = loaded.meta
-        unfinished = lineage.unfinished_segment(self.run_dir, loaded, meta) if event != "truncate" else None
-        if unfinished is not None:
-            lineage_id = str(unfinished["lineage"])
-        elif event == "resume" and meta.get("lineage"):
-            lineage_id = str(meta["lineage"])
-        else:
-            lineage_id = lineage.new_lineage_id()
-        self.segment = lineage.Segment(lineage_id, lineage.parent_of(loaded, meta))
-        if event == "fork":
-            self._write_run_files()
-        lineage.record_segment(self.run_dir, event, self.segment, loaded, self.recipe.to_dict(), unfinished)
-
-    def _fresh_run_dir(self) -> int:
-        existing = ckpt.list_checkpoints(self.checkpoint_root)
-        if existing:
-            raise ckpt.CheckpointError(
-                f"{self.run_dir} already holds checkpoints (newest: step {existing[-1].step}); "
-                "pass --resume to continue it, or set run.output_dir to a new directory"
-            )
-        if self.env.is_main:
-            self.segment = lineage.Segment(lineage.new_lineage_id(), None)
-            self._write_run_files()
-            start = {"event": "start", "lineage": self.segment.lineage, "parent": None}
-            lineage.append_record(self.run_dir, {**start, "recipe": self.recipe.to_dict()})
-        barrier(self.env)
+    def _start_fresh(self) -> int:
+        self.run.start_fresh(self.recipe.to_dict(), self.monitor.plan_record(self.plan))
         return 0
 
-    def _write_run_files(self) -> None:
-        """recipe.json and plan.json of a run that starts here (fresh, or forked from another run)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._write_json(self.run_dir / "recipe.json", self.recipe.to_dict())
-        self._write_plan_json()
+    def _restore(self, resume: str | Path | bool, allow_recipe_change: bool = False) -> int:
+        """Resume from a checkpoint (`RunDirectory.restore` picks it, falls back, and continues the
+        lineage); the plan changes only once every file has loaded."""
+        recipe = self.recipe.to_dict()
+        found = self.run.restore(
+            resume,
+            lambda candidate: self._load_checkpoint(candidate, recipe, allow_recipe_change),
+            (recipe, self.monitor.plan_record(self.plan)),
+            self.recipe.checkpoint.fallback,
+        )
+        return found.step
 
-    @contextlib.contextmanager
-    def _run_dir_lock(self) -> Iterator[None]:
-        """Rank 0 holds the run directory's lock (`run_lock`) while the body runs; the ranks agree on
-        whether it got it, so every rank stops with the same error and none waits in a collective."""
-        held: run_lock.RunLock | None = None
-        in_use: run_lock.RunDirInUse | None = None
+    def _load_checkpoint(self, found: Checkpoint, recipe: dict[str, Any], allow_recipe_change: bool) -> None:
+        assert self.model is not None and self.optimizer is not None
+        meta = self.run.check_resumable(found, recipe, self.recipe.train.steps, allow_recipe_change)
+        self._state().load(found)
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.plan = trainer_state.adopt_saved_micro_batch(self.plan, meta, self.env.world_size)
         if self.env.is_main:
-            try:
-                held = run_lock.acquire(self.run_dir)
-            except run_lock.RunDirInUse as exc:
-                in_use = exc
-        if self._any_rank(in_use is not None):
-            raise in_use or run_lock.in_use_error(self.run_dir)
-        try:
-            yield
-        finally:
-            if held is not None:
-                held.release()
-
-    def _recover_run_dir(self) -> None:
-        """Rank 0, under the lock, before any rank lists checkpoints: put back a checkpoint a crash left
-        renamed aside, remove stale staging directories, finish a truncation a crash interrupted."""
-        if self.env.is_main:
-            ckpt.recover(self.checkpoint_root)
-            lineage.finish_truncation(self.run_dir)
-        barrier(self.env)
+            print(f"[memtrain] resumed from {found.path} at step {found.step}", flush=True)
 
     # ------------------------------------------------------------------------------------ helpers
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
-
-    def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return self.tracker.phase(name) if self.tracker is not None else contextlib.nullcontext()
 
     @staticmethod
     def _due(step: int, every: int) -> bool:
@@ -961,43 +575,3 @@ class Trainer:
                 f"loss() reported {int(reported)} tokens but count_tokens() counted {counted}; "
                 "override Trainer.count_tokens so the two agree (the loss must be a sum over these tokens)"
             )
-
-    @staticmethod
-    def _write_json(path: Path, data: dict[str, Any]) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json_out.dumps(data, indent=2, sort_keys=True))
-        tmp.replace(path)
-
-    def _summary(self, result: FitResult, start: int, tokens: int, seconds: float) -> dict[str, Any]:
-        summary = {
-            "steps": result.steps_done,
-            "steps_this_run": result.steps_done - start,
-            "first_loss": result.losses[0] if result.losses else None,
-            "final_loss": result.losses[-1] if result.losses else None,
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "seconds": seconds,
-            "peak_memory_bytes": self.max_step_peak,
-            "skipped_steps": self.skipped_steps,
-            "step_time": self.step_time,
-            "plan": self.plan.to_dict(),
-            "run_dir": str(self.run_dir),
-        }
-        if self.env.is_main:
-            self._write_json(self.run_dir / "summary.json", summary)
-        return summary
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def describe_summary(summary: dict[str, Any]) -> str:
-    first, final = summary["first_loss"], summary["final_loss"]
-    losses = f"loss {first:.4f} -> {final:.4f}" if first is not None else "no step run"
-    return (
-        f"[memtrain] {summary['steps']} steps ({summary['steps_this_run']} this run), {losses}, "
-        f"{summary['tokens_per_s']:.0f} tokens/s, peak {format_bytes(summary['peak_memory_bytes'])}, "
-        f"{summary['seconds']:.1f} s; outputs in {summary['run_dir']}"
-    )

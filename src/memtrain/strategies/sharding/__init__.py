@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.strategies.precision import Precision
-from memtrain.strategies.registry import Registry, Strategy, option
+from memtrain.strategies.registry import RecipeKey, Registry, Strategy, option
 from memtrain.strategies.sharding.base import DDPBackend, ShardingBackend, ShardingOptions
 from memtrain.strategies.sharding.deepspeed_backend import DeepSpeedBackend
 from memtrain.strategies.sharding.fsdp2 import FSDP2Backend
 from memtrain.strategies.sharding.zero1 import Zero1Backend
+
+OffloadName = Literal["none", "optimizer", "params"]
+OffloadChoice = Literal["none", "optimizer", "params", "auto"] | list[OffloadName]
+"""`strategies.sharding_offload`: one offload, `auto` (each one the backend supports) or a list of them."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +48,45 @@ class Sharding(Strategy):
         0,
         0,
     )  # all-gathers of the weights per step, per micro-step
-    backend: str = option("fsdp2", recipe_key="sharding_backend")
-    offload: str | list[str] = option("none", recipe_key="sharding_offload")  # auto, a list: the planner's
-    gradient_reduction: str = option("auto", recipe_key="gradient_reduction")
-    comm_hook: str = option("none", recipe_key="comm_hook")
-    deepspeed_config: str | None = option(None, recipe_key="deepspeed_config")
+    backend: str = option(
+        "fsdp2",
+        recipe_key="sharding_backend",
+        recipe_type=Literal["fsdp2", "deepspeed"],
+        doc="Backend of zero1/zero2/zero3: fsdp2 (zero1: ZeroRedundancyOptimizer) or deepspeed.",
+        changes_trajectory=False,
+    )
+    offload: str | list[str] = option(  # auto, a list: the planner's
+        "none",
+        recipe_key="sharding_offload",
+        recipe_type=OffloadChoice,
+        doc="ZeRO offload to host memory: optimizer states (deepspeed) or params (fsdp2 zero2/zero3, "
+        "deepspeed zero3); auto or a list: the planner offers each the backend supports, on a GPU (also on "
+        "one rank, with sharding auto), priced by the host link and the host's optimizer step.",
+        changes_trajectory=False,
+    )
+    gradient_reduction: str = option(
+        "auto",
+        recipe_key="gradient_reduction",
+        recipe_type=Literal["auto", "per_step", "per_micro_step"],
+        doc="When zero2/zero3 reduce gradients under accumulation: per_step (fsdp2: an unsharded fp32 "
+        "gradient accumulates until the last micro-step, one reduce-scatter) or per_micro_step (a "
+        "reduce-scatter every micro-step, gradients stay sharded; what deepspeed zero2/zero3 always do). "
+        "auto: the planner chooses; a plan that pins every choice takes the backend's own (fsdp2: per_step).",
+        changes_trajectory=False,
+    )
+    comm_hook: str = option(
+        "none",
+        recipe_key="comm_hook",
+        recipe_type=Literal["none", "bf16", "powersgd"],
+        doc="DDP gradient-communication hook (ddp, zero1 on fsdp2).",
+        changes_trajectory=True,
+    )
+    deepspeed_config: str | None = option(
+        None,
+        recipe_key="deepspeed_config",
+        doc="DeepSpeed JSON merged into the generated config; keys contradicting the recipe are errors.",
+        changes_trajectory=True,
+    )
 
     def build(
         self,
@@ -123,7 +161,17 @@ class Sharding(Strategy):
         return False
 
 
-SHARDING: Registry[Sharding] = Registry("sharding", Sharding)
+SHARDING: Registry[Sharding] = Registry(
+    "sharding",
+    Sharding,
+    RecipeKey(
+        "strategies",
+        "sharding",
+        "none",
+        "How model states are spread over the ranks: none, ddp, zero1, zero2 or zero3.",
+        changes_trajectory=False,
+    ),
+)
 SHARDING.register(Sharding)
 
 

@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import memtrain.strategies.sharding.ddp_hooks as ddp_hooks
@@ -195,7 +196,28 @@ class ShardingBackend:
             load_model_state(self.unwrap(model), state)
         except RuntimeError as exc:
             raise ckpt.CheckpointError(f"{path / 'model.pt'}: does not fit this model ({exc})") from None
-        optimizer.load_state_dict(ckpt.load_tensor_file(path / "optimizer.pt"))
+        optimizer_file = path / "optimizer.pt"
+        try:
+            optimizer.load_state_dict(ckpt.load_tensor_file(optimizer_file))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # e.g. another optimizer's state
+            raise ckpt.CheckpointError(
+                f"{optimizer_file}: does not fit this run ({type(exc).__name__}: {exc})"
+            ) from None
+        if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states are this rank's share
+            check_optimizer_shapes(optimizer, optimizer_file)
+
+
+def check_optimizer_shapes(optimizer: torch.optim.Optimizer, file: Path) -> None:
+    """Another model's optimizer.pt loads without complaint (same number of tensors) and would fail, or
+    broadcast silently, in the first step: each state tensor must have its parameter's shape."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise ckpt.CheckpointError(
+                        f"{file}: optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
+                        f"shape {tuple(param.shape)} (written for another model)"
+                    )
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

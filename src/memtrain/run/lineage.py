@@ -31,19 +31,19 @@ Crash safety:
 Recipe changes on resume. A resume whose recipe differs from the checkpoint's in a key that changes
 the trajectory is refused (`RecipeChanged`, naming the keys and `--allow-recipe-change`); with the flag
 the change is recorded in lineage.jsonl, and recipe.json is rewritten (the old one kept as
-recipe.<n>.json). These keys (`FREE_KEYS`, with everything under them) may change freely:
+recipe.<n>.json). These keys (`all_free_keys()`, with everything under them) may change freely:
 
 - `train.steps`: extending a run is the point of a resume (the schedule's decay stretches to the new end);
 - `run.name`, `run.output_dir`, `checkpoint.*`, `output.*`: where and how often things are written;
 - `train.log_every`, `train.eval_every`, `train.eval_batches`: what is reported, not what is trained;
 - `train.max_bad_steps`: when to stop, not how to step;
-- `memory.*`, `planner.*`, `batch.micro_size`, `batch.micro_tokens`, and the memory-only strategies
-  `strategies.sharding`, `.sharding_backend`, `.sharding_offload`, `.gradient_reduction`,
-  `.checkpointing`, `.checkpointing_fraction`, `.loss`, `.loss_chunk_tokens`, `.optimizer_step`: the
-  gradient is that of the global batch whatever the micro-batching (see `memtrain.training.trainer`), and
-  sharding, when gradients are reduced, recomputation, a chunked cross-entropy or stepping each parameter
-  in backward (the same update; its optimizer state has the standard layout) move bytes, not arithmetic
-  (an out-of-memory error already tells users to resume with a smaller `batch.micro_size`).
+- `memory.*`, `planner.*`, `batch.micro_size`, `batch.micro_tokens`, and the strategy keys declared with
+  `changes_trajectory=False` (`memtrain.strategies.catalog.free_keys`: sharding and its options,
+  checkpointing, the loss, the optimizer step; the table in docs/STRATEGIES.md): the gradient is that of
+  the global batch whatever the micro-batching (see `memtrain.training.trainer`), and sharding, when
+  gradients are reduced, recomputation, a chunked cross-entropy or stepping each parameter in backward
+  (the same update; its optimizer state has the standard layout) move bytes, not arithmetic (an
+  out-of-memory error already tells users to resume with a smaller `batch.micro_size`).
 
 Every other key (data, batch.global_size, the rest of train, precision, optimizer states, comm hook,
 adapters, run.seed) changes the trajectory. `model.*` is never allowed to change: the weights would not
@@ -62,15 +62,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memtrain import checkpoint as ckpt
 from memtrain import json_out
 from memtrain.errors import MemtrainError
 from memtrain.recipe import Recipe
-from memtrain.training.metrics import abandon_rows_after
+from memtrain.run import checkpoints as ckpt
+from memtrain.run.layout import RunLayout
+from memtrain.run.metrics_rows import abandon_rows_after
+from memtrain.strategies.catalog import free_keys
 
-LINEAGE_FILE = "lineage.jsonl"
-ABANDONED_DIR = "abandoned"
-FREE_KEYS = (
+RUN_FREE_KEYS = (
     "run.name",
     "run.output_dir",
     "train.steps",
@@ -80,20 +80,19 @@ FREE_KEYS = (
     "train.max_bad_steps",
     "batch.micro_size",
     "batch.micro_tokens",
-    "strategies.sharding",
-    "strategies.sharding_backend",
-    "strategies.sharding_offload",
-    "strategies.gradient_reduction",
-    "strategies.checkpointing",
-    "strategies.checkpointing_fraction",
-    "strategies.loss",
-    "strategies.loss_chunk_tokens",
-    "strategies.optimizer_step",
     "checkpoint",
     "output",
     "memory",
     "planner",
 )
+"""The free keys outside the strategies; those of the strategies are declared with them (`all_free_keys`)."""
+
+
+def all_free_keys() -> tuple[str, ...]:
+    """Every key a resume may change freely: `RUN_FREE_KEYS` and the strategies' (registered now)."""
+    return RUN_FREE_KEYS + free_keys()
+
+
 FLAG = "--allow-recipe-change"
 VALUE_CHARS = 40  # each value in an error, cut to this
 ABSENT = "(absent)"
@@ -137,11 +136,12 @@ def recipe_changes(saved: Any, current: dict[str, Any]) -> dict[str, tuple[Any, 
 
 
 def trajectory_changes(changes: dict[str, tuple[Any, Any]]) -> dict[str, tuple[Any, Any]]:
-    """The changes outside `FREE_KEYS` (see the module docstring)."""
+    """The changes outside `all_free_keys()` (see the module docstring)."""
+    free = all_free_keys()
     return {
         key: change
         for key, change in changes.items()
-        if not any(key == free or key.startswith(free + ".") for free in FREE_KEYS)
+        if not any(key == k or key.startswith(k + ".") for k in free)
     }
 
 
@@ -181,7 +181,8 @@ def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def save_recipe(run_dir: Path, recipe: dict[str, Any]) -> None:
     """Write recipe.json; a different one already there is kept as recipe.<n>.json."""
-    path = run_dir / "recipe.json"
+    layout = RunLayout(run_dir)
+    path = layout.recipe_file
     if path.is_file():
         try:
             same = json.loads(path.read_text(encoding="utf-8")) == recipe
@@ -189,9 +190,8 @@ def save_recipe(run_dir: Path, recipe: dict[str, Any]) -> None:
             same = False
         if same:
             return
-        number = 1 + sum(1 for _ in run_dir.glob("recipe.*.json"))
-        os.replace(path, run_dir / f"recipe.{number}.json")
-    _write_json(path, recipe)
+        os.replace(path, layout.recipe_backup(1 + len(layout.recipe_backups())))
+    json_out.write_atomic(path, recipe)
 
 
 # ------------------------------------------------------------------------------------ lineage.jsonl
@@ -199,7 +199,7 @@ def save_recipe(run_dir: Path, recipe: dict[str, Any]) -> None:
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
     """The segments recorded in lineage.jsonl (a last line cut by a crash is left out)."""
-    path = run_dir / LINEAGE_FILE
+    path = RunLayout(run_dir).lineage_file
     records = []
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
         try:
@@ -214,7 +214,7 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 def append_record(run_dir: Path, record: dict[str, Any]) -> None:
     """One segment's line, flushed to disk before anything it announces happens."""
     record = {"time": _now().isoformat(timespec="seconds"), **record}
-    with open(run_dir / LINEAGE_FILE, "a", encoding="utf-8") as handle:
+    with open(RunLayout(run_dir).lineage_file, "a", encoding="utf-8") as handle:
         handle.write(json_out.dumps(record, sort_keys=True) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
@@ -229,7 +229,7 @@ def unfinished_segment(run_dir: Path, found: ckpt.Checkpoint, meta: dict[str, An
     last = records[-1]
     saved = any(
         c.step > found.step and _lineage_of(c) == last.get("lineage")
-        for c in ckpt.list_checkpoints(run_dir / "checkpoints")
+        for c in ckpt.list_checkpoints(RunLayout(run_dir).checkpoints)
     )
     return None if saved else last
 
@@ -247,7 +247,7 @@ def _lineage_of(found: ckpt.Checkpoint) -> Any:
 def abandoned_dir(run_dir: Path, lineage: str | None) -> Path:
     """A new directory name under <run>/abandoned/ for what this start sets aside (made when used)."""
     stamp = _now().strftime("%Y%m%dT%H%M%S")
-    base = run_dir / ABANDONED_DIR / f"{stamp}-{lineage or 'unknown'}"
+    base = RunLayout(run_dir).abandoned / f"{stamp}-{lineage or 'unknown'}"
     target, number = base, 1
     while target.exists():
         number += 1
@@ -274,7 +274,7 @@ def finish_truncation(run_dir: Path) -> list[int]:
     if last is None or last.get("event") != "truncate":
         return []
     return move_checkpoints(
-        run_dir / "checkpoints",
+        RunLayout(run_dir).checkpoints,
         list(last.get("moved_steps", [])),
         str(last.get("lineage")),
         run_dir / str(last.get("abandoned")),
@@ -336,16 +336,10 @@ def record_segment(
                 flush=True,
             )
         append_record(run_dir, record)
-    abandon_rows_after(run_dir / "metrics.jsonl", loaded.step, abandoned / "metrics.jsonl")
+    abandon_rows_after(RunLayout(run_dir).metrics_file, loaded.step, RunLayout(abandoned).metrics_file)
     save_recipe(run_dir, recipe)
     if changes:
         print(f"[memtrain] the recipe changed since the checkpoint: {describe_changes(changes)}", flush=True)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json_out.dumps(data, indent=2, sort_keys=True))
-    tmp.replace(path)
 
 
 def _now() -> datetime.datetime:

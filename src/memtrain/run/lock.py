@@ -3,7 +3,8 @@
 Why: two `memtrain train` processes on one run.output_dir (two jobs started together, or a job restarted
 while the old one still runs) write the same checkpoints and metrics.jsonl: one dies mid-rename with a
 `FileExistsError` traceback, metrics.jsonl holds steps twice, and two `--resume auto` runs both proceed.
-So rank 0 takes `fcntl.flock(LOCK_EX | LOCK_NB)` on the lock file at the start of `Trainer.fit`, before
+So rank 0 takes `fcntl.flock(LOCK_EX | LOCK_NB)` on the lock file at the start of `Trainer.fit`
+(`RunDirectory.locked`), before
 anything in the run directory is written, truncated or cleaned, and holds it until `fit` returns or the
 process ends. A second writer gets a one-line `RunDirInUse` (exit 2) naming the holder.
 
@@ -36,8 +37,8 @@ from typing import Any
 
 from memtrain import json_out
 from memtrain.errors import MemtrainError
+from memtrain.run.layout import RunLayout
 
-LOCK_NAME = ".memtrain.lock"
 COMMAND_CHARS = 160  # the holder's command line, cut to this in the error
 HOLDER_WAIT_S = 2.0  # how long a refused writer waits for the holder to record itself
 
@@ -61,7 +62,7 @@ class RunLock:
 def acquire(run_dir: Path) -> RunLock:
     """Lock `run_dir` (created if needed) for this process; `RunDirInUse` when another process holds it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_NAME
+    path = RunLayout(run_dir).lock_file
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -78,7 +79,7 @@ def acquire(run_dir: Path) -> RunLock:
 
 def in_use_error(run_dir: Path) -> RunDirInUse:
     """The error for a run directory someone else holds, naming the holder when it has recorded itself."""
-    holder = _wait_for_holder(run_dir / LOCK_NAME)
+    holder = _wait_for_holder(RunLayout(run_dir).lock_file)
     advice = "wait for it to finish or set run.output_dir to another directory"
     if holder is None:
         return RunDirInUse(f"run.output_dir {run_dir} is in use by another memtrain process; {advice}")

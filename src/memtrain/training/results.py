@@ -1,0 +1,79 @@
+"""What a run returns and reports: `FitResult`, the end-of-run summary and its one-line description.
+
+Why apart from the loop: these are plain values that the CLI, the benchmarks and the tests read; keeping
+them here keeps the loop's file about the loop.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memtrain.memory import format_bytes
+from memtrain.plan import Plan
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    plan: Plan
+    losses: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    steps_done: int = 0
+    preempted: bool = False  # stopped by a signal after a checkpoint
+    stopped_by: str | None = None  # that signal: "SIGTERM" (exit 0) or "SIGINT" (Ctrl-C, exit 130)
+    summary: dict[str, Any] = field(default_factory=dict)
+    tokens_seen: int = 0  # loss tokens of the steps this call trained
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    loss_sum: torch.Tensor  # this rank's summed loss (float64 scalar)
+    global_tokens: int  # loss tokens of the step over all ranks
+    micro_batches: int
+
+
+def summary_of(
+    result: FitResult,
+    plan: Plan,
+    start: int,
+    seconds: float,
+    peak: int,
+    skipped: int,
+    step_time: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """summary.json: what the run did, from step `start` on, in `seconds`, ending with `plan`."""
+    return {
+        "steps": result.steps_done,
+        "steps_this_run": result.steps_done - start,
+        "first_loss": result.losses[0] if result.losses else None,
+        "final_loss": result.losses[-1] if result.losses else None,
+        "tokens_per_s": result.tokens_seen / seconds if seconds > 0 else 0.0,
+        "seconds": seconds,
+        "peak_memory_bytes": peak,
+        "skipped_steps": skipped,
+        "step_time": step_time,
+        "plan": plan.to_dict(),
+        "run_dir": str(result.run_dir),
+    }
+
+
+def describe_summary(summary: dict[str, Any]) -> str:
+    first, final = summary["first_loss"], summary["final_loss"]
+    losses = f"loss {first:.4f} -> {final:.4f}" if first is not None else "no step run"
+    return (
+        f"[memtrain] {summary['steps']} steps ({summary['steps_this_run']} this run), {losses}, "
+        f"{summary['tokens_per_s']:.0f} tokens/s, peak {format_bytes(summary['peak_memory_bytes'])}, "
+        f"{summary['seconds']:.1f} s; outputs in {summary['run_dir']}"
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
