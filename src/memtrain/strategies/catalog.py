@@ -19,7 +19,7 @@ from memtrain.strategies.optimizer import OPTIMIZER_STATES
 from memtrain.strategies.optimizer_step import OPTIMIZER_STEP
 from memtrain.strategies.precision import PRECISION
 from memtrain.strategies.quantization import QUANTIZATION
-from memtrain.strategies.registry import OptionSpec, Registry
+from memtrain.strategies.registry import Registry
 from memtrain.strategies.sharding import SHARDING
 
 REGISTRIES: dict[str, Registry[Any]] = {
@@ -42,11 +42,6 @@ RECIPE_KINDS = ("precision", "checkpointing", "loss", "optimizer_states", "optim
 def chosen_in(section: str) -> list[Registry[Any]]:
     """The registries whose kind a recipe chooses in `section` (strategies, adapters, model)."""
     return [r for r in REGISTRIES.values() if r.recipe is not None and r.recipe.section == section]
-
-
-def options_in(section: str) -> list[OptionSpec]:
-    """Every strategy option read from `section`, in registry order."""
-    return [spec for registry in chosen_in(section) for spec in registry.options()]
 
 
 @dataclass(frozen=True)
