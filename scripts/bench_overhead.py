@@ -22,16 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.loggers import JsonlLogger, LoggerContext
 from memtrain.memory import StepPeak
-from memtrain.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def memtrain_seconds_per_step(steps: int, out: Path) -> float:
-    recipe = load_recipe(
+    recipe = CausalLMRecipe.load(
         REPO / "recipes/default.yaml",
         [
             f"train.steps={steps}",
@@ -51,7 +51,7 @@ def memtrain_seconds_per_step(steps: int, out: Path) -> float:
 
 def hand_loop_seconds_per_step(steps: int, out: Path) -> float:
     """What a user would write by hand: mean cross-entropy, backward, clip, AdamW step."""
-    recipe = load_recipe(REPO / "recipes/default.yaml", [f"run.output_dir={out}"])
+    recipe = CausalLMRecipe.load(REPO / "recipes/default.yaml", [f"run.output_dir={out}"])
     data = CausalLMTrainer(recipe)  # only its model and batches; its loop is not used
     torch.manual_seed(recipe.run.seed)
     model = data.build_model()
@@ -104,7 +104,7 @@ def always_on_metrics_seconds(repeats: int = 2000) -> float:
 
 def tracked_seconds_per_step(steps: int, out: Path) -> float:
     """The full tracker (`memtrain profile`, `memory.track`), for comparison: not on by default."""
-    recipe = load_recipe(
+    recipe = CausalLMRecipe.load(
         REPO / "recipes/default.yaml",
         [
             f"train.steps={steps}",

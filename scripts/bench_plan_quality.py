@@ -39,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
 from memtrain.distributed import DistEnv  # noqa: E402
 from memtrain.memory.headroom import measured_target  # noqa: E402
@@ -47,7 +48,6 @@ from memtrain.planner.model_probe import ModelProbe  # noqa: E402
 from memtrain.planner.result import PlanResult, Scored  # noqa: E402
 from memtrain.planner.search import search  # noqa: E402
 from memtrain.planner.step_time_calibration import local_cost_model  # noqa: E402
-from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
 
 MODEL = {
     "model_type": "llama",
@@ -61,7 +61,7 @@ MODEL = {
 }
 
 
-def recipe(budget: str | None, steps: int, out: Path, pinned: Scored | None = None) -> Recipe:
+def recipe(budget: str | None, steps: int, out: Path, pinned: Scored | None = None) -> CausalLMRecipe:
     strategies: dict[str, Any] = {
         "precision": "fp32",
         "checkpointing": "auto",
@@ -77,7 +77,7 @@ def recipe(budget: str | None, steps: int, out: Path, pinned: Scored | None = No
             checkpointing_fraction=getattr(c.checkpointing, "fraction", 0.5),
         )
         batch["micro_size"] = c.micro_batch_size
-    return recipe_from_dict(
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "plan-quality", "output_dir": str(out), "seed": 0},
             "model": {"config": MODEL},
@@ -92,7 +92,7 @@ def recipe(budget: str | None, steps: int, out: Path, pinned: Scored | None = No
     )
 
 
-def step_seconds(r: Recipe) -> float:
+def step_seconds(r: CausalLMRecipe) -> float:
     """Median step time after the first step (no tracker: the budget was checked by the planner, and
     tests/planner/test_fit.py checks that the chosen plans really fit under it)."""
     CausalLMTrainer(r).fit()
@@ -100,7 +100,7 @@ def step_seconds(r: Recipe) -> float:
     return statistics.median(row["step_time_s"] for row in rows[1:])
 
 
-def plan_search(budget: str, steps: int, out: Path) -> tuple[Recipe, PlanResult]:
+def plan_search(budget: str, steps: int, out: Path) -> tuple[CausalLMRecipe, PlanResult]:
     """The planner's search at `budget`, as `memtrain train` would run it on this CPU."""
     base = recipe(budget, steps, out)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -110,7 +110,7 @@ def plan_search(budget: str, steps: int, out: Path) -> tuple[Recipe, PlanResult]
     return base, search(base, probe, target, env.device, cost=cost)
 
 
-def train_under_budget(base: Recipe, scored: Scored, out: Path) -> dict[str, Any]:
+def train_under_budget(base: CausalLMRecipe, scored: Scored, out: Path) -> dict[str, Any]:
     """Train one plan as it is (the trainer is handed the plan, every strategy and the micro-batch)
     under the recipe's `memory.budget`; an OOM is the plan's failure (memtrain would re-plan: not here)."""
     r = base.model_copy(update={"run": base.run.model_copy(update={"output_dir": str(out)})})

@@ -78,7 +78,7 @@ def worker(steps: int, out: Path, scratch: Path) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sharding"))  # the census trainer
-    from memtrain.recipe import recipe_from_dict
+    from memtrain.causal_lm.recipe import CausalLMRecipe
     from memtrain.strategies.blocks import model_shape
 
     from census import CensusTrainer
@@ -92,7 +92,7 @@ def worker(steps: int, out: Path, scratch: Path) -> None:
             if strategies.get("deepspeed_config") == "PAPER":
                 strategies["deepspeed_config"] = str(paper_json)
             run = scratch / f"{len(rows)}"
-            recipe = recipe_from_dict(
+            recipe = CausalLMRecipe.from_dict(
                 {
                     "run": {"name": "bench", "output_dir": str(run), "seed": 0},
                     "model": {"config": MODEL},

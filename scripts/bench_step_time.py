@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from bench_plan_quality import MODEL as PLAN_QUALITY_MODEL  # noqa: E402
 
+from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
 from memtrain.distributed import DistEnv  # noqa: E402
 from memtrain.memory.headroom import measured_target  # noqa: E402
@@ -51,7 +52,6 @@ from memtrain.planner.cost import CostModel, StepCost  # noqa: E402
 from memtrain.planner.model_probe import ModelProbe  # noqa: E402
 from memtrain.planner.result import PlanResult, Scored  # noqa: E402
 from memtrain.planner.search import search  # noqa: E402
-from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-h128-l4": PLAN_QUALITY_MODEL,  # the plan-quality benchmark's model
@@ -81,8 +81,8 @@ GLOBAL_ROWS, SEQ_LEN = 16, 128
 CPU = torch.device("cpu")
 
 
-def recipe(config: dict[str, Any], out: Path, steps: int) -> Recipe:
-    return recipe_from_dict(
+def recipe(config: dict[str, Any], out: Path, steps: int) -> CausalLMRecipe:
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "step-time", "output_dir": str(out), "seed": 0},
             "model": {"config": config},
@@ -101,7 +101,7 @@ def recipe(config: dict[str, Any], out: Path, steps: int) -> Recipe:
     )
 
 
-def plan_search(r: Recipe, cost: CostModel) -> PlanResult:
+def plan_search(r: CausalLMRecipe, cost: CostModel) -> PlanResult:
     """The planner's search for this CPU (host memory as the budget), ranked with `cost`."""
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=CPU)
     target = measured_target(env, None, r.planner.safety_fraction)
@@ -136,7 +136,7 @@ class TimedTrainer(CausalLMTrainer):
     rows: list[dict[str, Any]]
 
 
-def measure(r: Recipe, scored: Scored, out: Path) -> tuple[float, float]:
+def measure(r: CausalLMRecipe, scored: Scored, out: Path) -> tuple[float, float]:
     """Median (CPU, wall) seconds of the steps after the first of `scored`'s plan, trained as it is."""
     r = r.model_copy(update={"run": r.run.model_copy(update={"output_dir": str(out)})})
     trainer = TimedTrainer(r)
@@ -182,7 +182,7 @@ def measure_configs(steps: int, rounds: int, tmp: Path) -> dict[str, dict[str, A
     return measured
 
 
-def probe_timings(r: Recipe) -> tuple[str, list[stc.Sample]]:
+def probe_timings(r: CausalLMRecipe) -> tuple[str, list[stc.Sample]]:
     """The planner's timed probe of `r`'s model (step_time_probe.py), in CPU seconds like the steps."""
     step_time_probe.CLOCK = time.process_time
     probe = ModelProbe(CausalLMTrainer(r).model_spec())

@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.memory import COMPONENTS
-from memtrain.recipe import recipe_from_dict
 
 MODELS: dict[str, dict[str, Any]] = {
     "gpt2-like (12 x 256, 13M)": {
@@ -59,7 +59,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 
 
 def recipe(model: dict[str, Any], strategies: dict[str, Any], steps: int, out: Path, track: bool) -> Any:
-    return recipe_from_dict(
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "bench", "output_dir": str(out), "seed": 0},
             "model": {"config": model},

@@ -50,10 +50,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.causal_lm import data as data_lib
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.memory import MemoryTracker, StepMemory, process_peak_rss_bytes
 from memtrain.memory.cheap import reset_peak_rss
-from memtrain.recipe import Recipe, recipe_from_dict
 
 Batch = dict[str, torch.Tensor]
 RESULT = "peer-result: "  # prefix of a worker's JSON answer (HF Trainer prints dicts of its own)
@@ -128,7 +128,7 @@ class Setup:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
-    def recipe(self, out_dir: Path, *, auto: bool, track: bool, steps: int | None = None) -> Recipe:
+    def recipe(self, out_dir: Path, *, auto: bool, track: bool, steps: int | None = None) -> CausalLMRecipe:
         """The memtrain recipe of these settings: the pinned plan, or every choice `auto`."""
         strategies: dict[str, Any] = (
             {"precision": "auto", "checkpointing": "auto", "optimizer_states": "auto", "sharding": "auto"}
@@ -140,7 +140,7 @@ class Setup:
                 "sharding": "none",
             }
         )
-        return recipe_from_dict(
+        return CausalLMRecipe.from_dict(
             {
                 "run": {"name": "peers", "output_dir": str(out_dir), "seed": self.seed},
                 "model": {"config": MODELS[self.model]},
@@ -492,7 +492,7 @@ def run_accelerate(
 class TimedTrainer(CausalLMTrainer):
     """memtrain's causal-LM trainer, unchanged but for a call after each optimizer step (the clock)."""
 
-    def __init__(self, recipe: Recipe, on_step_end: Callable[[], None]) -> None:
+    def __init__(self, recipe: CausalLMRecipe, on_step_end: Callable[[], None]) -> None:
         super().__init__(recipe)
         self.on_step_end = on_step_end
 

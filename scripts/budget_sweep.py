@@ -124,9 +124,9 @@ def train_once(
 ) -> Run:
     """One run in this process, classified (what the child process does). `optimism` > 0 makes every
     activation prediction that much too low (fault injection: the run must re-plan, not stop)."""
+    from memtrain.causal_lm.recipe import CausalLMRecipe
     from memtrain.causal_lm.trainer import CausalLMTrainer
     from memtrain.errors import PlanError
-    from memtrain.recipe import recipe_from_dict
 
     if optimism:
         _predict_low(optimism)
@@ -141,7 +141,7 @@ def train_once(
             started = True
             return super().train_step(step)
 
-    trainer = Watched(recipe_from_dict(recipe_dict(family, run_dir, steps, memory)))
+    trainer = Watched(CausalLMRecipe.from_dict(recipe_dict(family, run_dir, steps, memory)))
     try:
         trainer.setup()
         chosen = trainer.plan_result.chosen if trainer.plan_result is not None else None

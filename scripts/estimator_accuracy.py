@@ -46,12 +46,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.distributed import init_distributed
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.activation_profile import profile_activations
 from memtrain.memory.footprint import ActivationProfile, Footprint
-from memtrain.recipe import Recipe, recipe_from_dict
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.blocks import discover_blocks, model_shape
 from memtrain.strategies.checkpointing import CHECKPOINTING, NoCheckpointing
@@ -134,7 +134,7 @@ def recipe_for(
     *,
     track: bool,
     open_choices: bool = False,
-) -> Recipe:
+) -> CausalLMRecipe:
     """The recipe of one plan. `open_choices`: each choice as a one-entry list, which sends the recipe
     through the planner (a recipe that pins everything skips it) with exactly this plan to predict."""
     precision, checkpointing, fraction, states = plan
@@ -143,7 +143,7 @@ def recipe_for(
         return [value] if open_choices else value
 
     planner = {"checkpointing_fractions": [fraction]} if open_choices else {}
-    return recipe_from_dict(
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "accuracy", "output_dir": str(out), "seed": 0},
             "model": {"config": MODELS[settings.model]},
@@ -263,7 +263,7 @@ def strategies_sum(
     return footprint.to_dict()
 
 
-def activation_profile(recipe: Recipe, precision: str, settings: Settings) -> ActivationProfile:
+def activation_profile(recipe: CausalLMRecipe, precision: str, settings: Settings) -> ActivationProfile:
     """One micro-batch of the real model, built and run as the trainer would under this precision."""
     from transformers import AutoModelForCausalLM
 

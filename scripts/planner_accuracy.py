@@ -30,12 +30,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.commands.trainers import trainer_class  # noqa: E402
 from memtrain.memory.footprint import COMPONENTS  # noqa: E402
 from memtrain.memory.headroom import Target, budget_from  # noqa: E402
 from memtrain.planner.model_probe import ModelProbe  # noqa: E402
 from memtrain.planner.search import search  # noqa: E402
-from memtrain.recipe import Recipe, recipe_from_dict  # noqa: E402
 
 SEQ_LEN = 64
 GLOBAL_BATCH = 8
@@ -98,9 +98,11 @@ PLANS: list[tuple[str, str, float, str, int]] = [
 QUICK_PLANS = [PLANS[0], PLANS[2]]
 
 
-def recipe_for(model: dict[str, Any] | None, plan: tuple[str, str, float, str, int], out: Path) -> Recipe:
+def recipe_for(
+    model: dict[str, Any] | None, plan: tuple[str, str, float, str, int], out: Path
+) -> CausalLMRecipe:
     precision, mode, fraction, states, micro = plan
-    return recipe_from_dict(
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "accuracy", "output_dir": str(out), "seed": 0},
             "model": {"config": dict(model)} if model is not None else {},
@@ -126,7 +128,7 @@ def recipe_for(model: dict[str, Any] | None, plan: tuple[str, str, float, str, i
     )
 
 
-def predict(recipe: Recipe, probe: ModelProbe) -> Any:
+def predict(recipe: CausalLMRecipe, probe: ModelProbe) -> Any:
     """The planner's prediction of the recipe's plan as a search over every micro-batch size makes it (its
     activation fits are drawn through the smallest and the largest size, so the sizes in between are read
     off the line, not traced), on an unbounded CPU target."""
@@ -138,7 +140,7 @@ def predict(recipe: Recipe, probe: ModelProbe) -> Any:
     return match.prediction
 
 
-def measure(recipe: Recipe, trainer_spec: str | None) -> Any:
+def measure(recipe: CausalLMRecipe, trainer_spec: str | None) -> Any:
     trainer = trainer_class(trainer_spec)(recipe)
     trainer.fit()
     return trainer.monitor.memory_reports[-1]

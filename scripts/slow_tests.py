@@ -11,6 +11,10 @@ tests `slow`, so `bash scripts/test.sh -m "not slow"` leaves them out.
 
 Why 3 s: the fast tier must run in under 4 minutes on the 2-core machine, lint and types included
 (about 40 s with setup and collection); the tests of at most 3 s summed to about 140 s in the measured run.
+
+The file also holds each test file's measured seconds (a line with a path and no `::`): scripts/test.sh
+runs the suite on two workers (pytest-xdist, whole files per worker), and tests/conftest.py hands out the
+longest files first, so the last file to finish is a short one.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"^([0-9.]+)s (setup|call|teardown)\s+(.+?)\s*$")
 HEADER = """\
 # Tests marked `slow` (tests/conftest.py): more than {over:g} s alone, measured in a full run on the 2-core
-# machine; written by scripts/slow_tests.py (its docstring: the rule, and how to regenerate this file).
+# machine, then each test file's seconds in that run (the longest files run first); written by
+# scripts/slow_tests.py (its docstring: the rule, and how to regenerate this file).
 """
 
 
@@ -112,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     slow = sorted(t for t, s in seconds.items() if s > args.over)
     print(HEADER.format(over=args.over), end="")
     for test in slow:
-        print(test)
+        print(f"{test} {seconds[test]:.1f}")
+    by_file: dict[str, float] = defaultdict(float)
+    for test in fixtures.ids:
+        by_file[test.split("::")[0]] += sum(measured.get(test, {}).values())
+    for path, total in sorted(by_file.items(), key=lambda item: -item[1]):
+        print(f"{path} {total:.1f}")
     fast = sum(sum(measured.get(t, {}).values()) for t in fixtures.ids if t not in slow)
     print(
         f"slow_tests: {len(slow)} of {len(fixtures.ids)} tests slow; the others took {fast:.0f} s in the "

@@ -1,6 +1,7 @@
 """Every test in this process is one rank, whatever the shell that started pytest says. `shared_traces`:
 planner traces of the same job shared between the tests that use it. The tests listed in tests/slow.txt
-(slow by measurement: scripts/slow_tests.py) are marked `slow`."""
+(slow by measurement: scripts/slow_tests.py) are marked `slow`, and the test files run longest first (by
+the seconds that file records), so the two workers of scripts/test.sh finish together."""
 
 from __future__ import annotations
 
@@ -16,9 +17,33 @@ from memtrain.planner import model_probe
 SLOW = Path(__file__).with_name("slow.txt")
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    listed = {line.strip() for line in SLOW.read_text().splitlines() if line.strip()[:1] not in ("", "#")}
+def _measured() -> tuple[set[str], dict[str, float]]:
+    """(the slow tests, each test file's seconds) from tests/slow.txt."""
+    slow, files = set(), {}
+    for line in SLOW.read_text().splitlines():
+        if line.strip()[:1] in ("", "#"):
+            continue
+        name, *seconds = line.split()
+        if "::" in name:
+            slow.add(name)
+        else:
+            files[name] = float(seconds[0])
+    return slow, files
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    """Before every other plugin (`-m` deselects by marker): the listed tests are marked `slow`. After them
+    (pytest has grouped the tests by their fixtures): the longest files first, each file's tests in the
+    order pytest gave them (a stable sort, so module fixtures are still set up once); a file not measured
+    yet goes first, as it may be long."""
+    listed, file_seconds = _measured()
+    _mark_slow(config, items, listed)
+    yield
+    items.sort(key=lambda item: -file_seconds.get(item.nodeid.split("::")[0], float("inf")))
+
+
+def _mark_slow(config: pytest.Config, items: list[pytest.Item], listed: set[str]) -> None:
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.slow)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memtrain.recipe import Recipe, recipe_from_dict
+from memtrain.causal_lm.recipe import CausalLMRecipe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,8 +54,8 @@ def tiny_recipe_dict(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, An
     return raw
 
 
-def tiny_recipe(tmp_path: Path, **sections: dict[str, Any]) -> Recipe:
-    return recipe_from_dict(tiny_recipe_dict(tmp_path, **sections))
+def tiny_recipe(tmp_path: Path, **sections: dict[str, Any]) -> CausalLMRecipe:
+    return CausalLMRecipe.from_dict(tiny_recipe_dict(tmp_path, **sections))
 
 
 def subprocess_env() -> dict[str, str]:
@@ -92,7 +92,7 @@ def tracked_step(tracker: Any, model: Any, optimizer: Any, x: Any) -> None:
         optimizer.zero_grad()
 
 
-def probe_of(recipe: Recipe) -> Any:
+def probe_of(recipe: CausalLMRecipe) -> Any:
     """The planner's view of the built-in causal-LM trainer's job for `recipe`."""
     from memtrain.causal_lm.trainer import CausalLMTrainer
     from memtrain.planner.model_probe import ModelProbe
@@ -105,7 +105,7 @@ class Killed(BaseException):
     Exception), to stop a run at an exact point without a child process."""
 
 
-def initial_weights(recipe: Recipe, trainer_class: Any = None) -> dict[str, Any]:
+def initial_weights(recipe: CausalLMRecipe, trainer_class: Any = None) -> dict[str, Any]:
     """The weights a run of `recipe` starts training from (its seed, model and adapters), set up here by
     `trainer_class` (the built-in causal-LM trainer by default)."""
     from memtrain.causal_lm.trainer import CausalLMTrainer

@@ -4,12 +4,15 @@ function-level ones included), so an arrow the design forbids fails here before 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import _parser
-from memtrain.recipe import Recipe, json_schema
+from memtrain.recipe import Recipe
 from memtrain.run import CheckpointFiles, RunLayout
 from memtrain.run.lineage import RUN_FREE_KEYS, all_free_keys
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES, declared_keys, free_keys, options_table
@@ -127,7 +130,7 @@ def test_one_way_arrows(package: str, forbidden: tuple[str, ...]) -> None:
 
 def test_registries_are_the_one_vocabulary() -> None:
     """The recipe schema, the CLI help and docs/STRATEGIES.md list exactly what the registries hold."""
-    schema = json_schema()["$defs"]["StrategiesConfig"]["properties"]
+    schema = Recipe.editor_schema()["$defs"]["StrategiesConfig"]["properties"]
     help_text = " ".join(_parser().format_help().split())
     docs = (REPO / "docs/STRATEGIES.md").read_text()
     for kind in RECIPE_KINDS:
@@ -233,10 +236,15 @@ def test_the_trainer_is_the_loop() -> None:
     assert not long, long
 
 
-SECTION_MODELS = {
-    "model": "_ModelSection",
-    "strategies": "_StrategiesSection",
-    "adapters": "_AdaptersSection",
+HAND_WRITTEN = {  # recipe class -> section -> the hand-written classes its generated section builds on
+    Recipe: {
+        "model": [("recipe.py", "ModelSection")],
+        "strategies": [("recipe.py", "_StrategiesSection")],
+        "adapters": [("recipe.py", "_AdaptersSection")],
+    },
+    CausalLMRecipe: {
+        "model": [("recipe.py", "ModelSection"), ("causal_lm/recipe.py", "CausalLMModelSection")],
+    },
 }
 
 
@@ -246,22 +254,25 @@ def test_strategy_keys_are_declared_once_and_generated_everywhere() -> None:
     written by hand in recipe.py, the run lineage's hand-written free keys name none of them, and the table
     in docs/STRATEGIES.md is the generated one."""
     declared = {key.path for key in declared_keys()}
-    fields = {
-        f"{section}.{name}"
-        for section in SECTION_MODELS
-        for name in Recipe.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
-    }
-    hand_fields = {
-        f"{section}.{node.target.id}"
-        for section, cls in SECTION_MODELS.items()
-        for node in _class_body(SRC / "memtrain/recipe.py", cls)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-    }
-    assert declared <= fields, declared - fields
-    assert not declared & hand_fields, (
-        f"declared by a strategy, written again in recipe.py: {declared & hand_fields}"
-    )
-    assert fields - hand_fields == declared, (fields - hand_fields) ^ declared
+    for recipe_class in HAND_WRITTEN:
+        sections = {**HAND_WRITTEN[Recipe], **HAND_WRITTEN[recipe_class]}
+        fields = {
+            f"{section}.{name}"
+            for section in sections
+            for name in recipe_class.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
+        }
+        hand_fields = {
+            f"{section}.{node.target.id}"
+            for section, classes in sections.items()
+            for path, cls in classes
+            for node in _class_body(SRC / "memtrain" / path, cls)
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        }
+        assert declared <= fields, (recipe_class, declared - fields)
+        assert not declared & hand_fields, (
+            f"declared by a strategy, written again by hand: {declared & hand_fields}"
+        )
+        assert fields - hand_fields == declared, (recipe_class, (fields - hand_fields) ^ declared)
     by_hand = [k for k in RUN_FREE_KEYS for d in declared if d == k or d.startswith(k + ".")]
     assert not by_hand, f"strategy keys in run/lineage.py's RUN_FREE_KEYS, written by hand: {by_hand}"
     assert set(all_free_keys()) == set(RUN_FREE_KEYS) | set(free_keys())
@@ -271,6 +282,31 @@ def test_strategy_keys_are_declared_once_and_generated_everywhere() -> None:
     outside = docs.replace(block, "")
     rows = [line for line in outside.splitlines() if any(line.startswith(f"| `{k}`") for k in declared)]
     assert not rows, f"rows for declared keys written by hand in docs/STRATEGIES.md: {rows}"
+
+
+CAUSAL_LM_KEYS = re.compile(
+    r"\b(recipe\.data\b|model\.(config|config_path|pretrained|attn_implementation)\b)"
+)
+
+
+def test_the_causal_lm_sections_are_the_causal_lm_trainers_own() -> None:
+    """`model.config`/`pretrained`/... and `data:` belong to the built-in trainer's recipe part
+    (`causal_lm.recipe.CausalLMRecipe`): the recipe every trainer reads has no such key, its `model:`
+    holds only the strategy-declared quantization keys, and no module outside memtrain.causal_lm reads
+    them."""
+    assert "data" not in Recipe.model_fields
+    generic_model = {f"model.{name}" for name in Recipe.model_fields["model"].annotation.model_fields}  # type: ignore[union-attr]
+    assert generic_model == {key.path for key in declared_keys() if key.path.startswith("model.")}
+    assert {"data", "model"} <= set(CausalLMRecipe.model_fields)
+    assert CausalLMTrainer.recipe_class is CausalLMRecipe
+    readers = [
+        f"{path.relative_to(SRC)}:{number}"
+        for path in sorted((SRC / "memtrain").rglob("*.py"))
+        if "causal_lm" not in path.parts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if CAUSAL_LM_KEYS.search(line) and not line.lstrip().startswith(("#", '"'))
+    ]
+    assert not readers, f"causal-LM recipe keys read outside memtrain.causal_lm: {readers}"
 
 
 def _class_body(path: Path, name: str) -> list[ast.stmt]:

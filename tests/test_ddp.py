@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain.recipe import load_recipe
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.training.metrics import read_metrics
 
 from helpers import REPO, assert_trained_alike, initial_weights, subprocess_env
@@ -72,4 +72,4 @@ def test_ddp_two_ranks_matches_single_process(tmp_path: Path) -> None:
     assert losses_1[-1] < losses_1[0]
     assert losses_2 == pytest.approx(losses_1, rel=1e-5)
     fresh = [f"run.output_dir={tmp_path / 'initial'}", "strategies.sharding=none"]
-    assert_trained_alike(state_2, state_1, initial_weights(load_recipe(REPO / RECIPE, fresh)))
+    assert_trained_alike(state_2, state_1, initial_weights(CausalLMRecipe.load(REPO / RECIPE, fresh)))

@@ -21,10 +21,10 @@ from torch import nn
 
 from memtrain import checkpoint as ckpt
 from memtrain.causal_lm.export import export_hf
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.cli import main
 from memtrain.errors import MemtrainError
-from memtrain.recipe import recipe_from_dict
 
 from helpers import REPO, TINY_LLAMA, run_two_ranks, tiny_recipe, tiny_recipe_dict
 
@@ -163,7 +163,7 @@ def test_pretrained_config_generation_config_and_tokenizer_files(tmp_path: Path)
     tokenizer = _tokenizer_dir(tmp_path / "tok")
     raw_recipe = tiny_recipe_dict(tmp_path, data={"tokenizer": str(tokenizer)})
     raw_recipe["model"] = {"pretrained": str(pretrained)}
-    recipe = recipe_from_dict(raw_recipe)
+    recipe = CausalLMRecipe.from_dict(raw_recipe)
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.json").write_text(json.dumps(recipe.to_dict()))
@@ -180,7 +180,7 @@ def test_pretrained_config_generation_config_and_tokenizer_files(tmp_path: Path)
     assert AutoTokenizer.from_pretrained(out)("w3 w5")["input_ids"] == [6, 8]
 
     del raw_recipe["model"]  # no model section at all: a custom trainer's run
-    (run / "recipe.json").write_text(json.dumps(recipe_from_dict(raw_recipe).to_dict()))
+    (run / "recipe.json").write_text(json.dumps(CausalLMRecipe.from_dict(raw_recipe).to_dict()))
     with pytest.raises(MemtrainError, match="export needs a transformers model"):
         export_hf(run, tmp_path / "hf2")
 

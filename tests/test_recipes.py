@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import check_model_recipe
 from memtrain.errors import RecipeError
-from memtrain.recipe import apply_overrides, json_schema, load_recipe, recipe_from_dict
+from memtrain.recipe import apply_overrides
 
 import hf_cache
 from helpers import REPO, TINY_LLAMA, tiny_recipe_dict
@@ -26,15 +27,15 @@ def test_every_recipe_validates(path: Path, monkeypatch: pytest.MonkeyPatch, tmp
     model (tests/hf_cache.py) and the shipped chat data in place of `data.path: <your data>`."""
     monkeypatch.chdir(REPO)
     hf_cache.stage(tmp_path, monkeypatch)
-    recipe = load_recipe(path)
+    recipe = CausalLMRecipe.load(path)
     if recipe.data.path is not None and not Path(recipe.data.path).exists():
-        recipe = load_recipe(path, ["data.path=data/tiny_chat.jsonl"])
+        recipe = CausalLMRecipe.load(path, ["data.path=data/tiny_chat.jsonl"])
     check_model_recipe(recipe)
 
 
 def _problems(raw: dict) -> list[str]:
     with pytest.raises(RecipeError) as info:
-        recipe_from_dict(raw)
+        CausalLMRecipe.from_dict(raw)
     return info.value.problems
 
 
@@ -61,7 +62,7 @@ def test_strategy_accepts_auto_name_or_list(tmp_path: Path) -> None:
     for value in ("auto", "bf16-mixed", ["fp32", "bf16-mixed"]):
         raw = tiny_recipe_dict(tmp_path)
         raw["strategies"]["precision"] = value
-        assert recipe_from_dict(raw).strategies.precision == value
+        assert CausalLMRecipe.from_dict(raw).strategies.precision == value
     raw["strategies"]["sharding"] = ["ddp", "zero9"]
     assert "strategies.sharding: 'zero9' is not one of" in _problems(raw)[0]
 
@@ -80,25 +81,25 @@ def test_malformed_yaml_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  steps: 3\n  lr: [1, 2\n")
     with pytest.raises(RecipeError, match="malformed YAML at line"):
-        load_recipe(path)
+        CausalLMRecipe.load(path)
 
 
 def test_model_config_mistakes(tmp_path: Path) -> None:
     raw = tiny_recipe_dict(tmp_path)
     raw["model"]["config"] = {**TINY_LLAMA, "model_type": "lama"}
     with pytest.raises(RecipeError, match=r'model.config.model_type: unknown .* \(did you mean "llama"\?\)'):
-        check_model_recipe(recipe_from_dict(raw))
+        check_model_recipe(CausalLMRecipe.from_dict(raw))
     raw["model"]["config"] = {**TINY_LLAMA, "num_hiden_layers": 4}
     with pytest.raises(
         RecipeError, match='model.config.num_hiden_layers: not a field .*did you mean "num_hidden_layers"'
     ):
-        check_model_recipe(recipe_from_dict(raw))
+        check_model_recipe(CausalLMRecipe.from_dict(raw))
 
 
 def test_sequence_longer_than_model_maximum(tmp_path: Path) -> None:
     raw = tiny_recipe_dict(tmp_path, data={"seq_len": 128})
     with pytest.raises(RecipeError, match="data.seq_len: 128 exceeds the model's maximum of 64"):
-        check_model_recipe(recipe_from_dict(raw))
+        check_model_recipe(CausalLMRecipe.from_dict(raw))
 
 
 def test_model_from_config_path(tmp_path: Path) -> None:
@@ -108,14 +109,14 @@ def test_model_from_config_path(tmp_path: Path) -> None:
     path.write_text(json.dumps({**TINY_LLAMA, "architectures": ["LlamaForCausalLM"]}))
     raw = tiny_recipe_dict(tmp_path)
     raw["model"] = {"config_path": str(path)}
-    check_model_recipe(recipe_from_dict(raw))
+    check_model_recipe(CausalLMRecipe.from_dict(raw))
     raw["model"] = {"config_path": str(tmp_path / "missing.json")}
     with pytest.raises(RecipeError, match="model.config_path: file not found"):
-        check_model_recipe(recipe_from_dict(raw))
+        check_model_recipe(CausalLMRecipe.from_dict(raw))
 
 
 def test_schema_lists_sections() -> None:
-    schema = json_schema()
+    schema = CausalLMRecipe.editor_schema()
     assert {"run", "model", "data", "batch", "train", "checkpoint", "strategies"} <= set(schema["properties"])
 
 
@@ -135,7 +136,7 @@ def test_adapter_targets_are_module_names(tmp_path: Path, targets: list[str], ex
     Cyrillic 'а'), a space or all-linear inside a list would train without the adapters asked for."""
     raw = tiny_recipe_dict(tmp_path, adapters={"kind": "lora", "target_modules": targets})
     with pytest.raises(RecipeError) as caught:
-        recipe_from_dict(raw)
+        CausalLMRecipe.from_dict(raw)
     (problem,) = caught.value.problems
     assert problem.startswith("adapters.target_modules:") and expected in problem
 
@@ -143,7 +144,7 @@ def test_adapter_targets_are_module_names(tmp_path: Path, targets: list[str], ex
 def test_adapter_targets_accept_names_paths_and_all_linear(tmp_path: Path) -> None:
     def targets(value: object) -> object:
         raw = tiny_recipe_dict(tmp_path, adapters={"kind": "lora", "target_modules": value})
-        return recipe_from_dict(raw).adapters.target_modules
+        return CausalLMRecipe.from_dict(raw).adapters.target_modules
 
     assert targets(["q_proj", "mlp.down_proj", "h.0.attn"]) == ["q_proj", "mlp.down_proj", "h.0.attn"]
     assert targets("all-linear") == targets(["all-linear"]) == "all-linear"

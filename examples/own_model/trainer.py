@@ -3,7 +3,8 @@
 What it shows: memtrain plans the job the trainer really runs. The model has tied input/output weights and
 a frozen module (learned-then-fixed positions), the batches are variable-length documents right-padded to
 `data.seq_len` with label -100 on the padding, and the loss is this file's own. The recipe next to it has
-no `model:` section.
+no `model:` section; its `data:` section is this trainer's own recipe part (`TinyRecipe`), so a key the
+trainer does not read is refused by name.
 
     memtrain plan    examples/own_model/recipe.yaml --trainer examples/own_model/trainer.py:TinyTrainer
     memtrain profile examples/own_model/recipe.yaml --trainer examples/own_model/trainer.py:TinyTrainer
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
-from memtrain import Trainer
+from memtrain import Recipe, RecipeSection, Trainer
 
 VOCAB = 256
 IGNORE = -100
@@ -65,7 +67,23 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+class TinyData(RecipeSection):
+    """`data:` as this trainer reads it."""
+
+    seq_len: int = Field(default=64, gt=0, description="The row length documents are padded to.")
+
+
+class TinyRecipe(Recipe):
+    """Every trainer's sections, and this one's `data:`."""
+
+    sequence_length_key = "data.seq_len"  # the memory tips name it
+    data: TinyData = TinyData()
+
+
 class TinyTrainer(Trainer):
+    recipe_class = TinyRecipe
+    recipe: TinyRecipe
+
     def build_model(self) -> nn.Module:
         return TinyLM(max_len=self.recipe.data.seq_len)
 

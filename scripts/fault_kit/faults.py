@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import io
 import json
@@ -38,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from unittest import mock
 
 import torch
@@ -47,9 +46,9 @@ from torch import nn
 from memtrain import checkpoint as tensor_files
 from memtrain import cli
 from memtrain.causal_lm import trainer as models
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.planner import PlanResult
-from memtrain.recipe import Recipe
 from memtrain.run import checkpoints as ckpt
 from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.training.trainer import Batch, FitResult
@@ -147,9 +146,11 @@ def digest(tensors: Iterator[torch.Tensor]) -> str:
 class FaultTrainer(CausalLMTrainer):
     """`CausalLMTrainer` plus the faults of `harness` and the per-step ledger."""
 
-    def __init__(self, recipe: Recipe, harness: Harness | None = None) -> None:
+    cli_harness: ClassVar[Harness | None] = None  # the faults of a `memtrain train` under `main`
+
+    def __init__(self, recipe: CausalLMRecipe, harness: Harness | None = None) -> None:
         super().__init__(recipe)
-        self.harness = harness or Harness()
+        self.harness = harness or self.cli_harness or Harness()
         self.first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.ledger: dict[int, StepRecord] = {}
         self.initial_micro: int | None = None  # the planned micro-batch size (set by choose_plan)
@@ -440,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     harness = Harness(
         tuple(args.fault), args.reset_micro, {int(k): int(v) for k, v in args.micro_schedule.items()}
     )
-    with mock.patch.object(models, "CausalLMTrainer", functools.partial(FaultTrainer, harness=harness)):
+    with (
+        mock.patch.object(FaultTrainer, "cli_harness", harness),
+        mock.patch.object(models, "CausalLMTrainer", FaultTrainer),
+    ):
         return cli.main(args.command)
 
 

@@ -11,7 +11,7 @@ are refused before they expand, so each case takes well under a second.
   in an override), nesting bombs (YAML, JSON model config, DeepSpeed JSON) and size bombs (recipe file,
   override value, a value that must be cut in the message, JSON config).
 - `undecodable_files(work, seed)`: bytes that are not UTF-8 at every path a recipe names
-  (`memtrain.recipe.PATH_KEYS`, each covered, plus the recipe itself, the files of a model.pretrained or
+  (`CausalLMRecipe.path_keys`, each covered, plus the recipe itself, the files of a model.pretrained or
   data.tokenizer directory, every data.source, `--trainer FILE.py` and a `--gpu` profile).
 
 Each command runs in a child forked from this process (`run_bounded`), which is killed when it runs past
@@ -39,7 +39,7 @@ import torch
 import yaml
 
 from memtrain import cli
-from memtrain.recipe import PATH_KEYS
+from memtrain.causal_lm.recipe import CausalLMRecipe
 
 from fault_kit.scenarios import TINY_LLAMA, Outcome, in_process, timed
 
@@ -438,8 +438,8 @@ def undecodable_files(work: Path, seed: int) -> Outcome:
     outcome = Outcome("undecodable files", "bytes that are not UTF-8 at every path a recipe or flag names")
     with timed(outcome):
         cases = undecodable_cases(random.Random(f"{seed}-undecodable"))
-        uncovered = [key for key in PATH_KEYS if key not in {c.kind for c in cases}]
+        uncovered = [key for key in CausalLMRecipe.path_keys if key not in {c.kind for c in cases}]
         if uncovered:
-            outcome.record(f"no case for {', '.join(uncovered)}", "coverage of memtrain.recipe.PATH_KEYS")
+            outcome.record(f"no case for {', '.join(uncovered)}", "coverage of CausalLMRecipe.path_keys")
         run_cases(outcome, work, cases)
     return outcome

@@ -6,7 +6,7 @@ mapping belongs, nesting hundreds of levels deep, unicode look-alikes — must e
 names the key (or the YAML line), exit code 2, and no traceback; and YAML must be read only with a safe
 loader, so a recipe can never run code.
 
-The mutations are drawn from the recipe's own schema (`Recipe.model_fields`: every leaf key, its type
+The mutations are drawn from the recipe's own schema (`CausalLMRecipe.model_fields`: every leaf key, its type
 and its bounds), so a key added later is fuzzed too. Each mutant records what its error must contain.
 """
 
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ByteSize
 
 import memtrain
 from memtrain import cli
-from memtrain.recipe import Recipe
+from memtrain.causal_lm.recipe import CausalLMRecipe
 
 from fault_kit.scenarios import TINY_LLAMA, Outcome, in_process, timed
 
@@ -51,7 +51,7 @@ class Mutant:
     overrides: tuple[str, ...] = ()
 
 
-def leaves(model: type[BaseModel] = Recipe, prefix: str = "") -> Iterator[Leaf]:
+def leaves(model: type[BaseModel] = CausalLMRecipe, prefix: str = "") -> Iterator[Leaf]:
     """Every leaf key of the recipe schema with its kind and bounds."""
     for name, info in model.model_fields.items():
         annotation = info.annotation

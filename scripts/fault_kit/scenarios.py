@@ -39,7 +39,7 @@ import torch
 import yaml
 
 import memtrain
-from memtrain.recipe import recipe_from_dict
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.run import checkpoints as ckpt
 from memtrain.training.metrics import read_metrics
 
@@ -443,13 +443,13 @@ def oom_one_rank(work: Path, injections: int, seed: int) -> Outcome:
         while done < injections:
             chosen = oom_faults(rng, 10, min(10, injections - done), 2, 1)
             trainer = FaultTrainer(
-                recipe_from_dict(recipe_dict(work / f"oom{index}", **OOM_SECTIONS)),
+                CausalLMRecipe.from_dict(recipe_dict(work / f"oom{index}", **OOM_SECTIONS)),
                 Harness(tuple(chosen), reset_micro=True),
             )
             trainer.fit()
             schedule = {s: r.micro_batch_size for s, r in trainer.ledger.items()}
             reference = FaultTrainer(
-                recipe_from_dict(recipe_dict(work / f"oom{index}-ref", **OOM_SECTIONS)),
+                CausalLMRecipe.from_dict(recipe_dict(work / f"oom{index}-ref", **OOM_SECTIONS)),
                 Harness(micro_schedule=schedule),
             )
             reference.fit()
@@ -493,7 +493,7 @@ def oom_budget(work: Path, trials: int, seed: int) -> Outcome:
             peaks = {}
             for micro in (size, size // 2):  # tracked runs as long as the real one: states grow after step 1
                 probe = FaultTrainer(
-                    recipe_from_dict(
+                    CausalLMRecipe.from_dict(
                         recipe_dict(
                             work / f"budget{index}-probe{micro}",
                             memory={"track": True},
@@ -510,12 +510,14 @@ def oom_budget(work: Path, trials: int, seed: int) -> Outcome:
                 continue
             budget = rng.randint(peaks[size // 2] + 1, peaks[size] - 1)
             trainer = FaultTrainer(
-                recipe_from_dict(recipe_dict(work / f"budget{index}", memory={"budget": budget}, **sections))
+                CausalLMRecipe.from_dict(
+                    recipe_dict(work / f"budget{index}", memory={"budget": budget}, **sections)
+                )
             )
             trainer.fit()
             schedule = {s: r.micro_batch_size for s, r in trainer.ledger.items()}
             reference = FaultTrainer(
-                recipe_from_dict(recipe_dict(work / f"budget{index}-ref", **sections)),
+                CausalLMRecipe.from_dict(recipe_dict(work / f"budget{index}-ref", **sections)),
                 Harness(micro_schedule=schedule),
             )
             reference.fit()
@@ -705,7 +707,7 @@ def nonfinite(work: Path, trials: int, seed: int) -> Outcome:
                 bad = bad[:2]  # three in a row would stop the run: that is the next check
             chosen = tuple(Fault(rng.choice(("nan", "inf", "inf_grad")), step=s) for s in bad)
             trainer = FaultTrainer(
-                recipe_from_dict(recipe_dict(work / f"nan{index}", **sections)), Harness(chosen)
+                CausalLMRecipe.from_dict(recipe_dict(work / f"nan{index}", **sections)), Harness(chosen)
             )
             trainer.fit()
             for fault in chosen:

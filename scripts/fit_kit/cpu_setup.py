@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.sources import synthetic_samples
-from memtrain.recipe import Recipe, recipe_from_dict
 
 HEAD_DIM = 32
 MAX_POSITIONS = 65536  # rotary: no table of this size is built, and every length metric (c) tries is below
@@ -213,11 +213,11 @@ def memtrain_recipe(
     steps: int,
     budget_bytes: int,
     clip: bool = True,
-) -> Recipe:
+) -> CausalLMRecipe:
     """A user's recipe: every strategy `auto`, the budget as `memory.budget`; `micro` None leaves the
     micro-batch to memtrain too, a number pins it (the common search of metric (b)); `clip` False:
     `train.grad_clip: null`."""
-    return recipe_from_dict(
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "fit", "output_dir": str(out), "seed": setup.seed},
             "model": {"config": model_config(setup, rung)},

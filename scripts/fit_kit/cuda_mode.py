@@ -47,9 +47,9 @@ import torch
 from bench_vs_peers import QUIET_HF_ARGS, RowsDataset, StepClock, TimedTrainer, quiet, write_report
 from torch import nn
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.errors import PlanError
-from memtrain.recipe import Recipe, recipe_from_dict
 
 GiB = 2**30
 SCRIPT = Path(__file__).resolve().parent.parent / "bench_fit_budget.py"  # the CLI that runs each worker
@@ -248,9 +248,9 @@ def fit_accelerate(probe: Probe, accelerator: Any, model: nn.Module, start: int,
     accelerator.free_memory()
 
 
-def memtrain_recipe(probe: Probe, batch: int, out: Path) -> Recipe:
+def memtrain_recipe(probe: Probe, batch: int, out: Path) -> CausalLMRecipe:
     """The user's recipe: a global batch in one micro-batch, every strategy left to memtrain."""
-    return recipe_from_dict(
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "fit", "output_dir": str(out), "seed": 0},
             "model": {"config": MODELS[probe.model]},

@@ -1,8 +1,8 @@
 """memtrain: LLM training that knows, before step 1, what fits in GPU memory and what is fastest.
 
 Public names: `Trainer` (subclass it), `CausalLMTrainer` (any transformers causal-LM config),
-`Recipe` / `load_recipe` (typed YAML recipes), `Plan` (the strategies a run trains with) and `make_plan`
-(the planner's choice for a trainer's `model_spec()` when the recipe leaves choices open).
+`Recipe` (typed YAML recipes: `Recipe.load(path)`; `RecipeSection` for a trainer's own sections), `Plan`
+(the strategies a run trains with) and `make_plan` (the planner's choice for a trainer's `model_spec()` when the recipe leaves choices open).
 
 Each name is imported on first use (PEP 562): `import memtrain` itself loads neither torch nor
 transformers, so the command line starts its own imports inside its Ctrl-C handling (torch alone takes
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from memtrain.errors import MemtrainError, PlanError, RecipeError, Unsupported
     from memtrain.plan import Plan
     from memtrain.planner import ModelSpec, make_plan
-    from memtrain.recipe import Recipe, load_recipe
+    from memtrain.recipe import Recipe, RecipeSection
     from memtrain.training.trainer import FitResult, Trainer
 
 __version__ = "0.1.0"
@@ -33,9 +33,9 @@ _HOMES = {
     "PlanError": "memtrain.errors",
     "Recipe": "memtrain.recipe",
     "RecipeError": "memtrain.errors",
+    "RecipeSection": "memtrain.recipe",
     "Trainer": "memtrain.training.trainer",
     "Unsupported": "memtrain.errors",
-    "load_recipe": "memtrain.recipe",
     "make_plan": "memtrain.planner",
 }
 
@@ -57,8 +57,8 @@ __all__ = [
     "PlanError",
     "Recipe",
     "RecipeError",
+    "RecipeSection",
     "Trainer",
     "Unsupported",
-    "load_recipe",
     "make_plan",
 ]

@@ -121,8 +121,8 @@ def _parser() -> argparse.ArgumentParser:
         "default: merged into the base model",
     )
 
-    commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
-    for command in (train, validate, profile, plan):
+    schema = commands.add_parser("schema", help="print the recipe JSON schema (for editor completion)")
+    for command in (train, validate, profile, plan, schema):
         command.add_argument(
             "--trainer",
             default=None,
@@ -227,10 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "schema":
-        from memtrain.causal_lm.sources import schema_with_sources
-        from memtrain.recipe import json_schema
+        from memtrain.commands.trainers import recipe_schema
 
-        print(json.dumps(schema_with_sources(json_schema()), indent=2))
+        print(json.dumps(recipe_schema(args.trainer), indent=2))
         return 0
     if args.command == "profile":
         return _profile(args)
@@ -260,13 +259,14 @@ def _run(args: argparse.Namespace) -> int:
             overrides.append("output.progress=off")
     from memtrain.commands.trainers import load_checked_recipe, trainer_class
 
-    recipe = load_checked_recipe(args.recipe, overrides)
+    trainer_cls = trainer_class(args.trainer)
+    recipe = load_checked_recipe(args.recipe, overrides, trainer_cls)
     from memtrain.training.results import describe_summary
 
     if args.command == "validate":
         from memtrain.commands.trainers import validate
 
-        model = validate(recipe, args.recipe, args.trainer)
+        model = validate(recipe, args.recipe, trainer_cls)
         print(
             f"{args.recipe}: ok ({model}, {recipe.train.steps} steps, global batch {recipe.batch.global_size})"
         )
@@ -276,7 +276,7 @@ def _run(args: argparse.Namespace) -> int:
         from memtrain.causal_lm.export import model_config
 
         model_config(recipe)
-    trainer = trainer_class(args.trainer)(recipe)
+    trainer = trainer_cls(recipe)
     try:
         trainer.setup()
         if trainer.env.is_main:

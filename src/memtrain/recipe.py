@@ -10,6 +10,12 @@ YAML alias expanded, nesting depth), and values echoed in messages are cut (`sho
 value makes a short error.
 
 Strategy fields take `auto`, one name, or a list of allowed names (the planner chooses among them).
+
+`Recipe` is what every trainer reads (run, batch, train, checkpoint, output, memory, strategies, adapters,
+planner, and `model:` with the base quantisation, which the planner applies to any model). A trainer's own
+sections are its own recipe part: a subclass of `Recipe` adding or widening sections (the built-in
+causal-LM trainer's `model:` config and `data:` are `memtrain.causal_lm.recipe.CausalLMRecipe`), named by
+`Trainer.recipe_class`; the command line resolves `--trainer` before it reads the recipe.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import (
@@ -45,15 +51,6 @@ from memtrain.schedules import SCHEDULES
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES, chosen_in
 from memtrain.yamlfile import MAX_RECIPE_BYTES, cut, parse_yaml, read_yaml
 
-PATH_KEYS = (
-    "run.output_dir",
-    "model.config_path",
-    "model.pretrained",
-    "data.path",
-    "data.tokenizer",
-    "strategies.deepspeed_config",
-)
-"""Recipe keys that name a file or directory (checked as paths before any is opened)."""
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")  # e.g. q_proj, mlp.down_proj, h.0.attn
 NAME_MAX, PATH_MAX = 255, 4096  # bytes of one path component, of a whole path (Linux)
 
@@ -77,31 +74,23 @@ def _registered_name(kind: str, value: str) -> str:
     return value
 
 
-class _Section(BaseModel):
-    # inf/nan are never meaningful in a recipe (YAML reads .inf and .nan as floats): reject them.
+class RecipeSection(BaseModel):
+    """One section of a recipe: unknown keys, inf and nan are refused (YAML reads .inf and .nan as floats).
+    A trainer's own sections derive from it."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class RunConfig(_Section):
+class RunConfig(RecipeSection):
     name: str = "run"
     output_dir: str | None = Field(default=None, description="Run directory; default runs/<name>.")
     seed: int = Field(default=0, ge=0, lt=2**32, description="0 <= seed < 2**32 (numpy's range).")
 
 
-class _ModelSection(_Section):
-    """`model:` — the causal-LM trainer's model, and the base quantisation (`model.quantization` and its
-    options, generated from the quantization registry into `ModelConfig`)."""
-
-    config: dict[str, Any] | None = Field(
-        default=None, description="Inline transformers config: model_type plus fields (built from config)."
-    )
-    config_path: str | None = Field(default=None, description="Path to a transformers config.json.")
-    pretrained: str | None = Field(
-        default=None,
-        description="A Hugging Face model directory (config.json + safetensors weights, single or sharded) or "
-        "a hub id already in the local cache: fine-tune its weights.",
-    )
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+class ModelSection(RecipeSection):
+    """`model:` — the base quantisation (`model.quantization` and its options, generated from the
+    quantization registry into `ModelConfig`). A trainer's recipe part widens it with how its model is
+    built (the built-in trainer: `config`, `config_path`, `pretrained`, `attn_implementation`)."""
 
     if TYPE_CHECKING:  # the generated strategy keys
 
@@ -113,48 +102,7 @@ class _ModelSection(_Section):
         return _registered_name("quantization", value)
 
 
-class SyntheticData(_Section):
-    num_samples: int = Field(default=4096, gt=0)
-    min_len: int = Field(default=0, ge=0, description="0 means every sample is seq_len+1 tokens.")
-    vocab_size: int | None = Field(default=None, gt=1, description="Default: the model's vocab_size.")
-
-
-class DataConfig(_Section):
-    source: str = Field(
-        default="synthetic",
-        description="A data source of the built-in trainer (memtrain.causal_lm.sources): synthetic | text | "
-        "jsonl | dataset. dataset: through the `datasets` library (data.path: a json/jsonl/parquet/arrow/csv "
-        "file, a directory or glob of them, or a hub id in the local cache).",
-    )
-    path: str | None = None
-    jsonl_field: str = "text"
-    kind: Literal["text", "chat", "prompt_completion"] = Field(
-        default="text",
-        description="text: loss on every token; chat: a messages list rendered with the tokenizer's chat "
-        "template, loss on assistant turns; prompt_completion: loss on the completion only.",
-    )
-    fields: dict[str, str] = Field(
-        default_factory=dict,
-        description="Column names when they differ from text / messages / prompt / completion, "
-        "e.g. {text: body}.",
-    )
-    split: str = Field(default="train", description="The datasets split to read (source: dataset).")
-    streaming: bool = Field(
-        default=False, description="Stream the dataset instead of loading it (larger than RAM)."
-    )
-    tokenizer: str = Field(
-        default="byte",
-        description='"byte", a tokenizers JSON file, or a Hugging Face tokenizer directory (with its chat template).',
-    )
-    seq_len: int = Field(default=128, gt=0)
-    packing: bool = Field(
-        default=True, description="Fixed-length packing; false = one padded document per row."
-    )
-    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
-    synthetic: SyntheticData = SyntheticData()
-
-
-class BatchConfig(_Section):
+class BatchConfig(RecipeSection):
     global_size: int = Field(default=16, gt=0, description="Sequences per optimizer step over all ranks.")
     micro_size: int | Literal["auto"] = Field(
         default="auto", description="Sequences per micro-batch per rank."
@@ -192,7 +140,7 @@ def _registered_in(registry: Registry[Any], value: str) -> str:
     return value
 
 
-class TrainConfig(_Section):
+class TrainConfig(RecipeSection):
     steps: int = Field(default=100, gt=0)
     lr: float = Field(default=3e-4, gt=0)
     schedule: str = Field(
@@ -229,7 +177,7 @@ class TrainConfig(_Section):
         return value
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(RecipeSection):
     every: int = Field(default=0, ge=0, description="Save every N steps (0: only at the end).")
     keep: int = Field(default=2, gt=0)
     at_end: bool = True
@@ -239,7 +187,7 @@ class CheckpointConfig(_Section):
     )
 
 
-class MemoryConfig(_Section):
+class MemoryConfig(RecipeSection):
     budget: ByteSize | None = Field(
         default=None,
         gt=0,
@@ -249,7 +197,7 @@ class MemoryConfig(_Section):
     track: bool = Field(default=False, description="Run the full memory tracker (slower) and log its report.")
 
 
-class OutputConfig(_Section):
+class OutputConfig(RecipeSection):
     progress: Literal["auto", "on", "off"] = "auto"
     loggers: list[str] = Field(
         default_factory=lambda: ["jsonl"],
@@ -278,7 +226,7 @@ class OutputConfig(_Section):
         return [_registered_in(LOGGERS, name) for name in value]
 
 
-class _StrategiesSection(_Section):
+class _StrategiesSection(RecipeSection):
     """`strategies:` — each strategy kind takes `auto`, a name from its registry
     (`memtrain.strategies.catalog`), or a list of allowed names; the other keys are the strategies'
     options. Every key is generated from the registries' declarations into `StrategiesConfig`."""
@@ -315,7 +263,7 @@ class _StrategiesSection(_Section):
         return value
 
 
-class _AdaptersSection(_Section):
+class _AdaptersSection(RecipeSection):
     """`adapters:` — parameter-efficient fine-tuning: adapters on a frozen base (the planner plans within
     them). `kind` and its options are generated from the adapters registry into `AdaptersConfig`."""
 
@@ -350,7 +298,7 @@ class _AdaptersSection(_Section):
         return value
 
 
-class PlannerConfig(_Section):
+class PlannerConfig(RecipeSection):
     safety_fraction: float | None = Field(
         default=None,
         ge=0.0,
@@ -373,9 +321,10 @@ class PlannerConfig(_Section):
         return value
 
 
-def _with_strategy_keys(name: str, base: type[_Section], section: str) -> Any:
+def strategy_keys_section(name: str, base: type[RecipeSection], section: str) -> Any:
     """`base` with a field per strategy key read from `section`: each kind's choice and every option,
-    as the registries declare them (`memtrain.strategies.registry.option`); nothing here repeats one."""
+    as the registries declare them (`memtrain.strategies.registry.option`); nothing here repeats one.
+    A registry that changes later regenerates it in every recipe class (`_refresh_strategy_keys`)."""
     fields: dict[str, Any] = {}
     for registry in chosen_in(section):
         kind = registry.recipe
@@ -387,30 +336,38 @@ def _with_strategy_keys(name: str, base: type[_Section], section: str) -> Any:
                 spec.annotation,
                 Field(default=spec.default, description=spec.doc, **spec.bounds),
             )
-    return create_model(name, __base__=base, __module__=__name__, **fields)
+    generated = create_model(name, __base__=base, __module__=base.__module__, **fields)
+    _GENERATED[generated] = (name, base, section)
+    return generated
 
 
-GENERATED_SECTIONS: dict[str, tuple[str, type[_Section]]] = {
-    "model": ("ModelConfig", _ModelSection),
-    "strategies": ("StrategiesConfig", _StrategiesSection),
-    "adapters": ("AdaptersConfig", _AdaptersSection),
-}
-"""The recipe sections whose keys the strategy registries declare: section -> (model name, hand-written base)."""
+_GENERATED: dict[type, tuple[str, type[RecipeSection], str]] = {}
+"""Each section class `strategy_keys_section` made -> what it was made from (to make it again)."""
 
 if TYPE_CHECKING:
-    ModelConfig = _ModelSection
+    ModelConfig = ModelSection
     StrategiesConfig = _StrategiesSection
     AdaptersConfig = _AdaptersSection
 else:
-    ModelConfig, StrategiesConfig, AdaptersConfig = (
-        _with_strategy_keys(name, base, section) for section, (name, base) in GENERATED_SECTIONS.items()
-    )
+    ModelConfig = strategy_keys_section("ModelConfig", ModelSection, "model")
+    StrategiesConfig = strategy_keys_section("StrategiesConfig", _StrategiesSection, "strategies")
+    AdaptersConfig = strategy_keys_section("AdaptersConfig", _AdaptersSection, "adapters")
+
+LaterChecks = Callable[["Recipe", set[str]], list[str]]
+R = TypeVar("R", bound="Recipe")
 
 
-class Recipe(_Section):
+class Recipe(RecipeSection):
+    """The sections every trainer reads. A trainer's own recipe part subclasses it: new sections as
+    fields, a widened `model:` section (from `strategy_keys_section`), its path keys and cross checks."""
+
+    path_keys: ClassVar[tuple[str, ...]] = ("run.output_dir", "strategies.deepspeed_config")
+    """Keys that name a file or directory (checked as paths before any is opened)."""
+    sequence_length_key: ClassVar[str | None] = None
+    """The key that sets the training sequence length, when the recipe has one (a memory tip names it)."""
+
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
     batch: BatchConfig = BatchConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -430,15 +387,116 @@ class Recipe(_Section):
         """Hash of the resolved recipe; stored with checkpoints to detect resuming a different run."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def value_at(self, dotted: str) -> Any:
+        """The value of a dotted key (`data.seq_len`)."""
+        value: Any = self
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return value
+
+    def cross_checks(self) -> list[str]:
+        """Checks that span sections, one line per problem naming its key; a recipe part adds its own
+        (after `super().cross_checks()`)."""
+        problems = []
+        micro = self.batch.micro_size
+        if self.batch.micro_tokens is not None and micro != "auto":
+            problems.append(
+                "batch.micro_tokens: give either batch.micro_tokens or batch.micro_size, not both"
+            )
+        if isinstance(micro, int) and micro > self.batch.global_size:
+            problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({self.batch.global_size})")
+        return problems + _path_problems(self)
+
+    @classmethod
+    def load(
+        cls: type[R],
+        path: str | Path,
+        overrides: list[str] | None = None,
+        later_checks: LaterChecks | None = None,
+    ) -> R:
+        """Read, override and validate a recipe file; raise `RecipeError` listing every problem.
+
+        When the schema finds problems, `later_checks(recipe, failed_sections)` (the model config, the
+        data, the output directory, a DeepSpeed config: `memtrain.commands.trainers.load_checked_recipe`
+        passes them) runs on the sections that did validate, so one pass reports every mistake. It is
+        passed in, not imported, because those checks build on the recipe (the import arrow points the
+        other way)."""
+        source = str(path)
+        try:
+            raw = read_yaml(Path(path))
+            raw = apply_overrides(raw, overrides or [], source)
+            recipe, problems = _validate(cls, raw)
+            if problems and recipe is not None and later_checks is not None:
+                problems += later_checks(recipe, _sections(problems))
+        except RecursionError:  # the YAML parser, copying and validation all recurse per level
+            raise RecipeError(
+                ["the recipe is nested too deeply (hundreds of levels) to be a recipe"], source
+            ) from None
+        if problems or recipe is None:
+            raise RecipeError(problems, source)
+        return recipe
+
+    @classmethod
+    def adopt(cls: type[R], recipe: Recipe) -> R:
+        """`recipe` as a `cls`: itself when it is one, else its keys validated again as one (a recipe part's
+        own sections then stand at their defaults)."""
+        return recipe if isinstance(recipe, cls) else cls.from_dict(recipe.to_dict())
+
+    @classmethod
+    def from_dict(cls: type[R], raw: dict[str, Any], source: str = "recipe") -> R:
+        """Validate a raw mapping (paths inside it are relative to the working directory, as with torchrun)."""
+        recipe, problems = _validate(cls, raw)
+        if problems or recipe is None:
+            raise RecipeError(problems, source=source)
+        return recipe
+
+    @classmethod
+    def editor_schema(cls) -> dict[str, Any]:
+        """JSON schema for editors (`memtrain schema`), the registered names listed where a key takes one."""
+        schema = cls.model_json_schema()
+        schema["title"] = "memtrain recipe"
+        defs = schema["$defs"]
+        strategies = defs["StrategiesConfig"]["properties"]
+        for kind in RECIPE_KINDS:  # the names come from the registries: the schema lists what is registered
+            names = ["auto", *REGISTRIES[kind].names()]
+            strategies[kind] = {
+                "default": strategies[kind].get("default"),
+                "anyOf": [{"enum": names}, {"type": "array", "items": {"enum": names[1:]}}],
+            }
+        defs["AdaptersConfig"]["properties"]["kind"]["enum"] = list(REGISTRIES["adapters"].names())
+        model = cls.model_fields["model"].annotation
+        assert isinstance(model, type)
+        defs[model.__name__]["properties"]["quantization"]["enum"] = list(REGISTRIES["quantization"].names())
+        return schema
+
+
+def _recipe_classes() -> list[type[Recipe]]:
+    """`Recipe` and every recipe part defined so far, parents first."""
+    found: list[type[Recipe]] = []
+    todo = [Recipe]
+    while todo:
+        cls = todo.pop(0)
+        found.append(cls)
+        todo += cls.__subclasses__()
+    return found
+
 
 def _refresh_strategy_keys() -> None:
     """Regenerate the sections' strategy keys after a registry changed: a strategy registered after this
-    module was imported (a user's, with options of its own) is a recipe key like the built-in ones."""
-    for section, (name, base) in GENERATED_SECTIONS.items():
-        generated = _with_strategy_keys(name, base, section)
-        field = Recipe.model_fields[section]
-        field.annotation, field.default = generated, generated()
-    Recipe.model_rebuild(force=True)
+    module was imported (a user's, with options of its own) is a recipe key like the built-in ones, in
+    every recipe class."""
+    renewed: dict[type, type] = {}
+    for recipe_class in _recipe_classes():
+        for field in recipe_class.model_fields.values():
+            old = field.annotation
+            if not isinstance(old, type) or old not in _GENERATED or old in renewed.values():
+                continue
+            if old not in renewed:
+                renewed[old] = strategy_keys_section(*_GENERATED[old])
+            field.annotation, field.default = renewed[old], renewed[old]()
+        recipe_class.model_rebuild(force=True)
+    for old in renewed:
+        del _GENERATED[old]
 
 
 for _registry in REGISTRIES.values():
@@ -446,34 +504,6 @@ for _registry in REGISTRIES.values():
 
 
 # ----------------------------------------------------------------------------------------- loading
-
-
-LaterChecks = Callable[[Recipe, set[str]], list[str]]
-
-
-def load_recipe(
-    path: str | Path, overrides: list[str] | None = None, later_checks: LaterChecks | None = None
-) -> Recipe:
-    """Read, override and validate a recipe file; raise `RecipeError` listing every problem.
-
-    When the schema finds problems, `later_checks(recipe, failed_sections)` (the model config, the data,
-    the output directory, a DeepSpeed config: `memtrain.commands.trainers.load_checked_recipe` passes
-    them) runs on the sections that did validate, so one pass reports every mistake. It is passed in, not
-    imported, because those checks build on the recipe (the import arrow points the other way)."""
-    source = str(path)
-    try:
-        raw = read_yaml(Path(path))
-        raw = apply_overrides(raw, overrides or [], source)
-        recipe, problems = _validate(raw)
-        if problems and recipe is not None and later_checks is not None:
-            problems += later_checks(recipe, _sections(problems))
-    except RecursionError:  # the YAML parser, copying and validation all recurse per level
-        raise RecipeError(
-            ["the recipe is nested too deeply (hundreds of levels) to be a recipe"], source
-        ) from None
-    if problems or recipe is None:
-        raise RecipeError(problems, source)
-    return recipe
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "recipe") -> dict[str, Any]:
@@ -516,30 +546,22 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "re
     return result
 
 
-def recipe_from_dict(raw: dict[str, Any], source: str = "recipe") -> Recipe:
-    """Validate a raw mapping (paths inside it are relative to the working directory, as with torchrun)."""
-    recipe, problems = _validate(raw)
-    if problems or recipe is None:
-        raise RecipeError(problems, source=source)
-    return recipe
-
-
-def _validate(raw: dict[str, Any]) -> tuple[Recipe | None, list[str]]:
+def _validate(schema: type[R], raw: dict[str, Any]) -> tuple[R | None, list[str]]:
     """(the recipe, its problems). With problems, the recipe has every section that has one at its
     defaults (None when even that does not validate), for the checks that run on what is valid."""
     try:
-        recipe: Recipe | None = Recipe.model_validate(raw)
+        recipe: R | None = schema.model_validate(raw)
         problems: list[str] = []
     except ValidationError as exc:
-        problems = _describe(exc)
+        problems = _describe(schema, exc)
         invalid = _sections(problems)
-        valid = {k: v for k, v in raw.items() if k in Recipe.model_fields and k not in invalid}
+        valid = {k: v for k, v in raw.items() if k in schema.model_fields and k not in invalid}
         try:
-            recipe = Recipe.model_validate(valid)
+            recipe = schema.model_validate(valid)
         except ValidationError:
             recipe = None
     if recipe is not None:
-        problems += _cross_checks(recipe)
+        problems += recipe.cross_checks()
     return recipe, problems
 
 
@@ -548,7 +570,7 @@ def _sections(problems: list[str]) -> set[str]:
     return {re.split(r"[.: ]", line, maxsplit=1)[0] for line in problems}
 
 
-def _describe(exc: ValidationError) -> list[str]:
+def _describe(schema: type[Recipe], exc: ValidationError) -> list[str]:
     """One line per recipe key: dotted path, what is wrong, and a did-you-mean where it helps.
 
     pydantic reports a union field (e.g. `auto | name | [names]`) once per branch; those are grouped
@@ -556,21 +578,21 @@ def _describe(exc: ValidationError) -> list[str]:
     """
     grouped: dict[str, list[Any]] = {}
     for err in exc.errors():
-        path = ".".join(_field_path([str(p) for p in err["loc"]]))
+        path = ".".join(_field_path(schema, [str(p) for p in err["loc"]]))
         grouped.setdefault(path, []).append(err)
     problems = []
     for path, errors in grouped.items():
         loc = path.split(".")
         first = errors[0]
         if first["type"] == "extra_forbidden":
-            parent = _model_at(loc[:-1])
+            parent = _model_at(schema, loc[:-1])
             hint = did_you_mean(loc[-1], parent.model_fields) if parent else ""
             problems.append(f"{cut(path, 120)}: unknown key{hint}")
             continue
         if first["type"] == "registered_name":
             problems.append(f"{path}: {first['msg']}")
             continue
-        allowed = _allowed_at(loc)
+        allowed = _allowed_at(schema, loc)
         bad_words = [e.get("input") for e in errors if e["type"] == "literal_error"]
         bad_words = [w for w in bad_words if isinstance(w, str) and w not in allowed]
         if allowed and bad_words:
@@ -588,9 +610,9 @@ def _describe(exc: ValidationError) -> list[str]:
     return problems
 
 
-def _field_path(loc: list[str]) -> list[str]:
+def _field_path(schema: type[Recipe], loc: list[str]) -> list[str]:
     """The leading part of a pydantic error location that names recipe keys (drops union branch tags)."""
-    model: type[BaseModel] | None = Recipe
+    model: type[BaseModel] | None = schema
     path: list[str] = []
     for part in loc:
         if model is None:
@@ -604,8 +626,8 @@ def _field_path(loc: list[str]) -> list[str]:
     return path
 
 
-def _model_at(loc: list[str]) -> type[BaseModel] | None:
-    model: type[BaseModel] = Recipe
+def _model_at(schema: type[Recipe], loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = schema
     for part in loc:
         field = model.model_fields.get(part)
         annotation = field.annotation if field else None
@@ -615,8 +637,8 @@ def _model_at(loc: list[str]) -> type[BaseModel] | None:
     return model
 
 
-def _allowed_at(loc: list[str]) -> list[str]:
-    parent = _model_at(loc[:-1])
+def _allowed_at(schema: type[Recipe], loc: list[str]) -> list[str]:
+    parent = _model_at(schema, loc[:-1])
     field = parent.model_fields.get(loc[-1]) if parent else None
     if field is None:
         return []
@@ -633,23 +655,10 @@ def _literal_values(annotation: Any) -> list[str]:
     return values
 
 
-def _cross_checks(recipe: Recipe) -> list[str]:
-    """Checks that span sections; the model config is checked in `memtrain.causal_lm.trainer`."""
-    problems = []
-    if recipe.model.config is not None and recipe.model.config_path is not None:
-        problems.append("model: give only one of model.config and model.config_path")
-    micro = recipe.batch.micro_size
-    if recipe.batch.micro_tokens is not None and micro != "auto":
-        problems.append("batch.micro_tokens: give either batch.micro_tokens or batch.micro_size, not both")
-    if isinstance(micro, int) and micro > recipe.batch.global_size:
-        problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({recipe.batch.global_size})")
-    return problems + _path_problems(recipe)
-
-
 def _path_problems(recipe: Recipe) -> list[str]:
     """Path values the filesystem would refuse with an exception (a NUL byte, a name too long, text that
     is not Unicode), each a problem naming its key; `run.name` is a path component without run.output_dir."""
-    given = {key: _value_at(recipe, key) for key in PATH_KEYS}
+    given = {key: recipe.value_at(key) for key in recipe.path_keys}
     if recipe.run.output_dir is None:
         given["run.name"] = recipe.run.name
     problems = []
@@ -672,27 +681,3 @@ def _path_problem(value: str) -> str | None:
     if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
         return f"a path with a name over the {NAME_MAX} bytes a file name may have"
     return None
-
-
-def _value_at(recipe: Recipe, dotted: str) -> Any:
-    value: Any = recipe
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def json_schema() -> dict[str, Any]:
-    """JSON schema for editors (`memtrain schema`)."""
-    schema = Recipe.model_json_schema()
-    schema["title"] = "memtrain recipe"
-    strategies = schema["$defs"]["StrategiesConfig"]["properties"]
-    for kind in RECIPE_KINDS:  # the names come from the registries, so the schema lists what is registered
-        names = ["auto", *REGISTRIES[kind].names()]
-        strategies[kind] = {
-            "default": strategies[kind].get("default"),
-            "anyOf": [{"enum": names}, {"type": "array", "items": {"enum": names[1:]}}],
-        }
-    defs = schema["$defs"]
-    defs["AdaptersConfig"]["properties"]["kind"]["enum"] = list(REGISTRIES["adapters"].names())
-    defs["ModelConfig"]["properties"]["quantization"]["enum"] = list(REGISTRIES["quantization"].names())
-    return schema

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from memtrain.causal_lm.export import export_hf, load_model_state
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.cli import main
 from memtrain.errors import MemtrainError
-from memtrain.recipe import Recipe, recipe_from_dict
 
 from helpers import REPO, TINY_LLAMA, subprocess_env, tiny_recipe, tiny_recipe_dict
 
@@ -39,7 +39,7 @@ TRAINED = 1e-3  # the adapters moved the logits at least this far from the base 
 
 @dataclass
 class LoraRun:
-    recipe: Recipe
+    recipe: CausalLMRecipe
     run: Path
     logits: torch.Tensor  # the trained adapted model's logits on `_ids()`
     base_logits: torch.Tensor  # the same model with its adapters off (B A left out)
@@ -64,7 +64,7 @@ def _checkpoint_state(run: Path) -> dict[str, torch.Tensor]:
     return load_model_state(sorted((run / "checkpoints").iterdir())[-1])
 
 
-def _base_model(recipe: Recipe, run: Path) -> nn.Module:
+def _base_model(recipe: CausalLMRecipe, run: Path) -> nn.Module:
     """The plain model holding the run's base weights: the checkpoint's `base_layer` weights under their
     plain names, the adapters left out."""
     from transformers import AutoModelForCausalLM
@@ -79,7 +79,7 @@ def _base_model(recipe: Recipe, run: Path) -> nn.Module:
     return model
 
 
-def _train(recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+def _train(recipe: CausalLMRecipe) -> tuple[torch.Tensor, torch.Tensor]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     trainer = CausalLMTrainer(recipe)
@@ -215,7 +215,7 @@ def test_fsdp2_zero3_lora_run_exports_from_dcp(tmp_path: Path) -> None:
     step = tmp_path / "run/checkpoints/step_00000002"
     assert (step / "dcp/.metadata").is_file() and not (step / "model.pt").exists()
 
-    recipe = recipe_from_dict(raw)
+    recipe = CausalLMRecipe.from_dict(raw)
     adapters = export_hf(tmp_path / "run", tmp_path / "adapters", adapters_only=True)
     adapted = PeftModel.from_pretrained(_base_model(recipe, tmp_path / "run"), adapters)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run/hf")

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import RecipeError
-from memtrain.recipe import recipe_from_dict
 from memtrain.training.metrics import read_metrics
 
 from helpers import (
@@ -185,5 +185,5 @@ def test_two_rank_ddp_matches_one_process(tmp_path: Path) -> None:
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     states = [torch.load(runs[n] / "checkpoints/step_00000003/model.pt", weights_only=True) for n in runs]
     fresh = {**raws["one"], "run": {**raws["one"]["run"], "output_dir": str(tmp_path / "initial")}}
-    initial = initial_weights(recipe_from_dict(fresh))  # seeded: the weights both runs started from
+    initial = initial_weights(CausalLMRecipe.from_dict(fresh))  # seeded: the weights both runs started from
     assert_trained_alike(states[1], states[0], initial)

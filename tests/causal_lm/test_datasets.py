@@ -15,10 +15,10 @@ import torch
 
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import sft
+from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
 from memtrain.errors import RecipeError
-from memtrain.recipe import DataConfig
 
 from helpers import REPO, TINY_LLAMA, tiny_recipe
 

@@ -14,10 +14,10 @@ import yaml
 
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm.packing import Packer, document_sample, pack, position_ids
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.sft import IGNORE_INDEX, Document
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
-from memtrain.recipe import load_recipe
 
 from helpers import REPO, TINY_LLAMA, tiny_recipe
 
@@ -164,7 +164,7 @@ def test_plan_predicts_a_packed_run_within_two_percent(
     """Packed rows make transformers build a 4-D document mask in every layer: the planner traces the plain
     `sdpa` model on batches with position ids, as the run feeds them (traced without, it would miss ~18%)."""
     recipe = _packed_recipe(tmp_path)
-    planning = CausalLMTrainer(load_recipe(recipe))
+    planning = CausalLMTrainer(CausalLMRecipe.load(recipe))
     assert "position_ids" in planning.planning_batch(2)
     assert main(["plan", str(recipe), "--json"]) == 0
     predicted = json.loads(capsys.readouterr().out)["predicted"]["peak"]

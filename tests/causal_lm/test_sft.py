@@ -13,10 +13,10 @@ import pytest
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import sft, sources
 from memtrain.causal_lm.packing import document_sample
+from memtrain.causal_lm.recipe import CausalLMRecipe, DataConfig
 from memtrain.causal_lm.tokenizer import ByteTokenizer, PretrainedTokenizer, load_tokenizer
 from memtrain.causal_lm.trainer import CausalLMTrainer, check_model_recipe
 from memtrain.errors import RecipeError
-from memtrain.recipe import DataConfig, load_recipe
 
 from helpers import REPO, TINY_LLAMA, tiny_recipe
 
@@ -181,7 +181,7 @@ def test_vocabulary_check_reads_the_tokenizer_directory(tmp_path: Path) -> None:
 
 def test_tiny_sft_recipe_trains_and_loss_falls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
-    recipe = load_recipe(
+    recipe = CausalLMRecipe.load(
         REPO / "recipes/tests/tiny-sft.yaml", [f"run.output_dir={tmp_path / 'run'}", "train.steps=30"]
     )
     trainer = CausalLMTrainer(recipe)

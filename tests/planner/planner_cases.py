@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.search import PlanResult, Scored, search
-from memtrain.recipe import Recipe
 
 from helpers import TINY_LLAMA, probe_of, tiny_recipe
 
@@ -19,7 +19,7 @@ MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "vocab_size"
 UNBOUNDED = 2**50
 
 
-def planner_recipe(tmp_path: Path, **sections: dict[str, Any]) -> Recipe:
+def planner_recipe(tmp_path: Path, **sections: dict[str, Any]) -> CausalLMRecipe:
     """A five-block llama, 8 rows of 32 tokens per step, every choice open unless `sections` pin it."""
     base: dict[str, dict[str, Any]] = {
         "model": {"config": MODEL},
@@ -42,7 +42,7 @@ def cpu_target(usable: int = UNBOUNDED, world_size: int = 1) -> Target:
     return Target("cpu", world_size, budget_from(usable, usable, 0, 0.0, "test"), bf16=True, fp8=False)
 
 
-def plan_on(recipe: Recipe, target: Target, probe: ModelProbe | None = None) -> PlanResult:
+def plan_on(recipe: CausalLMRecipe, target: Target, probe: ModelProbe | None = None) -> PlanResult:
     return search(recipe, probe or probe_of(recipe), target, torch.device("cpu"))
 
 

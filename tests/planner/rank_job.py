@@ -9,15 +9,15 @@ from pathlib import Path
 
 import yaml
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.distributed import barrier, init_distributed, shutdown
 from memtrain.planner import make_plan
-from memtrain.recipe import recipe_from_dict
 
 
 def main() -> None:
     recipe_path, out_dir, *free = sys.argv[1:]
-    recipe = recipe_from_dict(yaml.safe_load(Path(recipe_path).read_text()))
+    recipe = CausalLMRecipe.from_dict(yaml.safe_load(Path(recipe_path).read_text()))
     env = init_distributed()
     spec = CausalLMTrainer(recipe).model_spec()
     result = make_plan(recipe, env, spec, free_bytes=int(free[env.rank]))

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.planner.model_probe import ModelProbe
-from memtrain.recipe import Recipe
 
 from helpers import tiny_recipe
 from planner_cases import cpu_target, plan_on, scored_plan
@@ -37,7 +37,7 @@ GEMMA2 = {
 MAX_OVER, MAX_UNDER = 0.03, -0.005  # issue 14's goal
 
 
-def _recipe(tmp_path: Path, micro: int | str, layer_types: list[str] = KINDS) -> Recipe:
+def _recipe(tmp_path: Path, micro: int | str, layer_types: list[str] = KINDS) -> CausalLMRecipe:
     return tiny_recipe(
         tmp_path,
         model={"config": {**GEMMA2, "layer_types": layer_types}, "attn_implementation": "eager"},

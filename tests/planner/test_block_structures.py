@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain import Trainer
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.planner.model_probe import ModelProbe
-from memtrain.recipe import recipe_from_dict
 
 from planner_cases import cpu_target, plan_on, scored_plan
 
@@ -123,7 +123,7 @@ class Direct(_TinyTrainer):
 
 
 def _recipe(tmp_path: Path, checkpointing: str, micro: int) -> Any:
-    return recipe_from_dict(
+    return CausalLMRecipe.from_dict(
         {
             "run": {"name": "blocks", "output_dir": str(tmp_path / "run"), "seed": 0},
             "data": {"seq_len": SEQ},

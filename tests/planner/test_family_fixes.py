@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.planner.model_probe import ModelProbe
-from memtrain.recipe import Recipe
 from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.checkpointing import NoCheckpointing
 from memtrain.strategies.precision import Precision
@@ -41,7 +41,7 @@ class DetachedTrainer(CausalLMTrainer):
         return model
 
 
-def _recipe(tmp_path: Path, precision: str) -> Recipe:
+def _recipe(tmp_path: Path, precision: str) -> CausalLMRecipe:
     return tiny_recipe(
         tmp_path,
         model={"config": MODEL},

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import PlanError
 from memtrain.memory.headroom import Target, budget_from, load_gpu, what_if_target
 from memtrain.planner.search import search
-from memtrain.recipe import load_recipe
 
 from helpers import REPO, probe_of, tiny_recipe
 from planner_cases import UNBOUNDED, cpu_target, plan_on, planner_recipe
@@ -84,12 +84,12 @@ def test_llama3_8b_on_one_h100_plans_with_offload() -> None:
     and sharding open: without offload no plan fits (weights, gradients and states of 8B are ~75 GiB of the
     70 GiB usable) and the error says to open it; with it, FSDP2 keeps the states in host memory."""
     target = what_if_target(1, load_gpu("h100-80gb"), None, None)
-    closed = load_recipe(EIGHT_B, [*ONE_MODE, *OPENED])
+    closed = CausalLMRecipe.load(EIGHT_B, [*ONE_MODE, *OPENED])
     probe = probe_of(closed)
     assert 8.0e9 < probe.shape.numel < 8.1e9
     with pytest.raises(PlanError, match=r"strategies.sharding_offload=auto \(now none\)"):
         search(closed, probe, target, torch.device("cuda", 0))
-    opened = load_recipe(EIGHT_B, [*ONE_MODE, *OPENED, "strategies.sharding_offload=auto"])
+    opened = CausalLMRecipe.load(EIGHT_B, [*ONE_MODE, *OPENED, "strategies.sharding_offload=auto"])
     result = search(opened, probe, target, torch.device("cuda", 0))
     assert result.plan.sharding.offload == "params" and result.plan.sharding.name in ("zero2", "zero3")
     assert result.chosen is not None and result.predicted is not None and result.budget is not None

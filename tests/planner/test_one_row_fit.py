@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.planner.model_probe import ModelProbe
-from memtrain.recipe import Recipe
 
 from helpers import TINY_LLAMA, tiny_recipe
 from planner_cases import cpu_target, plan_on, scored_plan
@@ -62,7 +62,7 @@ def _select(module: nn.Module, _args: Any, kwargs: dict[str, Any], output: Any) 
     return (output[0] * keep, *output[1:])
 
 
-def _recipe(tmp_path: Path, micro: int | str) -> Recipe:
+def _recipe(tmp_path: Path, micro: int | str) -> CausalLMRecipe:
     return tiny_recipe(
         tmp_path,
         model={"config": MODEL},

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.memory.headroom import load_gpu
 from memtrain.planner import plan_here, plan_what_if, step_time_probe
@@ -21,7 +22,6 @@ from memtrain.planner import step_time_calibration as stc
 from memtrain.planner.cost import UNCALIBRATED, CostModel, StepCost, calibrate
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.spec import ModelSpec
-from memtrain.recipe import Recipe
 
 from helpers import tiny_recipe
 
@@ -173,7 +173,7 @@ def test_a_probe_that_fails_is_skipped(tmp_path: Path, capsys: pytest.CaptureFix
     assert "step-time probe skipped (RuntimeError: CUDA out of memory)" in capsys.readouterr().err
 
 
-def spec_of(recipe: Recipe) -> ModelSpec:
+def spec_of(recipe: CausalLMRecipe) -> ModelSpec:
     return CausalLMTrainer(recipe).model_spec()
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.memory.headroom import load_gpu, what_if_target
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.search import search
-from memtrain.recipe import load_recipe
 
 from helpers import REPO, probe_of
 
@@ -31,11 +31,11 @@ PINNED = ["strategies.checkpointing=full"]  # one traced mode keeps the test sho
 @pytest.fixture(scope="module")
 def probe() -> ModelProbe:
     torch.set_num_threads(1)
-    return probe_of(load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", PINNED))
+    return probe_of(CausalLMRecipe.load(REPO / "recipes/llama-70b-64gpu.yaml", PINNED))
 
 
 def _stored(probe: ModelProbe, *overrides: str) -> tuple[int, int, int]:
-    recipe = load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", [*PINNED, *overrides])
+    recipe = CausalLMRecipe.load(REPO / "recipes/llama-70b-64gpu.yaml", [*PINNED, *overrides])
     unbounded = what_if_target(N, None, 2**50, None)
     result = search(recipe, probe, unbounded, torch.device("cuda", 0))
     assert result.chosen is not None
@@ -69,7 +69,7 @@ def test_fsdp2_zero3_states_follow_the_formulas(probe: ModelProbe) -> None:
 
 @pytest.mark.slow
 def test_seventy_billion_on_64_h100_golden_plan(probe: ModelProbe) -> None:
-    recipe = load_recipe(REPO / "recipes/llama-70b-64gpu.yaml", PINNED)
+    recipe = CausalLMRecipe.load(REPO / "recipes/llama-70b-64gpu.yaml", PINNED)
     result = search(
         recipe, probe, what_if_target(N, load_gpu("h100-80gb"), None, None), torch.device("cuda", 0)
     )

@@ -11,9 +11,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.distributed import barrier, shutdown
-from memtrain.recipe import recipe_from_dict
 
 
 def full_weights(trainer: CausalLMTrainer) -> dict[str, torch.Tensor]:
@@ -34,7 +34,7 @@ def full_weights(trainer: CausalLMTrainer) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     recipe_path, out, directory = sys.argv[1:]
-    trainer = CausalLMTrainer(recipe_from_dict(yaml.safe_load(Path(recipe_path).read_text())))
+    trainer = CausalLMTrainer(CausalLMRecipe.from_dict(yaml.safe_load(Path(recipe_path).read_text())))
     trainer.setup()
     weights = full_weights(trainer)
     if trainer.env.is_main:

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.sources import DATA_SOURCES, schema_with_sources
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.commands.trainers import validate
 from memtrain.errors import RecipeError
 from memtrain.loggers import LOGGERS, LoggerEntry
-from memtrain.recipe import Recipe, json_schema
 from memtrain.schedules import SCHEDULES, Schedule
 from memtrain.training.metrics import read_metrics
 
@@ -48,7 +48,7 @@ def toy_source() -> Iterator[None]:
     DATA_SOURCES.unregister(RepeatedText.name)
 
 
-def _source_recipe(tmp_path: Path) -> Recipe:
+def _source_recipe(tmp_path: Path) -> CausalLMRecipe:
     return tiny_recipe(
         tmp_path,
         model={"config": BYTE_LLAMA},
@@ -68,7 +68,7 @@ def _metrics(tmp_path: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.usefixtures("toy_logger")
 def test_toy_logger_receives_every_row(tmp_path: Path) -> None:
-    schema = json_schema()["$defs"]["OutputConfig"]["properties"]["loggers"]
+    schema = CausalLMRecipe.editor_schema()["$defs"]["OutputConfig"]["properties"]["loggers"]
     assert schema["items"]["enum"] == ["jsonl", "tensorboard", "wandb", "mlflow", "toy"]
     recipe = tiny_recipe(tmp_path, run={"name": "toy-logger"}, output={"loggers": ["jsonl", "toy"]})
     result = CausalLMTrainer(recipe).fit()
@@ -80,7 +80,10 @@ def test_toy_logger_receives_every_row(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("toy_schedule")
 def test_toy_schedule_sets_each_steps_lr(tmp_path: Path) -> None:
-    assert json_schema()["$defs"]["TrainConfig"]["properties"]["schedule"]["enum"][-1] == "halving"
+    assert (
+        CausalLMRecipe.editor_schema()["$defs"]["TrainConfig"]["properties"]["schedule"]["enum"][-1]
+        == "halving"
+    )
     CausalLMTrainer(tiny_recipe(tmp_path, train={"schedule": "halving", "lr": 0.04})).fit()
     lrs = [row["lr"] for row in _metrics(tmp_path)]
     assert lrs == [0.04, 0.02, 0.01, 0.005]
@@ -88,7 +91,9 @@ def test_toy_schedule_sets_each_steps_lr(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("toy_source")
 def test_toy_source_is_what_the_trainer_trains_on(tmp_path: Path) -> None:
-    assert schema_with_sources(json_schema())["$defs"]["DataConfig"]["properties"]["source"]["enum"] == [
+    assert schema_with_sources(CausalLMRecipe.editor_schema())["$defs"]["DataConfig"]["properties"]["source"][
+        "enum"
+    ] == [
         "synthetic",
         "text",
         "jsonl",
@@ -113,7 +118,7 @@ def test_unregistered_names_are_one_line_recipe_errors(tmp_path: Path) -> None:
     assert _only_problem(caught) == "train.schedule: 'halving' is not one of cosine, linear, constant"
     recipe = _source_recipe(tmp_path)  # the data source is checked with the data: by validate and train
     expected = "data.source: 'repeated-text' is not one of synthetic, text, jsonl, dataset"
-    for check in (lambda: validate(recipe, "recipe", None), lambda: CausalLMTrainer(recipe)):
+    for check in (lambda: validate(recipe, "recipe", CausalLMTrainer), lambda: CausalLMTrainer(recipe)):
         with pytest.raises(RecipeError) as caught:
             check()
         assert _only_problem(caught) == expected

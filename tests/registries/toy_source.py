@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
+from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.sft import Document, text_document
 from memtrain.causal_lm.sources import DataSource
 from memtrain.causal_lm.tokenizer import Tokenizer
 from memtrain.distributed import DistEnv
-from memtrain.recipe import DataConfig
 
 SENTENCE = "memtrain toy"
 COPIES = 64

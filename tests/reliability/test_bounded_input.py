@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from memtrain import cli
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.errors import RecipeError
-from memtrain.recipe import load_recipe
 
 from fault_kit.scenarios import in_process
 from helpers import REPO, TINY_LLAMA, tiny_recipe_dict
@@ -62,7 +62,7 @@ def test_alias_bomb_is_refused_before_it_expands(tmp_path: Path, placement: str)
     path.write_text(recipe_text(tmp_path) + alias_bomb(6) + placement, encoding="utf-8")
     started = time.perf_counter()
     with pytest.raises(RecipeError, match="expands to more than 100,000 values"):
-        load_recipe(path)
+        CausalLMRecipe.load(path)
     assert time.perf_counter() - started < 1.0
     fails_clearly(["validate", str(path)], "100,000")
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memtrain.recipe import recipe_from_dict  # noqa: E402
+from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.strategies.blocks import model_shape  # noqa: E402
 from memtrain.strategies.sharding.deepspeed_backend import DeepSpeedBackend  # noqa: E402
 
@@ -62,7 +62,7 @@ def estimates(trainer: CensusTrainer) -> list[dict[str, int]]:
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Train one job; returns losses, seconds, measured and estimated bytes (all ranks) on every rank."""
-    recipe = recipe_from_dict(tiny_recipe_dict(Path(job["run_dir"]), **job.get("sections", {})))
+    recipe = CausalLMRecipe.from_dict(tiny_recipe_dict(Path(job["run_dir"]), **job.get("sections", {})))
     trainer = CensusTrainer(recipe)
     result = trainer.fit(resume=job.get("resume"))
     weights = full_weights(trainer)

@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sharding_jobs import estimates, full_weights, run_job  # noqa: E402
 
+from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.distributed import DistEnv  # noqa: E402
 from memtrain.errors import Unsupported  # noqa: E402
 from memtrain.memory.headroom import Target, budget_from  # noqa: E402
 from memtrain.planner.search import search  # noqa: E402
-from memtrain.recipe import recipe_from_dict  # noqa: E402
 from memtrain.strategies.sharding import make_sharding  # noqa: E402
 from memtrain.training.trainer import Batch  # noqa: E402
 
@@ -84,7 +84,7 @@ class ReductionTrainer(CensusTrainer):
 
 
 def run_reduction_job(job: dict[str, Any]) -> dict[str, Any]:
-    recipe = recipe_from_dict(tiny_recipe_dict(Path(job["run_dir"]), **job["sections"]))
+    recipe = CausalLMRecipe.from_dict(tiny_recipe_dict(Path(job["run_dir"]), **job["sections"]))
     trainer = ReductionTrainer(recipe)
     result = trainer.fit()
     weights = full_weights(trainer)

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import RecipeError
-from memtrain.recipe import json_schema
+from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import free_keys
 from memtrain.strategies.checkpointing import CHECKPOINTING
 
@@ -61,7 +62,9 @@ def test_unregistered_name_is_a_recipe_error(tmp_path: Path) -> None:
 def test_toy_strategy_is_planned_and_applied(tmp_path: Path) -> None:
     assert (
         "every-other"
-        in json_schema()["$defs"]["StrategiesConfig"]["properties"]["checkpointing"]["anyOf"][0]["enum"]
+        in CausalLMRecipe.editor_schema()["$defs"]["StrategiesConfig"]["properties"]["checkpointing"][
+            "anyOf"
+        ][0]["enum"]
     )
     trainer = CausalLMTrainer(_recipe(tmp_path, "every-other"))
     result = trainer.choose_plan()
@@ -94,8 +97,9 @@ def test_a_new_strategy_option_is_a_recipe_key_declared_once(tmp_path: Path) -> 
     and its place among the keys a resume may change; removing the strategy removes the key."""
     CHECKPOINTING.register(EveryNthBlock)  # the one registry line
     try:
-        strategies = json_schema()["$defs"]["StrategiesConfig"]["properties"]
-        assert strategies["checkpointing_stride"]["default"] == 2
+        for recipe_class in (Recipe, CausalLMRecipe):  # every trainer's recipe, and a recipe part
+            strategies = recipe_class.editor_schema()["$defs"]["StrategiesConfig"]["properties"]
+            assert strategies["checkpointing_stride"]["default"] == 2
         assert "strategies.checkpointing_stride" in free_keys()
         with pytest.raises(RecipeError, match="strategies.checkpointing_stride"):
             _recipe(tmp_path, "every-nth", checkpointing_stride=0)

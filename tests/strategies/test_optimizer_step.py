@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import PlanError, Unsupported
 from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.search import search
-from memtrain.recipe import Recipe
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer_step import InBackward, InBackwardOptimizer, OptimizerStep
 from memtrain.strategies.precision import PRECISION
@@ -34,7 +34,7 @@ MODEL = {
 }
 
 
-def recipe_for(tmp_path: Path, step: str | list[str], **sections: dict[str, Any]) -> Recipe:
+def recipe_for(tmp_path: Path, step: str | list[str], **sections: dict[str, Any]) -> CausalLMRecipe:
     base: dict[str, dict[str, Any]] = {
         "model": {"config": MODEL},
         "batch": {"global_size": 1, "micro_size": "auto"},
@@ -47,7 +47,7 @@ def recipe_for(tmp_path: Path, step: str | list[str], **sections: dict[str, Any]
     return tiny_recipe(tmp_path, **base)
 
 
-def trained(recipe: Recipe, resume: bool = False) -> CausalLMTrainer:
+def trained(recipe: CausalLMRecipe, resume: bool = False) -> CausalLMTrainer:
     trainer = CausalLMTrainer(recipe)
     trainer.fit(resume=resume)
     return trainer
@@ -126,7 +126,7 @@ def test_planner_takes_in_backward_only_where_it_fits_and_is_exact(tmp_path: Pat
 
 
 def test_resume_continues_identically(tmp_path: Path) -> None:
-    def recipe(where: str, steps: int, step: str = "in_backward") -> Recipe:
+    def recipe(where: str, steps: int, step: str = "in_backward") -> CausalLMRecipe:
         return recipe_for(
             tmp_path / where,
             step,

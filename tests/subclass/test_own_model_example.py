@@ -100,6 +100,33 @@ def test_built_in_trainer_still_needs_a_model_section(capsys: pytest.CaptureFixt
     assert "model: give model.pretrained" in capsys.readouterr().err
 
 
+def test_the_trainers_own_recipe_part_is_its_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    """The example declares its own `data:` section (`TinyRecipe`): a key it does not read, and the
+    built-in trainer's model keys, are refused by name; `memtrain schema --trainer` shows its section,
+    and a memory tip names its sequence-length key."""
+    bad = ["data.packing=true", "model.pretrained=somewhere", "data.seq_len=0"]
+    assert main(["validate", RECIPE, *bad, "--trainer", TRAINER]) == 2
+    err = capsys.readouterr().err
+    for line in (
+        "data.packing: unknown key",
+        "model.pretrained: unknown key",
+        "data.seq_len: Input should be",
+    ):
+        assert line in err, err
+    schema = _json(capsys, "schema", "--trainer", TRAINER)
+    assert set(schema["properties"]["data"]["$ref"].split("/")[-1:]) == {"TinyData"}
+    assert set(schema["$defs"]["TinyData"]["properties"]) == {"seq_len"}
+    assert (
+        "pretrained"
+        not in schema["$defs"][schema["properties"]["model"]["$ref"].split("/")[-1]]["properties"]
+    )
+    from memtrain.commands.trainers import trainer_class
+    from memtrain.planner.explain import suggestions
+
+    recipe = trainer_class(TRAINER).recipe_class.load(RECIPE)
+    assert any(tip.startswith("data.seq_len (now 64)") for tip in suggestions(recipe))
+
+
 def test_bad_trainer_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("nowhere.py:X", str(REPO / "examples/own_model/trainer.py") + ":Missing", "no_colon"):
         assert main(["validate", RECIPE, "--trainer", bad]) == 2
@@ -159,10 +186,10 @@ def test_subclass_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     # The ranks sum the gradients in another order: compared as a whole, not per element (tests/helpers.py,
     # `REDUCTION_ORDER`: AdamW can step an element whose gradient nearly cancels differently by up to lr).
     from memtrain.commands.trainers import trainer_class
-    from memtrain.recipe import load_recipe
 
     from helpers import assert_trained_alike, initial_weights
 
     fresh = [*common[1:5], "strategies.sharding=none", f"run.output_dir={tmp_path / 'initial'}"]
-    initial = initial_weights(load_recipe(RECIPE, fresh), trainer_class(TRAINER))
+    own = trainer_class(TRAINER)
+    initial = initial_weights(own.recipe_class.load(RECIPE, fresh), own)
     assert_trained_alike(states[1], states[0], initial)

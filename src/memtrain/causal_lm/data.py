@@ -23,12 +23,12 @@ import torch
 from memtrain.causal_lm import packing, sft
 from memtrain.causal_lm import tokenizer as tokenizer_lib
 from memtrain.causal_lm.packing import Sample
+from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.sources import DataSource, source_of
 from memtrain.causal_lm.streaming import StreamedSamples
 from memtrain.causal_lm.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError
-from memtrain.recipe import DataConfig
 
 IGNORE_INDEX = sft.IGNORE_INDEX
 PAD_ID = 0

@@ -12,10 +12,10 @@ recipe key to change.
 
 from __future__ import annotations
 
+from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.sources import DATA_SOURCES, DataSource, source_of
 from memtrain.causal_lm.tokenizer import load_tokenizer
 from memtrain.errors import RecipeError, did_you_mean
-from memtrain.recipe import DataConfig
 
 FIELD_ROLES = ("text", "messages", "prompt", "completion")  # the keys of data.fields
 

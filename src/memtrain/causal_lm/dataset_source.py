@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.sft import ROLES, Document, RecordEncoder, column
 from memtrain.causal_lm.tokenizer import Tokenizer
 from memtrain.distributed import DistEnv, barrier
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import check_utf8
-from memtrain.recipe import DataConfig
 
 TEXT_FORMATS = (".json", ".jsonl", ".csv")  # the datasets formats that are text
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}

@@ -50,9 +50,10 @@ import torch
 from torch import nn
 
 from memtrain import checkpoint as ckpt
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.errors import MemtrainError
 from memtrain.plan import adapters_of
-from memtrain.recipe import Recipe, recipe_from_dict
+from memtrain.recipe import Recipe
 from memtrain.run import RunDirectory
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.registry import DeviceFacts
@@ -140,21 +141,30 @@ def has_adapters(adapters: Adapters) -> bool:
 # ------------------------------------------------------------------------------------- the run
 
 
-def run_recipe(run: RunDirectory) -> Recipe:
-    """The run's resolved recipe (written by rank 0 when the run started), validated."""
-    return recipe_from_dict(run.read_recipe(), source=str(run.layout.recipe_file))
+MODEL_SOURCES = ("config", "config_path", "pretrained")
+NOT_A_TRANSFORMERS_RUN = (
+    "export needs a transformers model: this run's recipe has no model section (model.config, "
+    "model.config_path or model.pretrained), so it was trained by a custom --trainer; save your "
+    "model from your Trainer subclass instead"
+)
+
+
+def run_recipe(run: RunDirectory) -> CausalLMRecipe:
+    """The run's resolved recipe (written by rank 0 when the run started), validated as the built-in
+    trainer's; a clear error for a custom trainer's run, whose recipe has sections of its own."""
+    raw = run.read_recipe()
+    model = raw.get("model")
+    if not isinstance(model, dict) or all(model.get(key) is None for key in MODEL_SOURCES):
+        raise MemtrainError(NOT_A_TRANSFORMERS_RUN)
+    return CausalLMRecipe.from_dict(raw, source=str(run.layout.recipe_file))
 
 
 def model_config(recipe: Recipe) -> Any:
     """The transformers config the run's model was built from; a clear error for a custom trainer's run."""
     model = recipe.model
+    if not isinstance(recipe, CausalLMRecipe) or all(getattr(model, key) is None for key in MODEL_SOURCES):
+        raise MemtrainError(NOT_A_TRANSFORMERS_RUN)
     pretrained = model.pretrained
-    if pretrained is None and model.config is None and model.config_path is None:
-        raise MemtrainError(
-            "export needs a transformers model: this run's recipe has no model section (model.config, "
-            "model.config_path or model.pretrained), so it was trained by a custom --trainer; save your "
-            "model from your Trainer subclass instead"
-        )
     if pretrained is not None:
         from transformers import AutoConfig
 
@@ -415,7 +425,7 @@ def _some(keys: list[str], limit: int = 5) -> str:
 # ------------------------------------------------------------------------------------- the files
 
 
-def _copy_generation_config(recipe: Recipe, staging: Path) -> None:
+def _copy_generation_config(recipe: CausalLMRecipe, staging: Path) -> None:
     """A pretrained model's own generation_config.json (its sampling defaults) over the config's default."""
     pretrained = recipe.model.pretrained
     if pretrained is None:
@@ -429,7 +439,7 @@ def _copy_generation_config(recipe: Recipe, staging: Path) -> None:
     own.save_pretrained(staging)
 
 
-def _copy_tokenizer(recipe: Recipe, staging: Path) -> None:
+def _copy_tokenizer(recipe: CausalLMRecipe, staging: Path) -> None:
     """The tokenizer files of `data.tokenizer` when it names a directory (a byte tokenizer has none)."""
     source = Path(recipe.data.tokenizer)
     if recipe.data.tokenizer == "byte" or not source.is_dir():

@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.tokenizer import PretrainedTokenizer, Tokenizer
 from memtrain.errors import RecipeError, shortened
-from memtrain.recipe import DataConfig
 
 IGNORE_INDEX = -100
 ROLES = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}

@@ -27,12 +27,12 @@ import torch
 
 from memtrain.causal_lm import dataset_source, packing, sft
 from memtrain.causal_lm.packing import Sample
+from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.streaming import Records
 from memtrain.causal_lm.tokenizer import Tokenizer, load_tokenizer
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import decode_utf8
-from memtrain.recipe import DataConfig
 from memtrain.registry import Registry
 
 PEEK_RECORDS = 16  # records rendered and tokenized by the validate-time checks

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Set
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks, pretrained
+from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.sources import source_of
 from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
@@ -30,7 +31,7 @@ from memtrain.strategies.loss import bound_loss
 from memtrain.training.trainer import Batch, Trainer
 
 
-def config_dict(recipe: Recipe) -> tuple[dict[str, Any], str]:
+def config_dict(recipe: CausalLMRecipe) -> tuple[dict[str, Any], str]:
     """The raw config mapping and the recipe key it came from."""
     m = recipe.model
     given = [
@@ -61,7 +62,7 @@ def config_dict(recipe: Recipe) -> tuple[dict[str, Any], str]:
     return read_json_object(m.config_path, "model.config_path"), "model.config_path"
 
 
-def pretrained_directory(recipe: Recipe) -> Path:
+def pretrained_directory(recipe: CausalLMRecipe) -> Path:
     """The checked model directory of `model.pretrained` (`RecipeError` naming the key otherwise)."""
     assert recipe.model.pretrained is not None
     directory = pretrained.resolve(recipe.model.pretrained)
@@ -69,7 +70,7 @@ def pretrained_directory(recipe: Recipe) -> Path:
     return directory
 
 
-def build_config(recipe: Recipe) -> Any:
+def build_config(recipe: CausalLMRecipe) -> Any:
     """A `transformers.PretrainedConfig` for the recipe's model; `RecipeError` lists every problem."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -210,14 +211,14 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
-def check_model_recipe(recipe: Recipe) -> None:
+def check_model_recipe(recipe: CausalLMRecipe) -> None:
     """`RecipeError` listing every problem of `model_problems`."""
     problems = model_problems(recipe)
     if problems:
         raise RecipeError(problems)
 
 
-def model_problems(recipe: Recipe) -> list[str]:
+def model_problems(recipe: CausalLMRecipe) -> list[str]:
     """Every problem of the model config, the data, and the two together (sequence length, vocabulary):
     the data is checked even when the model config is wrong, so one pass reports both."""
     try:
@@ -248,7 +249,7 @@ def model_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
-def _attention_problems(recipe: Recipe, config: Any) -> list[str]:
+def _attention_problems(recipe: CausalLMRecipe, config: Any) -> list[str]:
     """`model.attn_implementation: sdpa` on a family transformers builds without SDPA (Gemma-2's
     soft-capping, state-space models): transformers would refuse it when the model is built, a traceback
     in `train` and `plan` that `validate` did not see."""
@@ -291,13 +292,22 @@ def check_bare_head_loss(config: Any, loss: str) -> None:
 class CausalLMTrainer(Trainer):
     """Trains a transformers causal LM built from the recipe's config on the recipe's data."""
 
+    recipe_class = CausalLMRecipe
+    recipe: CausalLMRecipe
+
     def __init__(self, recipe: Recipe) -> None:
-        check_model_recipe(recipe)
+        check_model_recipe(CausalLMRecipe.adopt(recipe))
         super().__init__(recipe)
-        self.model_config = build_config(recipe)
+        self.model_config = build_config(self.recipe)
         self._data: data_lib.Splits | None = None
         self._sampler: data_lib.StepSampler | None = None
         self._per_block: int | None = None  # config layers per block (`_layers_per_block`)
+
+    @classmethod
+    def recipe_problems(cls, recipe: Recipe, skip: Set[str] = frozenset()) -> list[str]:
+        """The model config, the data and the two together (`model_problems`), unless either section
+        failed validation."""
+        return [] if {"model", "data"} & skip else model_problems(CausalLMRecipe.adopt(recipe))
 
     @property
     def data(self) -> data_lib.Splits:

@@ -44,8 +44,9 @@ def run(
         raise PlanError(
             "--host-memory: describes the host of a what-if GPU; add --gpu NAME or --gpu-memory SIZE"
         )
-    recipe = load_checked_recipe(recipe_path, overrides)
-    spec = trainer_class(trainer)(recipe).model_spec()
+    trainer_cls = trainer_class(trainer)
+    recipe = load_checked_recipe(recipe_path, overrides, trainer_cls)
+    spec = trainer_cls(recipe).model_spec()
     if gpu is not None or memory is not None:
         result = plan_what_if(
             recipe,

@@ -15,7 +15,6 @@ from memtrain import json_out
 from memtrain.commands.trainers import load_checked_recipe, trainer_class
 from memtrain.memory import cuda_stats
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
-from memtrain.recipe import load_recipe
 from memtrain.run import RunLayout
 
 PROFILE_OVERRIDES = [
@@ -31,12 +30,13 @@ def run_profile(
 ) -> tuple[dict[str, Any], Path]:
     """Train `steps` steps of the recipe under the tracker with the built-in trainer or `trainer_spec`
     (`--trainer FILE.py:Class`); returns (memory.json content, output dir)."""
-    probe = load_checked_recipe(recipe_path, overrides)
+    trainer_cls = trainer_class(trainer_spec)
+    probe = load_checked_recipe(recipe_path, overrides, trainer_cls)
     out_dir = out or RunLayout(probe.output_path()).profile_dir
-    recipe = load_recipe(
+    recipe = trainer_cls.recipe_class.load(
         recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}", *PROFILE_OVERRIDES]
     )
-    trainer = trainer_class(trainer_spec)(recipe)
+    trainer = trainer_cls(recipe)
     on_cuda = trainer.env.device.type == "cuda"
     if on_cuda:
         cuda_stats.start_memory_history()

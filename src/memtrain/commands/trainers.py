@@ -7,8 +7,9 @@ launch loads the same class. A file Python cannot read (not UTF-8, a syntax erro
 `MemtrainError` naming `--trainer` and the line; an exception the file's own code raises while it is
 imported keeps its traceback (it is the user's code, and the traceback says where).
 
-`recipe_problems` is every check `memtrain train` makes before it builds the model, for `memtrain
-validate` and for the one pass of `memtrain.recipe.load_recipe`.
+The trainer is resolved before the recipe is read: its `recipe_class` is the recipe's schema (the
+built-in trainer's `model:` and `data:` sections are its own). `recipe_problems` is every check `memtrain
+train` makes before it builds the model, for `memtrain validate` and for the one pass of `Recipe.load`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import importlib.util
 import sys
 from collections.abc import Set
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from memtrain.errors import MemtrainError, RecipeError
-from memtrain.recipe import Recipe, load_recipe
+from memtrain.recipe import Recipe
 from memtrain.strategies.blocks import model_shape
 from memtrain.training import preflight
 from memtrain.training.trainer import Trainer
@@ -77,63 +79,67 @@ def _import(name: str) -> object:
         raise MemtrainError(f"--trainer: cannot import {name} ({exc})") from None
 
 
-def recipe_problems(recipe: Recipe, *, model: bool, skip: Set[str] = frozenset()) -> list[str]:
+def recipe_schema(spec: str | None) -> dict[str, Any]:
+    """`memtrain schema`: the JSON schema of the trainer's recipe (the built-in trainer's lists its data
+    sources too)."""
+    from memtrain.causal_lm.recipe import CausalLMRecipe
+    from memtrain.causal_lm.sources import schema_with_sources
+
+    recipe_class = trainer_class(spec).recipe_class
+    schema = recipe_class.editor_schema()
+    return schema_with_sources(schema) if issubclass(recipe_class, CausalLMRecipe) else schema
+
+
+def recipe_problems(recipe: Recipe, trainer: type[Trainer], skip: Set[str] = frozenset()) -> list[str]:
     """Every problem `memtrain train` would find before it builds the model, found without building or
-    writing anything: with `model`, the built-in trainer's model config and data
-    (`causal_lm.trainer.model_problems`); then the run's own checks (`training.preflight.recipe_problems`).
-    Sections named in `skip` failed validation and stand at their defaults, so they are not checked."""
-    problems = []
-    if model and not {"model", "data"} & skip:
-        from memtrain.causal_lm.trainer import model_problems
-
-        problems += model_problems(recipe)
-    return problems + preflight.recipe_problems(recipe, skip)
+    writing anything: the trainer's own recipe part (`Trainer.recipe_problems`: the built-in trainer's
+    model config and data), then the run's own checks (`training.preflight.recipe_problems`). Sections
+    named in `skip` failed validation and stand at their defaults, so they are not checked."""
+    return trainer.recipe_problems(recipe, skip) + preflight.recipe_problems(recipe, skip)
 
 
-def load_checked_recipe(path: str | Path, overrides: list[str]) -> Recipe:
-    """`load_recipe`, and when the schema finds problems, also every later check (`recipe_problems`) on
-    the sections that validated, so the user sees every mistake in one pass."""
-    return load_recipe(path, overrides, later_checks=_later_checks)
-
-
-def _later_checks(recipe: Recipe, failed_sections: set[str]) -> list[str]:
-    model = any(
-        v is not None for v in (recipe.model.config, recipe.model.config_path, recipe.model.pretrained)
+def load_checked_recipe(path: str | Path, overrides: list[str], trainer: type[Trainer]) -> Recipe:
+    """The trainer's recipe (`trainer.recipe_class.load`), and when the schema finds problems, also every
+    later check (`recipe_problems`) on the sections that validated: every mistake in one pass."""
+    return trainer.recipe_class.load(
+        path, overrides, later_checks=lambda recipe, failed: recipe_problems(recipe, trainer, failed)
     )
-    return recipe_problems(recipe, model=model, skip=failed_sections)
 
 
-def validate(recipe: Recipe, source: str, spec: str | None) -> str:
+def validate(recipe: Recipe, source: str, trainer: type[Trainer]) -> str:
     """`memtrain validate`: every check of `memtrain train` before step 1 that writes nothing, in the order
     train meets them (the `--trainer` file, then the recipe, then the model); the model in words, or a
     `RecipeError` listing every problem."""
-    trainer_class(spec)
-    problems = recipe_problems(recipe, model=spec is None)
+    problems = recipe_problems(recipe, trainer)
     if problems:
         raise RecipeError(problems, source)
-    return _validated_model(recipe, source, spec)
+    return _validated_model(recipe, source, trainer)
 
 
-def _validated_model(recipe: Recipe, source: str, spec: str | None) -> str:
+def _validated_model(recipe: Recipe, source: str, trainer: type[Trainer]) -> str:
     """The model part of `memtrain validate`'s line, after the checks that need the model on the meta
-    device (`training.preflight.model_problems`)."""
-    if spec is None:
+    device (`training.preflight.model_problems`). The built-in trainer's model is built from its config
+    alone (constructing the trainer would read the data)."""
+    from memtrain.causal_lm.recipe import CausalLMRecipe
+    from memtrain.causal_lm.trainer import CausalLMTrainer
+
+    if trainer is CausalLMTrainer:
         from transformers import AutoModelForCausalLM
 
         from memtrain.causal_lm.trainer import build_config
 
-        config = build_config(recipe)
+        config = build_config(CausalLMRecipe.adopt(recipe))
         described = config.model_type
         problems = preflight.model_problems(recipe, lambda: AutoModelForCausalLM.from_config(config))
     else:
         from memtrain.distributed import shutdown
 
-        trainer = trainer_class(spec)(recipe)
+        built = trainer(recipe)
         try:
-            described = describe_model(trainer)
-            problems = preflight.model_problems(recipe, trainer.build_model)
+            described = describe_model(built)
+            problems = preflight.model_problems(recipe, built.build_model)
         finally:
-            shutdown(trainer.env)
+            shutdown(built.env)
     if problems:
         raise RecipeError(problems, source)
     return described

@@ -177,8 +177,10 @@ def suggestions(
             "strategies.optimizer_step: allow in_backward (each parameter stepped in backward, its gradient "
             f"freed: no gradient memory; one micro-step per step, sharding none){clip}"
         )
+    if recipe.sequence_length_key is not None:
+        key = recipe.sequence_length_key
+        out.append(f"{key} (now {recipe.value_at(key)}): shorter sequences")
     out += [
-        f"data.seq_len (now {recipe.data.seq_len}): shorter sequences",
         "more ranks (torchrun --nproc_per_node / --nnodes) with zero3, or a GPU with more memory",
         "memory.budget (the simulated budget, on CPU)",
     ]

@@ -34,9 +34,9 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -64,12 +64,17 @@ IGNORE_INDEX = -100
 
 
 class Trainer:
-    """Subclass and override the hooks; call `fit()`."""
+    """Subclass and override the hooks; call `fit()`.
+
+    `recipe_class` is the trainer's recipe: `Recipe`, or a subclass with the trainer's own sections
+    (`MyTrainer.recipe_class.load("my.yaml")` reads one; the command line reads with it)."""
+
+    recipe_class: ClassVar[type[Recipe]] = Recipe
 
     def __init__(self, recipe: Recipe) -> None:
-        self.recipe = recipe
+        self.recipe = self.recipe_class.adopt(recipe)
         self.env: DistEnv = init_distributed()
-        self.run = RunDirectory(recipe.output_path(), self.env)
+        self.run = RunDirectory(self.recipe.output_path(), self.env)
         self.monitor = MemoryMonitor(self.env, self.run)
         self._plan: Plan | None = None
         self.sharding: ShardingBackend | None = None
@@ -91,6 +96,13 @@ class Trainer:
     @plan_result.setter
     def plan_result(self, value: PlanResult | None) -> None:
         self.monitor.plan_result = value
+
+    @classmethod
+    def recipe_problems(cls, recipe: Recipe, skip: Set[str] = frozenset()) -> list[str]:
+        """Problems in the trainer's own recipe part found before anything is built or written (one line
+        each, naming its key), for `memtrain validate` and the recipe's one pass of errors; sections in
+        `skip` failed validation and stand at their defaults. Default: none."""
+        return []
 
     # ------------------------------------------------------------------------------------ hooks
 

@@ -1,0 +1,103 @@
+"""The built-in causal-LM trainer's own recipe part: how its model is built (`model.config`,
+`model.config_path`, `model.pretrained`, `model.attn_implementation`) and what it trains on (`data:`).
+
+Why here and not in `memtrain.recipe`: those keys mean something only to this trainer. A `Trainer`
+subclass with a model of its own reads neither, and its recipe refuses them as unknown keys; it declares
+its own sections the same way (`Trainer.recipe_class`, see examples/own_model).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from memtrain.recipe import ModelSection, Recipe, RecipeSection, strategy_keys_section
+
+
+class CausalLMModelSection(ModelSection):
+    """`model:` — a transformers causal LM, from a config or a pretrained directory, plus the base
+    quantisation every trainer has (generated into `CausalLMModelConfig`)."""
+
+    config: dict[str, Any] | None = Field(
+        default=None, description="Inline transformers config: model_type plus fields (built from config)."
+    )
+    config_path: str | None = Field(default=None, description="Path to a transformers config.json.")
+    pretrained: str | None = Field(
+        default=None,
+        description="A Hugging Face model directory (config.json + safetensors weights, single or sharded) or "
+        "a hub id already in the local cache: fine-tune its weights.",
+    )
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+if TYPE_CHECKING:
+    CausalLMModelConfig = CausalLMModelSection
+else:
+    CausalLMModelConfig = strategy_keys_section("CausalLMModelConfig", CausalLMModelSection, "model")
+
+
+class SyntheticData(RecipeSection):
+    num_samples: int = Field(default=4096, gt=0)
+    min_len: int = Field(default=0, ge=0, description="0 means every sample is seq_len+1 tokens.")
+    vocab_size: int | None = Field(default=None, gt=1, description="Default: the model's vocab_size.")
+
+
+class DataConfig(RecipeSection):
+    source: str = Field(
+        default="synthetic",
+        description="A data source of the built-in trainer (memtrain.causal_lm.sources): synthetic | text | "
+        "jsonl | dataset. dataset: through the `datasets` library (data.path: a json/jsonl/parquet/arrow/csv "
+        "file, a directory or glob of them, or a hub id in the local cache).",
+    )
+    path: str | None = None
+    jsonl_field: str = "text"
+    kind: Literal["text", "chat", "prompt_completion"] = Field(
+        default="text",
+        description="text: loss on every token; chat: a messages list rendered with the tokenizer's chat "
+        "template, loss on assistant turns; prompt_completion: loss on the completion only.",
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column names when they differ from text / messages / prompt / completion, "
+        "e.g. {text: body}.",
+    )
+    split: str = Field(default="train", description="The datasets split to read (source: dataset).")
+    streaming: bool = Field(
+        default=False, description="Stream the dataset instead of loading it (larger than RAM)."
+    )
+    tokenizer: str = Field(
+        default="byte",
+        description='"byte", a tokenizers JSON file, or a Hugging Face tokenizer directory (with its chat template).',
+    )
+    seq_len: int = Field(default=128, gt=0)
+    packing: bool = Field(
+        default=True, description="Fixed-length packing; false = one padded document per row."
+    )
+    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    synthetic: SyntheticData = SyntheticData()
+
+
+class CausalLMRecipe(Recipe):
+    """A recipe of the built-in causal-LM trainer: every trainer's sections, `model:` widened with how
+    the model is built, and `data:`."""
+
+    path_keys: ClassVar[tuple[str, ...]] = (
+        *Recipe.path_keys,
+        "model.config_path",
+        "model.pretrained",
+        "data.path",
+        "data.tokenizer",
+    )
+    sequence_length_key: ClassVar[str | None] = "data.seq_len"
+
+    model: CausalLMModelConfig = CausalLMModelConfig()
+    data: DataConfig = DataConfig()
+
+    def cross_checks(self) -> list[str]:
+        """Every trainer's checks, and one model source at most (the model config itself is checked in
+        `memtrain.causal_lm.trainer.model_problems`)."""
+        problems = super().cross_checks()
+        if self.model.config is not None and self.model.config_path is not None:
+            problems.insert(0, "model: give only one of model.config and model.config_path")
+        return problems
