@@ -121,11 +121,17 @@ choose_python() {
   echo ""
 }
 
-missing_deps() {  # distribution names of DEPS that do not import
-  local py="$1" i
-  for i in "${!DEPS_IMPORT[@]}"; do
-    "$py" -c "import ${DEPS_IMPORT[$i]}" >/dev/null 2>&1 || printf '%s ' "${DEPS_DIST[$i]}"
-  done
+missing_deps() {  # distribution names of DEPS that do not import (one interpreter for all of them)
+  "$1" - "${DEPS_IMPORT[@]}" -- "${DEPS_DIST[@]}" 2>/dev/null <<'EOF'
+import importlib, sys
+args = sys.argv[1:]
+names, dists = args[: args.index("--")], args[args.index("--") + 1 :]
+for name, dist in zip(names, dists):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        print(dist, end=" ")
+EOF
 }
 
 t0=$(date +%s)
