@@ -226,7 +226,7 @@ def _dcp_model_state(source: Path) -> dict[str, torch.Tensor]:
     try:
         _load_state_dict(
             loaded,
-            storage_reader=safe_readers.SafeFileSystemReader(str(source)),
+            storage_reader=safe_readers.SafeFileSystemReader.checked(source),
             planner=safe_readers.SafeEmptyStateDictLoadPlanner(source, keys={"model"}),
             no_dist=True,
         )

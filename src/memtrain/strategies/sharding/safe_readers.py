@@ -106,7 +106,17 @@ def read_dcp_metadata(path: Path) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's `FileSystemReader` whose metadata is read by `read_dcp_metadata`, not `pickle.load`."""
+    """torch's `FileSystemReader` whose metadata is read by `read_dcp_metadata`, not `pickle.load`.
+
+    Build it with `checked` (metadata read once up front): DCP's loader catches a failed metadata read,
+    logs it with its traceback and tries per-rank metadata files before it fails with a message of its own.
+    """
+
+    @classmethod
+    def checked(cls, source: Path) -> SafeFileSystemReader:
+        reader = cls(str(source))
+        read_dcp_metadata(Path(reader._get_metadata_path()))  # one line naming the file, before DCP runs
+        return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))

@@ -117,7 +117,7 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     try:
         dcp.load(
             state,
-            storage_reader=safe_readers.SafeFileSystemReader(str(source)),
+            storage_reader=safe_readers.SafeFileSystemReader.checked(source),
             planner=safe_readers.SafeLoadPlanner(source),
         )
     except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
