@@ -1,6 +1,6 @@
 """The fault-injection suite: kill -9, OOM, NaN/inf, SIGTERM and Ctrl-C, corrupt checkpoints, a dead or hung
 rank, a dead launcher, rollbacks killed mid-way, kills while a checkpoint is replaced or pruned, two
-writers on one run, a full disk, recipe fuzzing, input bombs and undecodable files, each injected many
+writers on one run, a full disk, recipe fuzzing, input bombs, undecodable files and planted pickles, each injected many
 times at points drawn from a seed.
 
 Why a script (and not only tests): the issue asks for figures — how many faults of each kind were
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fault_kit import input_bombs, launcher_faults, lineage_faults, scenarios
+from fault_kit import input_bombs, launcher_faults, lineage_faults, planted_pickles, scenarios
 from fault_kit.recipe_fuzz import recipe_fuzz
 from fault_kit.scenarios import Outcome
 
@@ -70,6 +70,7 @@ def plan(quick: bool) -> list[tuple[str, Scenario]]:
         ("launcher_death", lambda w, s, j: launcher_faults.launcher_death(w, n(3, 1), s)),
         ("input_bombs", lambda w, s, j: input_bombs.input_bombs(w, s)),
         ("undecodable", lambda w, s, j: input_bombs.undecodable_files(w, s)),
+        ("planted_pickles", lambda w, s, j: planted_pickles.planted_pickles(w, s)),
     ]
     return runs
 

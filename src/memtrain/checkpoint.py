@@ -3,7 +3,8 @@
 Why apart from the run: the sharding backends write and read their own tensor files inside a checkpoint
 directory they are handed, and must not import the run's checkpoint lifecycle (staging, commit, pruning,
 lineage: `memtrain.run`). This module is what both share: `save_tensor_file` / `write_file` (fsync'd),
-`load_tensor_file` (`torch.load(weights_only=True)`: no arbitrary pickle from a checkpoint directory),
+`load_tensor_file` (`torch.load(weights_only=True)`: no arbitrary pickle from a checkpoint directory; a
+file naming anything else is refused in one line, `load_weights_only`),
 the RNG state in a weights_only-loadable form, and `CheckpointError`, the one-line error naming the file.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,10 +42,30 @@ def save_tensor_file(path: Path, obj: Any) -> None:
 def load_tensor_file(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing from the checkpoint")
+    return load_weights_only(path, str(path), map_location="cpu")
+
+
+def load_weights_only(handle: Any, what: str, map_location: Any = None, mmap: bool | None = None) -> Any:
+    """`torch.load(weights_only=True)` of `handle`; a file that names anything else is one line naming `what`."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc})") from None
+        return torch.load(handle, map_location=map_location, mmap=mmap, weights_only=True)
+    except Exception as exc:  # UnpicklingError for a forbidden global; several types for damaged bytes
+        named = FORBIDDEN.search(str(exc))
+        if named:
+            raise CheckpointError(
+                f"{what}: names {named.group(1)}, which no checkpoint file memtrain writes holds (not written by "
+                "memtrain); nothing of it was run: remove this checkpoint or resume from another one"
+            ) from None
+        raise CheckpointError(f"{what}: cannot be loaded ({describe(exc)})") from None
+
+
+FORBIDDEN = re.compile(r"Unsupported global: GLOBAL (\S+)")  # how torch's weights_only unpickler refuses
+
+
+def describe(exc: BaseException) -> str:
+    """`exc` in one line: its type and its first line (DCP and torch write several)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def load_rng_state(path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_kit import scenarios
+from fault_kit import planted_pickles, scenarios
 from fault_kit.faults import Fault
 from fault_kit.recipe_fuzz import recipe_fuzz
 from fault_kit.scenarios import Outcome
@@ -83,3 +83,10 @@ def test_recipe_fuzz_gives_clear_errors_and_never_runs_yaml(tmp_path: Path) -> N
     assert (
         outcome.figures["tracebacks"] == 0 and outcome.figures["YAML loaders other than yaml.safe_load"] == 0
     )
+
+
+@pytest.mark.filterwarnings("ignore:strategies.sharding. zero3 on one rank")
+def test_planted_pickles_never_run(tmp_path: Path) -> None:
+    outcome = planted_pickles.planted_pickles(tmp_path, SEED)
+    assert_recovered(outcome)
+    assert outcome.figures["resume refused"] >= 5 and outcome.figures["export refused"] >= 4

@@ -13,8 +13,13 @@ How: the model's state is read from whichever layout the checkpoint holds, witho
 - `dcp` (zero2 / zero3 on FSDP2): torch.distributed.checkpoint's files, read with DCP's own
   single-process loader for the `model` keys only (the optimizer states are never loaded);
 - `deepspeed`: DeepSpeed's `zero_to_fp32`, which merges the fp32 master partitions of every rank
-  (ZeRO-1/2/3). DeepSpeed pickles its files, so this one format is loaded with full pickle, as DeepSpeed
-  itself does on resume.
+  (ZeRO-1/2/3).
+
+Nothing in a checkpoint runs code: DCP's metadata and byte items and DeepSpeed's files (which both
+libraries would unpickle whole) are read through `strategies.sharding.safe_readers`' allow-lists, and only
+the format the checkpoint's manifest (meta.json) names is opened: a `deepspeed/` folder planted next to
+a replicated or dcp checkpoint refuses the export unread. A checkpoint without a manifest (written before
+it) is detected from its files, and read with the same safe readers.
 
 The state is loaded into the model `AutoModelForCausalLM.from_config` builds from the run's recipe (or
 the config.json of `model.pretrained`), so tied weights are tied as transformers ties them and
@@ -57,7 +62,13 @@ from memtrain.recipe import Recipe
 from memtrain.run import RunDirectory
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.registry import DeviceFacts
-from memtrain.strategies.sharding.sharded_checkpoint import DCP_DIR, DEEPSPEED_DIR, detect_format
+from memtrain.strategies.sharding import safe_readers
+from memtrain.strategies.sharding.sharded_checkpoint import (
+    DCP_DIR,
+    DEEPSPEED_DIR,
+    MANIFEST_KEY,
+    detect_format,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -108,7 +119,7 @@ def export_hf(
     config = model_config(recipe)
     found = run.checkpoint_at(step)
     _check_out(out, overwrite)
-    state = dequantised(load_model_state(found.path))
+    state = dequantised(load_model_state(found.path, found.meta.get(MANIFEST_KEY)))
     staging = out.with_name(out.name + ".tmp")
     if adapters_only:
         write: Any = _adapter_writer(config, state, found.path, adapters, recipe.model.pretrained)
@@ -187,9 +198,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
 # ------------------------------------------------------------------------------------- the state
 
 
-def load_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The model's full state dict from checkpoint directory `path`, in any format memtrain writes."""
-    found = detect_format(path)
+def load_model_state(path: Path, declared: object = None) -> dict[str, torch.Tensor]:
+    """The model's full state dict from checkpoint directory `path`, in the format its manifest `declared`
+    (meta.json's), or for a checkpoint without one, any format memtrain writes."""
+    found = detect_format(path, declared)
     if found == "replicated":
         state = ckpt.load_tensor_file(path / "model.pt")
     elif found == "dcp":
@@ -208,22 +220,23 @@ def _dcp_model_state(source: Path) -> dict[str, torch.Tensor]:
     shards of every rank come together here; `no_dist` keeps it off any process group this process may
     still hold (an export at the end of a distributed run, on rank 0 only).
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     loaded: dict[str, Any] = {}
     try:
         _load_state_dict(
             loaded,
-            storage_reader=FileSystemReader(str(source)),
-            planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+            storage_reader=safe_readers.SafeFileSystemReader.checked(source),
+            planner=safe_readers.SafeEmptyStateDictLoadPlanner(source, keys={"model"}),
             no_dist=True,
         )
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ckpt.CheckpointError(f"{source}: cannot be read ({type(exc).__name__}: {exc})") from None
+        failure = safe_readers.dcp_failure(exc)
+        if isinstance(failure, ckpt.CheckpointError):
+            raise failure from None
+        raise ckpt.CheckpointError(f"{source}: cannot be read ({ckpt.describe(failure)})") from None
     model = loaded.get("model")
     if not isinstance(model, dict) or not model:
         raise ckpt.CheckpointError(f"{source}: holds no model state")
@@ -231,16 +244,18 @@ def _dcp_model_state(source: Path) -> dict[str, torch.Tensor]:
 
 
 def _deepspeed_model_state(source: Path) -> dict[str, torch.Tensor]:
-    """DeepSpeed's fp32 master weights, merged from every rank's partitions by its own `zero_to_fp32`."""
+    """DeepSpeed's fp32 master weights, merged from every rank's partitions by its own `zero_to_fp32`, its
+    files read by `safe_readers.load_deepspeed_file` (`zero_to_fp32_reads_safely`)."""
     try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        import deepspeed.utils.zero_to_fp32  # noqa: F401
     except ImportError:
         raise MemtrainError(
             f"{source}: written by DeepSpeed; exporting it needs deepspeed: pip install 'memtrain[deepspeed]'"
         ) from None
     tag = DEEPSPEED_TAG if (source / DEEPSPEED_TAG).is_dir() else None
     try:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(source), tag=tag)
+        with safe_readers.zero_to_fp32_reads_safely() as zero_to_fp32:
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(source), tag=tag)
     except (OSError, ValueError, KeyError, IndexError, RuntimeError, AssertionError) as exc:
         raise ckpt.CheckpointError(
             f"{source}: DeepSpeed cannot merge it ({type(exc).__name__}: {exc})"

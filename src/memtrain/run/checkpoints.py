@@ -78,6 +78,7 @@ META_TYPES: dict[str, type] = {
     "plan": dict,
     "skipped_steps": int,
     "model_section": dict,
+    "format": str,  # the backend's checkpoint format (memtrain.strategies.sharding.sharded_checkpoint)
 }
 
 

@@ -539,7 +539,9 @@ class Trainer:
     def save_checkpoint(self, step: int) -> Path:
         """Atomically save everything needed to continue exactly after `step` steps
         (`RunDirectory.save_checkpoint`: a full disk on any rank is one error on every rank)."""
-        meta = trainer_state.checkpoint_meta(self.recipe, self.plan, self.env.world_size, self.skipped_steps)
+        meta = trainer_state.checkpoint_meta(
+            self.recipe, self.plan, self.env.world_size, self.skipped_steps, self._sharding.checkpoint_format
+        )
         return self.run.save_checkpoint(step, self._state().write, meta, self.recipe.checkpoint.keep)
 
     def _state(self) -> trainer_state.TrainerState:

@@ -21,6 +21,7 @@ from memtrain.plan import Plan
 from memtrain.recipe import Recipe
 from memtrain.run import CheckpointFiles
 from memtrain.run.checkpoints import Checkpoint
+from memtrain.strategies.sharding import sharded_checkpoint
 from memtrain.strategies.sharding.base import ShardingBackend
 
 
@@ -43,7 +44,9 @@ class TrainerState:
 
     def load(self, found: Checkpoint) -> None:
         """Load `found` into the live model, optimizer, scaler and random streams (`CheckpointError`
-        naming the file that does not fit)."""
+        naming the file that does not fit). Only the format its manifest names is read: files of another
+        format in it (not written by memtrain) refuse the checkpoint before anything is opened."""
+        sharded_checkpoint.detect_format(found.path, found.meta.get(sharded_checkpoint.MANIFEST_KEY))
         try:
             self.sharding.load(found.path, self.model, self.optimizer, self.env)
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # e.g. another optimizer's state
@@ -76,10 +79,14 @@ def adopt_saved_micro_batch(plan: Plan, meta: dict[str, Any], world_size: int) -
     return plan
 
 
-def checkpoint_meta(recipe: Recipe, plan: Plan, world_size: int, skipped_steps: int) -> dict[str, Any]:
-    """What meta.json says about the trainer (the run directory adds the step, lineage and time)."""
+def checkpoint_meta(
+    recipe: Recipe, plan: Plan, world_size: int, skipped_steps: int, checkpoint_format: str
+) -> dict[str, Any]:
+    """What meta.json says about the trainer (the run directory adds the step, lineage and time), with the
+    manifest: the backend's `checkpoint_format`, the only format a resume or an export of it reads."""
     resolved = recipe.to_dict()
     return {
+        sharded_checkpoint.MANIFEST_KEY: checkpoint_format,
         "world_size": world_size,
         "plan": plan.to_dict(),
         "recipe_fingerprint": recipe.fingerprint(),

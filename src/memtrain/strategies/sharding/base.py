@@ -70,6 +70,7 @@ class ShardingBackend:
     name: str
     options: ShardingOptions = field(default_factory=ShardingOptions)
     shards_meta_models: ClassVar[bool] = False  # can wrap a meta-parameter model, then materialise shards
+    checkpoint_format: ClassVar[str] = "replicated"  # what its `save` writes (sharded_checkpoint.FORMATS)
 
     def check(self, env: DistEnv) -> None:
         if env.distributed:

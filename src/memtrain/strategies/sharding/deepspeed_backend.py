@@ -23,7 +23,9 @@ fp32 masters), fp8 is refused.
 
 Checkpoints: DeepSpeed's own `save_checkpoint` / `load_checkpoint` into `<staging>/deepspeed/`, plus a
 small `sharding.json` (world size, stage): DeepSpeed partitions do not reshard, so a different world
-size is refused with the way out. DeepSpeed loads its own files with full pickle (`weights_only=False`).
+size is refused with the way out. DeepSpeed would load its own files with full pickle
+(`weights_only=False`); on resume the engine reads them through `safe_readers.deepspeed_reads_safely`
+(`weights_only=True` and the few DeepSpeed classes its files hold).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -47,6 +49,7 @@ from memtrain import checkpoint as ckpt
 from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
+from memtrain.strategies.sharding import safe_readers
 from memtrain.strategies.sharding.base import (
     Materialise,
     OptimizerFactory,
@@ -72,6 +75,8 @@ REFUSED_PRECISIONS = {
 
 @dataclass(frozen=True)
 class DeepSpeedBackend(ShardingBackend):
+    checkpoint_format: ClassVar[str] = "deepspeed"
+
     @property
     def stage(self) -> int:
         return int(self.name[-1])
@@ -230,8 +235,9 @@ class DeepSpeedBackend(ShardingBackend):
                 f"reshard: resume with zero{saved['stage']} on {saved['world_size']} ranks (or convert it with "
                 "DeepSpeed's zero_to_fp32.py and start from those weights)"
             )
-        loaded, _ = model.load_checkpoint(  # type: ignore[operator]
-            str(source), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+        with safe_readers.deepspeed_reads_safely(model):
+            loaded, _ = model.load_checkpoint(  # type: ignore[operator]
+                str(source), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         if loaded is None:
             raise ckpt.CheckpointError(f"{source}: DeepSpeed found no checkpoint to load")

@@ -80,6 +80,7 @@ REFUSED_PRECISIONS = {
 @dataclass(frozen=True)
 class FSDP2Backend(ShardingBackend):
     shards_meta_models: ClassVar[bool] = True
+    checkpoint_format: ClassVar[str] = "dcp"
 
     @property
     def reshard_after_forward(self) -> bool:

@@ -8,10 +8,14 @@ checkpoint written on 2 ranks loads on 1 or 4 (resharding), and into an unsharde
 The files go into the checkpoint's staging directory (`<step>.tmp/dcp/`), so the atomic
 staging-then-rename of `memtrain.checkpoint` covers them too.
 
-Three formats live side by side; `detect_format` tells them apart:
+Three formats live side by side; a checkpoint's manifest (its meta.json's `format`, which the backend's
+`checkpoint_format` fills) names the one it holds, and `detect_format` checks the files against it:
 - `replicated`: `model.pt` / `optimizer.pt` written by rank 0 (none, ddp, zero1);
 - `dcp`: `dcp/` (zero2 / zero3 on FSDP2), model and optimizer keyed by parameter name;
 - `deepspeed`: `deepspeed/`, DeepSpeed's own layout (it resumes only under DeepSpeed).
+Files of another format next to the declared one were not written by memtrain and are refused unread (a
+planted `deepspeed/` folder must never reach DeepSpeed's loader). A checkpoint written before manifests
+is detected from its files, as it always was. DCP files are read through `safe_readers` (no pickle).
 
 `load_sharded` loads a dcp checkpoint into any model/optimizer the DCP state-dict helpers understand
 (FSDP2 or plain), and a replicated checkpoint into an FSDP2 model (each rank reads the full files and
@@ -20,6 +24,7 @@ keeps its shards), so none/ddp checkpoints resume under zero3 and back.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,13 +41,47 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from memtrain import checkpoint as ckpt
+from memtrain.strategies.sharding import safe_readers
 
 Format = Literal["replicated", "dcp", "deepspeed"]
+FORMATS: tuple[Format, ...] = ("replicated", "dcp", "deepspeed")
 DCP_DIR = "dcp"
 DEEPSPEED_DIR = "deepspeed"
+MANIFEST_KEY = "format"  # the key of a checkpoint's meta.json that names its format (the trainer writes it)
+# What holds each format's files: the one its detection needs first, then any other it may hold.
+FORMAT_FILES: dict[Format, tuple[str, ...]] = {
+    "replicated": ("model.pt", "optimizer.pt"),
+    "dcp": (DCP_DIR,),
+    "deepspeed": (DEEPSPEED_DIR,),
+}
 
 
-def detect_format(path: Path) -> Format:
+def detect_format(path: Path, declared: object = None) -> Format:
+    """The format of checkpoint `path`: `declared` (its manifest's), checked against its files, or for a
+    checkpoint without one (written before manifests), the first format whose files it holds."""
+    if declared is None:
+        return _detected(path)
+    if declared not in FORMATS:
+        raise ckpt.CheckpointError(
+            f"{path}: its meta.json names the checkpoint format {declared!r}, not one of {', '.join(FORMATS)} "
+            "(not written by memtrain)"
+        )
+    own = FORMAT_FILES[declared]  # type: ignore[index]
+    if not os.path.lexists(path / own[0]):
+        raise ckpt.CheckpointError(
+            f"{path / own[0]}: missing, though the checkpoint's meta.json says it is a {declared} checkpoint "
+            "(incomplete checkpoint)"
+        )
+    for name in (n for fmt in FORMATS if fmt != declared for n in FORMAT_FILES[fmt]):
+        if os.path.lexists(path / name):
+            raise ckpt.CheckpointError(
+                f"{path / name}: not part of this {declared} checkpoint (its meta.json says {declared}), so not "
+                "written by memtrain; it is not read: remove it, or resume from another checkpoint"
+            )
+    return declared  # type: ignore[return-value]
+
+
+def _detected(path: Path) -> Format:
     if (path / "model.pt").is_file():
         return "replicated"
     if (path / DCP_DIR / ".metadata").is_file():
@@ -74,10 +113,20 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     # The templates say what to read; get_state_dict gives the optimizer its (empty) states first.
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    source = path / DCP_DIR
     try:
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        dcp.load(
+            state,
+            storage_reader=safe_readers.SafeFileSystemReader.checked(source),
+            planner=safe_readers.SafeLoadPlanner(source),
+        )
     except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
-        raise ckpt.CheckpointError(f"{path / DCP_DIR}: cannot be loaded into this model ({exc})") from None
+        failure = safe_readers.dcp_failure(exc)
+        if isinstance(failure, ckpt.CheckpointError):
+            raise failure from None
+        raise ckpt.CheckpointError(
+            f"{source}: cannot be loaded into this model ({ckpt.describe(failure)})"
+        ) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
