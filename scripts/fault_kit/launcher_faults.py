@@ -156,7 +156,8 @@ def signal_matrix(
         rng = random.Random(f"{seed}-signal-matrix")
         for index in range(trials):
             sent = signals[index % len(signals)]
-            fault = _draw_moment(rng, sent, MOMENTS[(index + seed + index // len(signals)) % len(MOMENTS)])
+            moment = MOMENTS[(index % len(signals) + index // len(signals) + seed) % len(MOMENTS)]
+            fault = _draw_moment(rng, sent, moment)  # each signal meets every moment in 4 rounds
             run = work / f"matrix-{index}"
             harness = Harness((fault,))
             stopped = _matrix_run(train_cmd(recipe, f"run.output_dir={run}", harness=harness), in_process)
