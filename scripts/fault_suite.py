@@ -1,7 +1,7 @@
-"""The fault-injection suite: kill -9, OOM, NaN/inf, SIGTERM and Ctrl-C, corrupt checkpoints, a dead or hung
-rank, a dead launcher, rollbacks killed mid-way, kills while a checkpoint is replaced or pruned, two
-writers on one run, a full disk, recipe fuzzing, input bombs, undecodable files and planted pickles, each injected many
-times at points drawn from a seed.
+"""The fault-injection suite: kill -9, OOM, NaN/inf, SIGTERM and Ctrl-C, every stop signal at every moment
+(the signal matrix), corrupt checkpoints, a dead or hung rank, a dead launcher, rollbacks killed mid-way,
+kills while a checkpoint is replaced or pruned, two writers on one run, a full disk, recipe fuzzing,
+input bombs, undecodable files and planted pickles, each injected many times at points drawn from a seed.
 
 Why a script (and not only tests): the issue asks for figures — how many faults of each kind were
 injected and how many runs recovered exactly — from one reproducible run, to put in docs/RELIABILITY.md.
@@ -68,6 +68,7 @@ def plan(quick: bool) -> list[tuple[str, Scenario]]:
         ("disk_full", lambda w, s, j: lineage_faults.disk_full(w, n(24, 8), s)),
         ("ctrl_c", lambda w, s, j: launcher_faults.ctrl_c(w, n(5, 2), s)),
         ("launcher_death", lambda w, s, j: launcher_faults.launcher_death(w, n(3, 1), s)),
+        ("signal_matrix", lambda w, s, j: launcher_faults.signal_matrix(w, n(25, 5), s)),
         ("input_bombs", lambda w, s, j: input_bombs.input_bombs(w, s)),
         ("undecodable", lambda w, s, j: input_bombs.undecodable_files(w, s)),
         ("planted_pickles", lambda w, s, j: planted_pickles.planted_pickles(w, s)),

@@ -53,8 +53,8 @@ from memtrain.run import checkpoints as ckpt
 from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.training.trainer import Batch, FitResult
 
-KINDS = ("kill", "oom", "nan", "inf", "inf_grad", "hang", "delay")
-PHASES = ("forward", "backward", "save", "prune", "replace", "truncate")
+KINDS = ("kill", "oom", "nan", "inf", "inf_grad", "hang", "delay", "signal")
+PHASES = ("forward", "backward", "save", "prune", "replace", "truncate", "plan", "planning")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ class Fault:
     inf_grad  set one gradient element to inf after the backward of `step`.
     hang      sleep `seconds` at the start of `step`.
     delay     sleep `seconds` in the first micro-step of every step (so a signal lands mid-step).
+    signal    send this process `signal` (a name): `phase` plan, before planning; planning, when the
+              planner first asks for a batch to trace; forward, as a kill mid-step; save, while
+              checkpoint `step` writes `file` (the write goes on).
     Every fault fires once, on rank `rank` only (-1: on every rank).
     """
 
@@ -86,6 +89,7 @@ class Fault:
     fraction: float = 0.5
     rank: int = 0
     seconds: float = 0.0
+    signal: str = "SIGTERM"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -94,6 +98,8 @@ class Fault:
             raise ValueError(f"fault phase {self.phase!r} is not one of {', '.join(PHASES)}")
         if self.phase == "save" and not self.file:
             raise ValueError("a kill in phase 'save' needs the file being written (e.g. model.pt)")
+        if self.kind == "signal" and self.signal not in signal.Signals.__members__:
+            raise ValueError(f"{self.signal!r} is not a signal name")
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -161,6 +167,7 @@ class FaultTrainer(CausalLMTrainer):
         self._backward_fault: Fault | None = None
 
     def choose_plan(self, free_bytes: int | None = None) -> PlanResult:
+        self._signal_at("plan")
         result = super().choose_plan(free_bytes)
         self.initial_micro = result.plan.micro_batch_size
         return result
@@ -210,8 +217,20 @@ class FaultTrainer(CausalLMTrainer):
             )
         elif fault.kind in ("hang", "delay"):
             time.sleep(fault.seconds)
+        elif fault.kind == "signal":
+            os.kill(os.getpid(), signal.Signals[fault.signal])
+
+    def _signal_at(self, phase: str) -> None:
+        """Fire the unfired signal of `phase` (plan, planning: not tied to a step)."""
+        for fault in self.harness.faults:
+            if fault.kind == "signal" and fault.phase == phase and fault not in self._fired:
+                self._fire(fault)
 
     # ------------------------------------------------------------------------------ hooks
+
+    def planning_batch(self, rows: int) -> Batch:
+        self._signal_at("planning")
+        return super().planning_batch(rows)
 
     def setup(self) -> None:
         super().setup()
@@ -274,7 +293,11 @@ class FaultTrainer(CausalLMTrainer):
         if delay is not None and self._micro == 1:
             self._fire(delay)
         self.ledger[self._step].attempts[-1].extend(batch["sample_ids"].tolist())
-        self._forward_fault = self._pending("kill", "forward") or self._pending("oom", "forward")
+        self._forward_fault = (
+            self._pending("kill", "forward")
+            or self._pending("oom", "forward")
+            or self._pending("signal", "forward")
+        )
         self._backward_fault = self._pending("kill", "backward") or self._pending("oom", "backward")
         try:
             loss_sum, count = super().loss(model, batch)
@@ -298,7 +321,7 @@ class FaultTrainer(CausalLMTrainer):
     def save_checkpoint(self, step: int) -> Path:
         for fault in self.harness.faults:
             if (
-                fault.kind == "kill"
+                fault.kind in ("kill", "signal")
                 and fault.phase in ("save", "prune", "replace")
                 and fault.step == step
                 and fault.rank in (self.env.rank, -1)
@@ -311,7 +334,17 @@ class FaultTrainer(CausalLMTrainer):
     @contextlib.contextmanager
     def _dying_in(self, fault: Fault) -> Iterator[None]:
         """Patch the checkpoint module so that this save dies at the fault's point."""
-        if fault.phase == "save":
+        if fault.kind == "signal":  # the signal lands as `file` is written, and the save goes on
+            real = tensor_files.write_file
+
+            def signalling_write(path: Path, write: Callable[[Any], None]) -> None:
+                if path.name == fault.file and fault not in self._fired:
+                    self._fire(fault)
+                real(path, write)
+
+            with mock.patch.object(tensor_files, "write_file", signalling_write):
+                yield
+        elif fault.phase == "save":
             real_write = tensor_files.write_file
 
             def torn_write(path: Path, write: Callable[[Any], None]) -> None:

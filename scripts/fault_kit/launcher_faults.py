@@ -6,6 +6,13 @@
   continue bit-identically. Every other trial sends a second Ctrl-C shortly after the first (mid-step,
   mid-checkpoint or after): the process may then leave at once, but still exits 130 without a
   traceback, every checkpoint on disk stays whole, and the resume is still bit-identical.
+- `signal_matrix`: SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGQUIT, each at drawn moments: before planning,
+  during it, mid-step (in a forward), during a checkpoint write. The documented exit code (130 for
+  SIGINT, 0 for the others), no traceback and no core file, the step in flight checkpointed (a signal
+  before step 1: one line, nothing trained, nothing written to resume from), and `--resume auto` bit-
+  identical to an uninterrupted run. The signal comes from the process itself at the moment (the fault
+  kit's `signal` fault), so the moment is exact without sleeping; `in_process` runs the command lines in
+  this process (the CI test), else each is a process of its own (the suite's row).
 - `launcher_death`: SIGKILL to the torchrun launcher alone, not to its ranks (which run in sessions of
   their own), mid-run. Every rank must exit within LAUNCHER_DEATH_LIMIT_S instead of training on with
   nobody to supervise it; the figure is how long the last rank took.
@@ -25,8 +32,10 @@ from pathlib import Path
 
 import torch
 
+from memtrain import cli
 from memtrain.run import checkpoints as ckpt
 
+from fault_kit import faults
 from fault_kit.faults import Fault, Harness
 from fault_kit.scenarios import (
     DDP_ENV,
@@ -37,6 +46,7 @@ from fault_kit.scenarios import (
     audit_checkpoints,
     final_state,
     finish,
+    in_process,
     launch,
     recipe_dict,
     run_difference,
@@ -115,6 +125,109 @@ def _check_interrupted_twice(run: Path, stopped: Launch, template: dict[str, tor
     if stopped.rc != EXIT_INTERRUPTED or "Traceback" in stopped.output:
         return f"expected exit {EXIT_INTERRUPTED} without a traceback, got {stopped.rc}:\n{stopped.tail()}"
     return audit_checkpoints(run / "checkpoints", template)
+
+
+# ---------------------------------------------------------------------------------------------- signal matrix
+
+MATRIX_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGQUIT")
+MOMENTS = ("plan", "planning", "forward", "save")  # before planning, during it, mid-step, mid-checkpoint
+MATRIX_STEPS, MATRIX_EVERY = 6, 2
+MATRIX_SECTIONS: dict[str, dict[str, object]] = {
+    "train": {"steps": MATRIX_STEPS, "warmup_steps": 2, "lr": 1e-2},
+    "checkpoint": {"every": MATRIX_EVERY, "keep": 3, "at_end": True},
+    "strategies": {"checkpointing": "auto"},  # a choice left open: the planner traces (the planning moment)
+}
+
+
+def signal_matrix(
+    work: Path, trials: int, seed: int, in_process: bool = False, signals: tuple[str, ...] = MATRIX_SIGNALS
+) -> Outcome:
+    """`trials` signals, the `signals` in turn, at moments that cycle through the four (shifted by the seed)
+    with drawn steps and files; each stopped run is resumed and compared with an uninterrupted one."""
+    outcome = Outcome(
+        "signal matrix", "SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGQUIT at drawn moments, then --resume auto"
+    )
+    with timed(outcome):
+        recipe = write_recipe(work / "matrix.yaml", recipe_dict(work / "matrix-reference", **MATRIX_SECTIONS))
+        reference = _matrix_run(train_cmd(recipe), in_process)
+        if reference.rc != 0:
+            outcome.record(f"the uninterrupted run failed:\n{reference.tail()}", "reference")
+            return outcome
+        rng = random.Random(f"{seed}-signal-matrix")
+        for index in range(trials):
+            sent = signals[index % len(signals)]
+            moment = MOMENTS[(index % len(signals) + index // len(signals) + seed) % len(MOMENTS)]
+            fault = _draw_moment(rng, sent, moment)  # each signal meets every moment in 4 rounds
+            run = work / f"matrix-{index}"
+            harness = Harness((fault,))
+            stopped = _matrix_run(train_cmd(recipe, f"run.output_dir={run}", harness=harness), in_process)
+            problem = _check_signalled(run, stopped, fault)
+            if problem is None:
+                resumed = _matrix_run(train_cmd(recipe, f"run.output_dir={run}", resume=True), in_process)
+                problem = (
+                    run_difference(run, work / "matrix-reference")
+                    if resumed.rc == 0
+                    else f"the resume failed (exit {resumed.rc}):\n{resumed.tail()}"
+                )
+            outcome.count(f"{sent} {fault.phase}")
+            outcome.record(problem, f"trial {index}: {fault.to_json()}")
+        outcome.figures["bit-exact resumes"] = outcome.passed
+    return outcome
+
+
+def _draw_moment(rng: random.Random, sent: str, moment: str) -> Fault:
+    if moment == "forward":
+        return Fault("signal", step=rng.randint(1, MATRIX_STEPS), micro=rng.randint(1, 2), signal=sent)
+    if moment == "save":  # a checkpoint before the last step: the run stops after the next one
+        step = rng.choice(range(MATRIX_EVERY, MATRIX_STEPS, MATRIX_EVERY))
+        file = rng.choice(("model.pt", "optimizer.pt", "rng_rank0.pt"))
+        return Fault("signal", step=step, phase="save", file=file, signal=sent)
+    return Fault("signal", phase=moment, signal=sent)
+
+
+def _matrix_run(cmd: list[str], here: bool) -> Launch:
+    """`cmd` (a `train_cmd`) as a process, or in this process through the same entry point."""
+    if not here:
+        proc = start(cmd)
+        launched = finish(proc, time.perf_counter())
+        return Launch(launched.rc, launched.output + _core_files(), launched.seconds)
+    started = time.perf_counter()
+    entry = faults.main if "fault_kit.faults" in cmd else cli.main
+    rc, out, err = in_process(
+        entry, cmd[cmd.index("fault_kit.faults" if entry is faults.main else "memtrain") + 1 :]
+    )
+    code = rc if isinstance(rc, int) else None
+    return Launch(
+        code, out + err + ("" if code is not None else f"\n{rc}"), round(time.perf_counter() - started, 2)
+    )
+
+
+def _core_files() -> str:
+    """A line naming core files in this directory (where a child that dumped core left one)."""
+    found = sorted(str(p) for p in Path.cwd().glob("core*") if p.is_file())
+    return f"\ncore file(s) left: {found}" if found else ""
+
+
+def _check_signalled(run: Path, stopped: Launch, fault: Fault) -> str | None:
+    """The exit code, the one line, the checkpoint of the step in flight."""
+    code = EXIT_INTERRUPTED if fault.signal == "SIGINT" else 0
+    bad = ("Traceback", "core file", "core dumped")
+    if stopped.rc != code or any(mark in stopped.output for mark in bad):
+        return f"expected exit {code}, no traceback, no core, got {stopped.rc}:\n{stopped.tail()}"
+    if fault.phase in ("plan", "planning"):
+        line = "memtrain: interrupted" if fault.signal == "SIGINT" else f"memtrain: {fault.signal}: stopped"
+        if not stopped.output.rstrip().splitlines()[-1].startswith(line):
+            return f"the last line is not {line!r}:\n{stopped.tail()}"
+        has = (run / "checkpoints").is_dir() and any(
+            ckpt.STEP_DIR.match(p.name) for p in (run / "checkpoints").iterdir()
+        )
+        return f"a checkpoint exists after a stop before step 1:\n{stopped.tail()}" if has else None
+    expected = fault.step + 1 if fault.phase == "save" else fault.step
+    found = re.search(rf"{fault.signal}: stopped after step (\d+) with a checkpoint", stopped.output)
+    if found is None or int(found.group(1)) != expected:
+        return f"no line saying {fault.signal} stopped the run after step {expected}:\n{stopped.tail()}"
+    newest = ckpt.find_checkpoint(run / "checkpoints").step
+    return None if newest == expected else f"the newest checkpoint is step {newest}, expected {expected}"
 
 
 # ---------------------------------------------------------------------------------------------- launcher

@@ -3,8 +3,10 @@
 Launch several ranks with torchrun: `torchrun --nproc_per_node=2 -m memtrain train RECIPE`. Every
 user mistake (a `MemtrainError`) prints one message naming what to change and exits with code 2,
 without a traceback. Ctrl-C exits 130 without one: during training after a checkpoint of the step in
-flight (see `training.preemption`), before it at once. key=value overrides may come before or after
-the flags.
+flight (see `training.preemption`), before it at the next safe point (between the planner's traces, at
+the end of setup), in one line. A stop signal (`train.stop_signals`: SIGTERM, SIGHUP, SIGUSR1, SIGQUIT
+by default) exits 0 the same way, a pre-emption being a normal end. key=value overrides may come before
+or after the flags.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from pathlib import Path
 import memtrain
 from memtrain import json_out
 from memtrain.errors import MemtrainError, TrainingStopped
-from memtrain.training.preemption import EXIT_INTERRUPTED
+from memtrain.training import preemption
+from memtrain.training.preemption import EXIT_INTERRUPTED, SignalStop
 
 EXIT_USAGE = 2  # a mistake in the input: the message names what to change
 EXIT_STOPPED = 3  # the run stopped itself after a checkpoint (e.g. too many non-finite steps)
-# and EXIT_INTERRUPTED, 130: Ctrl-C. A run stopped by SIGTERM with a checkpoint exits 0 (a preemption).
+# and EXIT_INTERRUPTED, 130: Ctrl-C. A run stopped by a stop signal (SIGTERM, ...) exits 0 (a preemption).
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -220,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemtrainError as exc:
         _say(f"{_who()}: error: {exc}")
         return EXIT_STOPPED if isinstance(exc, TrainingStopped) else EXIT_USAGE
+    except SignalStop as exc:  # a stop signal with no step in flight: nothing to checkpoint
+        _say(f"{_who()}: {exc}")
+        return 0
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (in it: training.preemption)
         _say(f"{_who()}: interrupted")
         return EXIT_INTERRUPTED
@@ -259,8 +265,9 @@ def _run(args: argparse.Namespace) -> int:
             overrides.append("output.progress=off")
     from memtrain.commands.trainers import load_checked_recipe, trainer_class
 
-    trainer_cls = trainer_class(args.trainer)
-    recipe = load_checked_recipe(args.recipe, overrides, trainer_cls)
+    with _ctrl_c_deferred():  # imports of the trainer's module and its libraries: C++ code too
+        trainer_cls = trainer_class(args.trainer)
+        recipe = load_checked_recipe(args.recipe, overrides, trainer_cls)
     from memtrain.training.results import describe_summary
 
     if args.command == "validate":
@@ -276,16 +283,17 @@ def _run(args: argparse.Namespace) -> int:
         from memtrain.causal_lm.export import model_config
 
         model_config(recipe)
-    trainer = trainer_cls(recipe)
-    try:
-        trainer.setup()
-        if trainer.env.is_main:
-            print(f"[memtrain] plan: {trainer.plan.describe()}", flush=True)
-        result = trainer.fit(resume=args.resume, allow_recipe_change=args.allow_recipe_change)
-        if trainer.env.is_main:
-            print(describe_summary(result.summary), flush=True)
-    finally:
-        trainer.close()
+    with preemption.watching(recipe.train.stop_signals):  # from before the process group joins
+        trainer = trainer_cls(recipe)
+        try:
+            trainer.setup()
+            if trainer.env.is_main:
+                print(f"[memtrain] plan: {trainer.plan.describe()}", flush=True)
+            result = trainer.fit(resume=args.resume, allow_recipe_change=args.allow_recipe_change)
+            if trainer.env.is_main:
+                print(describe_summary(result.summary), flush=True)
+        finally:
+            trainer.close()
     if recipe.output.export == "hf" and trainer.env.is_main and not result.preempted:
         _export_run(trainer.run_dir, result.steps_done)
     return EXIT_INTERRUPTED if result.stopped_by == "SIGINT" else 0

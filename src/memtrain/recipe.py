@@ -140,6 +140,13 @@ def _registered_in(registry: Registry[Any], value: str) -> str:
     return value
 
 
+# Signals that may ask a run to stop like a pre-emption (memtrain.training.preemption): requests, not
+# crash reports (SIGSEGV, SIGABRT) or notices (SIGCHLD), and not SIGKILL or SIGSTOP, which no process can
+# catch. SIGINT is Ctrl-C, always handled. SIGUSR2, SIGXCPU, SIGALRM, SIGPWR: other schedulers' warnings.
+StopSignal = Literal["SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU", "SIGALRM", "SIGPWR"]
+DEFAULT_STOP_SIGNALS: tuple[StopSignal, ...] = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGQUIT")
+
+
 class TrainConfig(RecipeSection):
     steps: int = Field(default=100, gt=0)
     lr: float = Field(default=3e-4, gt=0)
@@ -162,6 +169,12 @@ class TrainConfig(RecipeSection):
         default=5,
         gt=0,
         description="Consecutive steps with non-finite gradients (each skipped) before the run stops.",
+    )
+    stop_signals: list[StopSignal] = Field(
+        default_factory=lambda: list(DEFAULT_STOP_SIGNALS),
+        description="Signals that stop the run like a pre-emption: the step in flight finishes, a "
+        "checkpoint is written, exit 0, and --resume continues. SIGINT (Ctrl-C) is always handled the same "
+        "way but exits 130.",
     )
 
     @field_validator("schedule")

@@ -78,6 +78,7 @@ RUN_FREE_KEYS = (
     "train.eval_every",
     "train.eval_batches",
     "train.max_bad_steps",
+    "train.stop_signals",
     "batch.micro_size",
     "batch.micro_tokens",
     "checkpoint",

@@ -44,7 +44,7 @@ from torch import nn
 from memtrain.distributed import DistEnv, all_reduce_sum, any_rank, init_distributed, shutdown
 from memtrain.errors import MemtrainError, TrainingStopped
 from memtrain.plan import Plan
-from memtrain.planner import ModelSpec, PlanResult, make_plan
+from memtrain.planner import ModelSpec, PlanResult, make_plan, stderr_progress
 from memtrain.recipe import Recipe
 from memtrain.run import Resume, RunDirectory
 from memtrain.run.checkpoints import Checkpoint
@@ -54,9 +54,8 @@ from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.training import loggers, preflight, trainer_state
+from memtrain.training import loggers, preemption, preflight, trainer_state
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
-from memtrain.training.preemption import PreemptionFlag
 from memtrain.training.results import FitResult, StepTotals, seed_everything, summary_of
 
 Batch = dict[str, torch.Tensor]
@@ -193,7 +192,10 @@ class Trainer:
         """Plan the run (collective on several ranks when the recipe leaves choices open): the planner
         predicts this trainer's job; a recipe that pins every choice gets those strategies, checked.
         `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom)."""
-        self.plan_result = make_plan(self.recipe, self.env, self.model_spec(), free_bytes=free_bytes)
+        progress = preemption.interruptible(stderr_progress, self.env)  # a signal stops it between traces
+        self.plan_result = make_plan(
+            self.recipe, self.env, self.model_spec(), free_bytes=free_bytes, progress=progress
+        )
         self._plan = self.plan_result.plan
         self.sharding = self._plan.sharding_backend(self.recipe.train.grad_clip)
         return self.plan_result
@@ -225,7 +227,13 @@ class Trainer:
 
     def setup(self) -> None:
         """Plan (unless `choose_plan()` ran), then build the model and optimizer with every strategy
-        applied by `apply_strategies`, in its one fixed order."""
+        applied by `apply_strategies`, in its one fixed order. A signal meanwhile stops it at the end
+        (`preemption`: KeyboardInterrupt or SignalStop on every rank)."""
+        with preemption.watching(self.recipe.train.stop_signals) as stop:
+            self._setup()
+            preemption.stop_before_training(stop, self.env)
+
+    def _setup(self) -> None:
         if self._plan is None:
             self.choose_plan()
         plan, sharding = self.plan, self._sharding
@@ -278,37 +286,41 @@ class Trainer:
         the training needs `allow_recipe_change`. One process at a time writes a run directory
         (`RunDirectory.locked`)."""
         loggers.check_loggers(self.recipe.output.loggers)  # a missing package fails before the model is built
-        if self.model is None:
-            self.setup()
-        with self.run.locked():  # before anything in the run directory is written or cleaned
-            resume = self.run.wants_resume(resume)
-            start = self._restore(resume, allow_recipe_change) if resume else self._start_fresh()
-            self.monitor.start_at(start)
-            result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start)
-            started = time.perf_counter()
-            with contextlib.ExitStack() as cleanup:
-                self._train_steps(result, start, bool(resume), cleanup)
-            seconds = time.perf_counter() - started
-            result.summary = summary_of(
-                result,
-                self.plan,
-                start,
-                seconds,
-                self.monitor.max_step_peak,
-                self.skipped_steps,
-                self.monitor.step_time,
-            )
-            if self.env.is_main:
-                self.run.write_summary(result.summary)
+        with preemption.watching(self.recipe.train.stop_signals) as stop:
+            if self.model is None:
+                self.setup()
+            with self.run.locked():  # before anything in the run directory is written or cleaned
+                resume = self.run.wants_resume(resume)
+                start = self._restore(resume, allow_recipe_change) if resume else self._start_fresh()
+                self.monitor.start_at(start)
+                result = FitResult(run_dir=self.run_dir, plan=self.plan, steps_done=start)
+                started = time.perf_counter()
+                with contextlib.ExitStack() as cleanup:
+                    self._train_steps(result, start, bool(resume), cleanup)
+                seconds = time.perf_counter() - started
+                result.summary = summary_of(
+                    result,
+                    self.plan,
+                    start,
+                    seconds,
+                    self.monitor.max_step_peak,
+                    self.skipped_steps,
+                    self.monitor.step_time,
+                )
+                if self.env.is_main:
+                    self.run.write_summary(result.summary)
+            late = preemption.agreed_signal(stop, self.env)  # one during the last checkpoint: its exit code
+            result.stopped_by = late or result.stopped_by
             return result
 
     def _train_steps(
         self, result: FitResult, start: int, resumed: bool, cleanup: contextlib.ExitStack
     ) -> None:
         """The steps from `start` to `train.steps`, their logging, and the checkpoints along the way;
-        `cleanup` closes what they open (loggers, the progress bar, the tracker, the signal handlers)."""
+        `cleanup` closes what they open (loggers, the progress bar, the tracker); a signal stops it."""
         total = self.recipe.train.steps
-        preemption = cleanup.enter_context(PreemptionFlag())
+        stop = cleanup.enter_context(preemption.watching(self.recipe.train.stop_signals))  # fit's flag
+        preemption.stop_before_training(stop, self.env)
         if self.monitor.tracker is not None:
             cleanup.enter_context(self.monitor.tracker)
         resume_step = start if resumed else None
@@ -321,7 +333,7 @@ class Trainer:
             report.add(row)  # rank 0 only: other ranks have no loggers
             bad_steps = bad_steps + 1 if row["skipped"] else 0
             self._stop_on_bad_steps(step, bad_steps, row)
-            if self._stop_on_signal(step, preemption, result):
+            if self._stop_on_signal(step, stop, result):
                 return
             if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
                 self.save_checkpoint(step + 1)
@@ -353,20 +365,14 @@ class Trainer:
             "train.lr, use strategies.precision=bf16-mixed, or raise train.max_bad_steps"
         )
 
-    def _stop_on_signal(self, step: int, preemption: PreemptionFlag, result: FitResult) -> bool:
-        """After a SIGTERM or Ctrl-C on any rank: a checkpoint of this step, and True (stop)."""
-        if not any_rank(preemption.raised, self.env):
+    def _stop_on_signal(self, step: int, stop: preemption.PreemptionFlag, result: FitResult) -> bool:
+        """After a stop signal or Ctrl-C on any rank: a checkpoint of this step, and True (stop)."""
+        stopped_by = preemption.agreed_signal(stop, self.env)
+        if stopped_by is None:
             return False
-        result.preempted = True
-        interrupted = any_rank(preemption.signal_name == "SIGINT", self.env)  # Ctrl-C wins
-        result.stopped_by = "SIGINT" if interrupted else "SIGTERM"
+        result.preempted, result.stopped_by = True, stopped_by
         self.save_checkpoint(step + 1)
-        if self.env.is_main:
-            print(
-                f"[memtrain] {result.stopped_by}: stopped after step {step + 1} with a checkpoint; "
-                "continue with --resume",
-                flush=True,
-            )
+        preemption.announce(stopped_by, step + 1, self.env)
         return True
 
     def train_step(self, step: int) -> dict[str, Any]:
