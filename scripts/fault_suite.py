@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fault_kit import input_bombs, launcher_faults, lineage_faults, scenarios
+from fault_kit import input_bombs, launcher_faults, lineage_faults, run_dir_faults, scenarios
 from fault_kit.recipe_fuzz import recipe_fuzz
 from fault_kit.scenarios import Outcome
 
@@ -70,6 +70,7 @@ def plan(quick: bool) -> list[tuple[str, Scenario]]:
         ("launcher_death", lambda w, s, j: launcher_faults.launcher_death(w, n(3, 1), s)),
         ("input_bombs", lambda w, s, j: input_bombs.input_bombs(w, s)),
         ("undecodable", lambda w, s, j: input_bombs.undecodable_files(w, s)),
+        ("run_dir", lambda w, s, j: run_dir_faults.run_dir_faults(w, s)),
     ]
     return runs
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_kit import scenarios
+from fault_kit import run_dir_faults, scenarios
 from fault_kit.faults import Fault
 from fault_kit.recipe_fuzz import recipe_fuzz
 from fault_kit.scenarios import Outcome
@@ -83,3 +83,9 @@ def test_recipe_fuzz_gives_clear_errors_and_never_runs_yaml(tmp_path: Path) -> N
     assert (
         outcome.figures["tracebacks"] == 0 and outcome.figures["YAML loaders other than yaml.safe_load"] == 0
     )
+
+
+def test_a_run_directory_cannot_make_memtrain_write_outside_it_or_crash(tmp_path: Path) -> None:
+    outcome = run_dir_faults.run_dir_faults(tmp_path, SEED)
+    assert_recovered(outcome)
+    assert outcome.figures["tracebacks"] == 0 and outcome.trials == 41
