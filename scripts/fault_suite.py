@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fault_kit import input_bombs, launcher_faults, lineage_faults, planted_pickles, scenarios
+from fault_kit import input_bombs, launcher_faults, lineage_faults, planted_pickles, run_dir_faults, scenarios
 from fault_kit.recipe_fuzz import recipe_fuzz
 from fault_kit.scenarios import Outcome
 
@@ -72,6 +72,7 @@ def plan(quick: bool) -> list[tuple[str, Scenario]]:
         ("input_bombs", lambda w, s, j: input_bombs.input_bombs(w, s)),
         ("undecodable", lambda w, s, j: input_bombs.undecodable_files(w, s)),
         ("planted_pickles", lambda w, s, j: planted_pickles.planted_pickles(w, s)),
+        ("run_dir", lambda w, s, j: run_dir_faults.run_dir_faults(w, s)),
     ]
     return runs
 

@@ -4,16 +4,26 @@ Why: Python's `json` writes NaN and Infinity by default, which is not JSON: `jq`
 strict readers and most dashboards reject the whole file. A non-finite number (a diverged loss, an
 evaluation with no tokens) is written as `null`, and the dotted paths of the values replaced are listed
 under the key `nonfinite` of the top-level object, so nothing is silently lost.
+
+Files are written atomically through a temporary file of their own (`write_atomic`), and a failure to
+write (a full disk above all) is one line naming the file, never a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from memtrain.errors import MemtrainError
+
 NONFINITE_KEY = "nonfinite"
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # what a full disk or an exhausted quota raise
 
 
 def finite_only(value: Any, path: str = "", replaced: list[str] | None = None) -> Any:
@@ -40,7 +50,35 @@ def dumps(value: Any, **options: Any) -> str:
 
 def write_atomic(path: Path, data: Any) -> None:
     """Write `data` as indented, sorted strict JSON to `path` through a temporary file and a rename, so a
-    reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(data, indent=2, sort_keys=True))
-    tmp.replace(path)
+    reader never sees half a file. The temporary file is a new one with a name of its own (`mkstemp`:
+    exclusive, never a symlink planted at a guessable name), flushed to disk before the rename; a failure
+    removes it and is a one-line `MemtrainError` naming `path` (`write_error`)."""
+    text = dumps(data, indent=2, sort_keys=True)
+    tmp: str | None = None
+    try:
+        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise write_error(path, exc) from None
+
+
+def write_error(path: Path, exc: OSError) -> MemtrainError:
+    """The one-line error for a file memtrain could not write: a full disk (or quota) says so, like a
+    checkpoint's; anything else names the file and the reason. The file's previous version is intact."""
+    if exc.errno in DISK_FULL:
+        return MemtrainError(
+            f"no space left on the device (or disk quota exceeded) writing {path}; its previous version is "
+            "intact. Free disk space, or copy the run directory to a disk with room and set run.output_dir "
+            "to it, then run again (a training run continues with --resume)"
+        )
+    return MemtrainError(
+        f"{path}: cannot be written ({exc.strerror or exc}); make it a writable file (memtrain's own: "
+        "move away whatever is in its place) and run again"
+    )

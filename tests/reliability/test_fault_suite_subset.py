@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_kit import planted_pickles, scenarios
+from fault_kit import planted_pickles, run_dir_faults, scenarios
 from fault_kit.faults import Fault
 from fault_kit.recipe_fuzz import recipe_fuzz
 from fault_kit.scenarios import Outcome
@@ -90,3 +90,9 @@ def test_planted_pickles_never_run(tmp_path: Path) -> None:
     outcome = planted_pickles.planted_pickles(tmp_path, SEED)
     assert_recovered(outcome)
     assert outcome.figures["resume refused"] >= 5 and outcome.figures["export refused"] >= 4
+
+
+def test_a_run_directory_cannot_make_memtrain_write_outside_it_or_crash(tmp_path: Path) -> None:
+    outcome = run_dir_faults.run_dir_faults(tmp_path, SEED)
+    assert_recovered(outcome)
+    assert outcome.figures["tracebacks"] == 0 and outcome.trials == 41

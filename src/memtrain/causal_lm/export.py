@@ -23,8 +23,9 @@ it) is detected from its files, and read with the same safe readers.
 
 The state is loaded into the model `AutoModelForCausalLM.from_config` builds from the run's recipe (or
 the config.json of `model.pretrained`), so tied weights are tied as transformers ties them and
-`save_pretrained` writes each tensor once. The directory is written into `OUT.tmp` and renamed into
-place only when complete.
+`save_pretrained` writes each tensor once. The directory is written into a staging directory the export
+creates itself next to `OUT` (a new name: nothing already there is touched) and renamed into place only
+when complete. `OUT` may not be a symlink nor lie inside a run's checkpoints/ or abandoned/ folder.
 
 A run with adapters (`adapters: {kind: lora}`) checkpoints the adapted model: peft's layers injected in
 place, so its state names the base linear `...q_proj.base_layer.weight` and the adapters
@@ -43,9 +44,12 @@ before loading, then writes one of two things:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import secrets
 import shutil
+import tempfile
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -60,6 +64,7 @@ from memtrain.errors import MemtrainError
 from memtrain.plan import adapters_of
 from memtrain.recipe import Recipe
 from memtrain.run import RunDirectory
+from memtrain.run.confine import managed_folder_of
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.registry import DeviceFacts
 from memtrain.strategies.sharding import safe_readers
@@ -120,7 +125,6 @@ def export_hf(
     found = run.checkpoint_at(step)
     _check_out(out, overwrite)
     state = dequantised(load_model_state(found.path, found.meta.get(MANIFEST_KEY)))
-    staging = out.with_name(out.name + ".tmp")
     if adapters_only:
         write: Any = _adapter_writer(config, state, found.path, adapters, recipe.model.pretrained)
     else:
@@ -129,9 +133,7 @@ def export_hf(
         if has_adapters(adapters):
             _merge_adapters(model, found.path)
         write = model.save_pretrained
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.parent.mkdir(parents=True, exist_ok=True)
+    staging = _new_staging(out)
     try:
         write(staging)
         if not adapters_only:
@@ -189,10 +191,37 @@ def model_config(recipe: Recipe) -> Any:
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
+    """`out` is a new or empty directory (or, with `overwrite`, the run's own export folder), not a symlink,
+    and not inside a run's checkpoints or abandoned folder (it would read as a checkpoint there)."""
+    if out.is_symlink():
+        target = os.readlink(out)
+        raise MemtrainError(f"--out: {out} is a symbolic link (to {target}); give the directory itself")
     if out.exists() and not out.is_dir():
         raise MemtrainError(f"--out: {out} exists and is not a directory")
+    managed = managed_folder_of(out)
+    if managed is not None:
+        raise MemtrainError(
+            f"--out: {out} is inside {managed}, which memtrain manages (a directory there would be taken "
+            "for a checkpoint or set aside); choose a directory outside it"
+        )
     if not overwrite and out.is_dir() and any(out.iterdir()):
         raise MemtrainError(f"--out: {out} exists and is not empty; choose a new directory or empty it")
+
+
+def _new_staging(out: Path) -> Path:
+    """A new directory next to `out` that this export creates itself (a random name, made exclusively, so
+    nothing already there is ever deleted), into which the model is written before the rename."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            staging = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
+            with contextlib.suppress(FileExistsError):
+                staging.mkdir()  # exclusive; the umask's permissions, as the export will have
+                return staging
+    except OSError as exc:
+        raise MemtrainError(
+            f"--out: cannot create a directory next to {out} ({exc.strerror or exc})"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------- the state
@@ -467,12 +496,11 @@ def _copy_tokenizer(recipe: CausalLMRecipe, staging: Path) -> None:
 
 
 def _replace(staging: Path, out: Path) -> None:
-    """Rename the finished directory into place; an existing `out` (empty, or overwritten) goes first."""
+    """Rename the finished directory into place; an existing `out` (empty, or overwritten) goes first,
+    renamed aside into a directory this export creates itself, and is deleted only after the rename."""
     if out.is_dir() and any(out.iterdir()):
-        doomed = out.with_name(out.name + ".old")
-        if doomed.exists():
-            shutil.rmtree(doomed)
-        os.replace(out, doomed)
+        doomed = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.replace(out, doomed)  # over the empty directory just made
         os.replace(staging, out)
         shutil.rmtree(doomed, ignore_errors=True)
         return

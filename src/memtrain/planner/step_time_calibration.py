@@ -24,11 +24,13 @@ device key (CPU model and thread count, or GPU name, each with the torch version
 fitted to all its runs, the last `MAX_SAMPLES` runs' samples (each naming its model), and the last
 `MAX_PROBES` models' probe timings. It is written atomically (a temporary file, then a rename), so a
 reader never sees half a file; of two runs finishing together the last one wins. A cache that cannot be
-read is ignored with a warning: it only ever makes a prediction better.
+read, or an entry with a time or multiplier that is not a positive number, is ignored with a warning: it
+only ever makes a prediction better.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -135,14 +137,24 @@ def load(device: str) -> DeviceCalibration | None:
         _warn(f"ignoring the unreadable entry for {device!r}")
         return None
     every = [*samples, *(s for v in probes.values() for s in v)]
-    if (
-        len(scale) != len(TERMS)
-        or any(k <= 0 for k in scale)
-        or any(len(s.terms) != len(TERMS) for s in every)
-    ):
+    if len(scale) != len(TERMS) or any(len(s.terms) != len(TERMS) for s in every):
         _warn(f"ignoring the entry for {device!r}: it does not match this version's cost terms")
         return None
+    if not all(_positive(k) for k in scale) or not all(_measured(s) for s in every):
+        _warn(f"ignoring the damaged entry for {device!r}: a time or multiplier is not a positive number")
+        return None
     return DeviceCalibration(device, scale, samples, probes)
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _measured(sample: Sample) -> bool:
+    """A sample memtrain could have written: a positive time, terms that are finite, not negative, and
+    not all zero (the fit divides by both)."""
+    terms = sample.terms
+    return _positive(sample.seconds) and all(math.isfinite(t) and t >= 0 for t in terms) and sum(terms) > 0
 
 
 def store(calibration: DeviceCalibration) -> Path | None:

@@ -15,7 +15,9 @@ module uses on the way ends in `.tmp` and is never listed:
   out of the listing before it is deleted, so a crash mid-prune never leaves a half-deleted checkpoint
   that looks complete.
 
-`recover` removes whatever such directories a crash left (the next save would too, but a run killed
+None of these deletions follows a symlink (`confine.remove_tree`: a link planted at a `.tmp` name is
+unlinked, its target untouched), and the `checkpoints/` folder itself must stay inside the run
+(`confine.check_run_paths`, before anything is saved). `recover` removes whatever such directories a crash left (the next save would too, but a run killed
 during its last prune saves nothing again); it runs under the run directory's lock
 (`memtrain.run.lock`), so it never deletes another writer's staging directory. Every rename of
 a checkpoint directory goes through `move_dir`. A `step_*` directory is therefore always whole unless
@@ -33,7 +35,6 @@ backends), which knows nothing about runs.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -44,12 +45,13 @@ from typing import Any
 from memtrain import checkpoint as tensor_files
 from memtrain import json_out
 from memtrain.checkpoint import CheckpointError
+from memtrain.json_out import DISK_FULL
 from memtrain.memory.values import format_bytes
+from memtrain.run.confine import remove_tree
 from memtrain.run.layout import STEP_DIR, CheckpointFiles, step_dir_name
 
 STAGING_SUFFIX = ".tmp"  # staging, pruning and trash directories all end so: never listed
 TRASH_SUFFIX = ".old.tmp"  # a checkpoint renamed aside while the same step is replaced
-DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class DiskFullError(CheckpointError):
@@ -156,19 +158,24 @@ def recover(root: Path) -> None:
         return
     for trash in root.glob(f"*{TRASH_SUFFIX}"):
         final = trash.with_name(trash.name[: -len(TRASH_SUFFIX)])
-        if STEP_DIR.match(final.name) and not final.exists():
+        if STEP_DIR.match(final.name) and not os.path.lexists(final) and _real_dir(trash):
             move_dir(trash, final)
     for stale in root.glob(f"*{STAGING_SUFFIX}"):
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale)
+
+
+def _real_dir(path: Path) -> bool:
+    """A directory itself, not a symlink to one (memtrain renames its own directories, never links)."""
+    return path.is_dir() and not path.is_symlink()
 
 
 def begin_save(root: Path, step: int) -> Path:
     """Create an empty staging directory for `step` (called on rank 0 before the others write)."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"*{STAGING_SUFFIX}"):
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_tree(stale)  # a symlink planted here is unlinked, its target untouched
     staging = staging_dir(root, step)
-    staging.mkdir()
+    staging.mkdir()  # a new directory (exclusive): the files below are written into nothing else
     return staging
 
 
@@ -182,23 +189,23 @@ def commit_save(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     )
     _fsync_dir(staging)
     final = root / step_dir_name(step)
-    trash = trash_dir(root, step) if final.exists() else None
+    trash = trash_dir(root, step) if os.path.lexists(final) else None
     if trash is not None:  # (begin_save removed any older one)
         move_dir(final, trash)  # out of the listing whole; `recover` puts it back if we die here
     move_dir(staging, final)
     _fsync_dir(root)
     if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+        remove_tree(trash)
     for old in list_checkpoints(root)[:-keep]:
         doomed = old.path.with_name(old.path.name + STAGING_SUFFIX)  # out of the listing in one rename
         move_dir(old.path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove_tree(doomed)
     return final
 
 
 def abort_save(root: Path, step: int) -> None:
     """Remove the staging directory of a save that failed (the previous checkpoints are untouched)."""
-    shutil.rmtree(staging_dir(root, step), ignore_errors=True)
+    remove_tree(staging_dir(root, step))
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -27,7 +27,7 @@ from memtrain.checkpoint import CheckpointError
 from memtrain.distributed import DistEnv, any_rank, barrier, one_process
 from memtrain.errors import MemtrainError
 from memtrain.run import checkpoints as ckpt
-from memtrain.run import lineage, lock
+from memtrain.run import confine, lineage, lock
 from memtrain.run.layout import CheckpointFiles, RunLayout
 
 Resume = str | Path | bool | None
@@ -86,17 +86,26 @@ class RunDirectory:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Rank 0 holds the run's lock (`memtrain.run.lock`) while the body runs, then recovers what a
-        crash left (`recover`); the ranks agree on whether it got the lock, so every rank stops with the
-        same error and none waits in a collective."""
+        crash left (`recover`); the ranks agree on whether it got the lock and whether the run's own
+        paths stay inside it (`confine.check_run_paths`), so every rank stops with the same error and none
+        waits in a collective."""
         held: lock.RunLock | None = None
         in_use: lock.RunDirInUse | None = None
+        damaged: MemtrainError | None = None
         if self.env.is_main:
             try:
                 held = lock.acquire(self.path)
+                confine.check_run_paths(self.layout)  # before anything is written, moved or cleaned
             except lock.RunDirInUse as exc:
                 in_use = exc
+            except MemtrainError as exc:
+                damaged = exc
         if any_rank(in_use is not None, self.env):
             raise in_use or lock.in_use_error(self.path)
+        if any_rank(damaged is not None, self.env):
+            if held is not None:
+                held.release()
+            raise damaged or MemtrainError(f"run.output_dir: rank 0 cannot use {self.path} (see its error)")
         try:
             self._recover()
             yield
@@ -107,10 +116,17 @@ class RunDirectory:
     def _recover(self) -> None:
         """Rank 0, under the lock, before any rank lists checkpoints: put back a checkpoint a crash left
         renamed aside, remove stale staging directories, finish a truncation a crash interrupted."""
+        problem: MemtrainError | None = None
         if self.env.is_main:
-            ckpt.recover(self.layout.checkpoints)
-            lineage.finish_truncation(self.path)
-        barrier(self.env)
+            try:
+                ckpt.recover(self.layout.checkpoints)
+                lineage.finish_truncation(self.path)
+            except MemtrainError as exc:  # a damaged lineage.jsonl, a record pointing outside the run
+                problem = exc
+        if any_rank(problem is not None, self.env):  # (also the barrier: nobody lists checkpoints before)
+            raise problem or MemtrainError(
+                f"run.output_dir: rank 0 cannot recover {self.path} (see its error)"
+            )
 
     def wants_resume(self, resume: Resume) -> str | Path | bool:
         """`resume` with "auto" decided: True when the run holds a checkpoint, else False."""

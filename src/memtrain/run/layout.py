@@ -80,6 +80,21 @@ class RunLayout:
         """A folder of the run that one logger owns (e.g. TensorBoard's event files)."""
         return self.root / logger
 
+    def own_files(self) -> tuple[Path, ...]:
+        """The files memtrain writes at the run's top level (each a regular file inside the run, or absent)."""
+        return (
+            self.recipe_file,
+            self.plan_file,
+            self.summary_file,
+            self.metrics_file,
+            self.lineage_file,
+            self.lock_file,
+        )
+
+    def own_folders(self) -> tuple[Path, ...]:
+        """The folders memtrain manages in the run (checkpoints and what truncations set aside)."""
+        return (self.checkpoints, self.abandoned)
+
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"

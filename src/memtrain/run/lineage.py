@@ -57,15 +57,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memtrain import json_out
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, shortened
+from memtrain.jsonfile import MAX_JSON_DEPTH, json_depth
 from memtrain.recipe import Recipe
 from memtrain.run import checkpoints as ckpt
+from memtrain.run.confine import RunPathError, confined, open_no_follow
 from memtrain.run.layout import RunLayout
 from memtrain.run.metrics_rows import abandon_rows_after
 from memtrain.strategies.catalog import free_keys
@@ -95,12 +98,31 @@ def all_free_keys() -> tuple[str, ...]:
 
 
 FLAG = "--allow-recipe-change"
+MAX_RECIPE_BYTES = 16 * 2**20  # a recipe.json larger than this is not one memtrain wrote
 VALUE_CHARS = 40  # each value in an error, cut to this
 ABSENT = "(absent)"
 
 
 class RecipeChanged(MemtrainError):
     """A resume whose recipe changes the trajectory, without --allow-recipe-change."""
+
+
+class LineageDamaged(MemtrainError):
+    """lineage.jsonl holds something memtrain did not write (the message names the file and line)."""
+
+
+LINEAGE_CHARS = 40  # of a lineage id in a folder name (memtrain's are 12 hex digits)
+MAX_LINEAGE_BYTES = 64 * 2**20  # one line per start of a run, each a few kilobytes
+LINEAGE_FIX = (
+    "memtrain wrote this file, so something else changed it: restore it from a backup, or move it aside "
+    "to go on without the run's history (an unfinished rollback it recorded is then not finished)"
+)
+RECORD_FIELDS: dict[str, tuple[str, Any]] = {  # field -> (what it must be, its check)
+    "event": ("start, resume, truncate or fork", lambda v: v in ("start", "resume", "truncate", "fork")),
+    "lineage": ("a string", lambda v: isinstance(v, str)),
+    "parent": ("null or an object", lambda v: v is None or isinstance(v, dict)),
+    "recipe": ("an object", lambda v: v is None or isinstance(v, dict)),
+}
 
 
 @dataclass(frozen=True)
@@ -181,13 +203,13 @@ def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def save_recipe(run_dir: Path, recipe: dict[str, Any]) -> None:
-    """Write recipe.json; a different one already there is kept as recipe.<n>.json."""
+    """Write recipe.json; a different one already there (or a damaged one) is kept as recipe.<n>.json."""
     layout = RunLayout(run_dir)
     path = layout.recipe_file
-    if path.is_file():
+    if os.path.lexists(path):  # a regular file inside the run (`confine.check_run_paths`)
         try:
-            same = json.loads(path.read_text(encoding="utf-8")) == recipe
-        except ValueError:
+            same = path.stat().st_size <= MAX_RECIPE_BYTES and json.loads(path.read_bytes()) == recipe
+        except (OSError, ValueError, RecursionError):  # damaged: kept as a backup like a changed one
             same = False
         if same:
             return
@@ -199,26 +221,101 @@ def save_recipe(run_dir: Path, recipe: dict[str, Any]) -> None:
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The segments recorded in lineage.jsonl (a last line cut by a crash is left out)."""
+    """The segments recorded in lineage.jsonl, each checked (`LineageDamaged` naming the file and line
+    otherwise). A last line cut by a crash (no newline yet) is left out: what it announced never began."""
     path = RunLayout(run_dir).lineage_file
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            break
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    if not os.path.lexists(path):
+        return []
+    data = _read_lineage(path)
+    complete = data[: data.rfind(b"\n") + 1]
+    return [
+        _check_record(run_dir, path, number, line) for number, line in enumerate(complete.splitlines(), 1)
+    ]
+
+
+def _read_lineage(path: Path) -> bytes:
+    """The bytes of lineage.jsonl, read without following a symlink, bounded."""
+    try:
+        fd = open_no_follow(path, os.O_RDONLY)
+    except OSError as exc:
+        raise LineageDamaged(f"{path}: cannot be read ({exc.strerror or exc}); {LINEAGE_FIX}") from None
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(MAX_LINEAGE_BYTES + 1)
+    if len(data) > MAX_LINEAGE_BYTES:
+        raise LineageDamaged(
+            f"{path}: is over {MAX_LINEAGE_BYTES // 2**20} MiB, far more than memtrain writes; {LINEAGE_FIX}"
+        )
+    return data
+
+
+def _check_record(run_dir: Path, path: Path, number: int, line: bytes) -> dict[str, Any]:
+    """One line of lineage.jsonl as the record memtrain wrote, or `LineageDamaged` saying what is wrong."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested past the parser's limit
+        raise LineageDamaged(
+            f"{path}: line {number} is not a JSON record ({_first_line(exc)}); {LINEAGE_FIX}"
+        ) from None
+    problem = _record_problem(run_dir, record)
+    if problem is not None:
+        raise LineageDamaged(f"{path}: line {number} {problem}; {LINEAGE_FIX}")
+    return dict(record)
+
+
+def _record_problem(run_dir: Path, record: Any) -> str | None:
+    """What makes `record` something memtrain did not write, or None."""
+    if not isinstance(record, dict):
+        return f"is a JSON {type(record).__name__}, not a record"
+    if json_depth(record) > MAX_JSON_DEPTH:
+        return f"is nested more than {MAX_JSON_DEPTH} levels deep"
+    wrong = [
+        f"{key} is not {kind}" for key, (kind, check) in RECORD_FIELDS.items() if not check(record.get(key))
+    ]
+    if record.get("event") == "truncate":
+        steps = record.get("moved_steps")
+        if not isinstance(steps, list) or not all(type(s) is int for s in steps):
+            wrong.append("moved_steps is not a list of steps")
+        if not isinstance(record.get("abandoned"), str) or not _inside_abandoned(
+            run_dir, record["abandoned"]
+        ):
+            where = shortened(record.get("abandoned"))
+            return (
+                f"names {where} as its abandoned folder, which is not inside {RunLayout(run_dir).abandoned}"
+            )
+    return "is damaged (" + "; ".join(wrong) + ")" if wrong else None
+
+
+def _inside_abandoned(run_dir: Path, relative: str) -> bool:
+    """Whether `run_dir / relative` is a folder strictly inside the run's abandoned/ (symlinks resolved)."""
+    folder = RunLayout(run_dir).abandoned
+    try:
+        real = confined(folder, run_dir / relative)
+    except RunPathError:
+        return False
+    return real != Path(os.path.realpath(folder))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
 
 
 def append_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """One segment's line, flushed to disk before anything it announces happens."""
+    """One segment's line, flushed to disk before anything it announces happens. A line a crash cut is
+    cut off first (it announced nothing that happened); the file is never followed through a symlink."""
     record = {"time": _now().isoformat(timespec="seconds"), **record}
-    with open(RunLayout(run_dir).lineage_file, "a", encoding="utf-8") as handle:
-        handle.write(json_out.dumps(record, sort_keys=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    path = RunLayout(run_dir).lineage_file
+    line = (json_out.dumps(record, sort_keys=True) + "\n").encode()
+    try:
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
+        with os.fdopen(fd, "r+b") as handle:
+            data = handle.read()
+            handle.truncate(data.rfind(b"\n") + 1)
+            handle.seek(0, os.SEEK_END)
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        raise json_out.write_error(path, exc) from None
 
 
 def unfinished_segment(run_dir: Path, found: ckpt.Checkpoint, meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -248,7 +345,8 @@ def _lineage_of(found: ckpt.Checkpoint) -> Any:
 def abandoned_dir(run_dir: Path, lineage: str | None) -> Path:
     """A new directory name under <run>/abandoned/ for what this start sets aside (made when used)."""
     stamp = _now().strftime("%Y%m%dT%H%M%S")
-    base = RunLayout(run_dir).abandoned / f"{stamp}-{lineage or 'unknown'}"
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", str(lineage or "unknown"))[:LINEAGE_CHARS]  # meta.json's, unchecked
+    base = RunLayout(run_dir).abandoned / f"{stamp}-{name}"
     target, number = base, 1
     while target.exists():
         number += 1
@@ -269,7 +367,8 @@ def move_checkpoints(root: Path, steps: list[int], keep_lineage: str, target: Pa
 
 
 def finish_truncation(run_dir: Path) -> list[int]:
-    """Finish the last recorded truncation if a crash interrupted it; returns the steps moved now."""
+    """Finish the last recorded truncation if a crash interrupted it; returns the steps moved now (into
+    the folder its record names, which `read_records` checked is inside the run's abandoned/)."""
     records = read_records(run_dir)
     last = records[-1] if records else None
     if last is None or last.get("event") != "truncate":

@@ -6,7 +6,9 @@ while the old one still runs) write the same checkpoints and metrics.jsonl: one 
 So rank 0 takes `fcntl.flock(LOCK_EX | LOCK_NB)` on the lock file at the start of `Trainer.fit`
 (`RunDirectory.locked`), before
 anything in the run directory is written, truncated or cleaned, and holds it until `fit` returns or the
-process ends. A second writer gets a one-line `RunDirInUse` (exit 2) naming the holder.
+process ends. A second writer gets a one-line `RunDirInUse` (exit 2) naming the holder. The lock file is
+opened with `O_NOFOLLOW` and must be a regular file: a symlink planted there (whose target the truncation
+would empty) or a directory is a one-line `RunPathError`, and nothing is written.
 
 The lock belongs to the open file, not to the file's existence: the kernel drops it when the holder's
 process ends, however it ends (SIGKILL included). A lock file left by a dead process is therefore simply
@@ -37,10 +39,12 @@ from typing import Any
 
 from memtrain import json_out
 from memtrain.errors import MemtrainError
+from memtrain.run.confine import RunPathError, open_no_follow
 from memtrain.run.layout import RunLayout
 
 COMMAND_CHARS = 160  # the holder's command line, cut to this in the error
 HOLDER_WAIT_S = 2.0  # how long a refused writer waits for the holder to record itself
+HOLDER_BYTES = 64 * 1024  # the most of the lock file read for the holder (it is a few hundred bytes)
 
 
 class RunDirInUse(MemtrainError):
@@ -61,9 +65,15 @@ class RunLock:
 
 def acquire(run_dir: Path) -> RunLock:
     """Lock `run_dir` (created if needed) for this process; `RunDirInUse` when another process holds it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file, or a symlink to nothing (a loop, a missing target)
+        raise RunPathError(
+            f"run.output_dir: {run_dir} exists and is not a directory (a file, or a symlink to nothing); "
+            "set run.output_dir to a directory"
+        ) from None
     path = RunLayout(run_dir).lock_file
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)  # a symlink planted here is refused, not followed
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -104,9 +114,15 @@ def _wait_for_holder(path: Path) -> dict[str, Any] | None:
 def read_holder(path: Path) -> dict[str, Any] | None:
     """The holder recorded in a lock file, or None (empty: released, or the holder is still writing)."""
     try:
-        holder = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        fd = open_no_follow(path, os.O_RDONLY)
+    except (OSError, RunPathError):
         return None
+    try:
+        holder = json.loads(os.read(fd, HOLDER_BYTES).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
     return holder if isinstance(holder, dict) else None
 
 

@@ -3,14 +3,21 @@
 Why here: a resume truncates the file to its step (the rows past it belong to a trajectory a rollback
 abandoned, or to steps a killed run logged after its last checkpoint), and a truncation moves those rows
 into the run's `abandoned/` folder next to the checkpoints it sets aside, so no row is ever lost. Both are
-the run directory's business (`memtrain.run.lineage`); the jsonl logger only appends.
+the run directory's business (`memtrain.run.lineage`); the jsonl logger only appends. The file is read as
+bytes: a line that is not a UTF-8 JSON row (a crash's cut, or damage) and everything after it are moved
+aside whole, never decoded into a traceback; neither write follows a symlink.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from pathlib import Path
+
+from memtrain import json_out
+from memtrain.run.confine import open_no_follow
 
 
 def abandon_rows_after(path: Path, step: int, to: Path) -> int:
@@ -20,30 +27,45 @@ def abandon_rows_after(path: Path, step: int, to: Path) -> int:
     kept, dropped = split_after(path, step)
     if not dropped:
         return 0
-    to.parent.mkdir(parents=True, exist_ok=True)
-    with open(to, "a", encoding="utf-8") as handle:
-        handle.write("".join(line + "\n" for line in dropped))
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        to.parent.mkdir(parents=True, exist_ok=True)
+        with os.fdopen(open_no_follow(to, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "wb") as handle:
+            handle.write(b"".join(line + b"\n" for line in dropped))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        raise json_out.write_error(to, exc) from None
     rewrite_lines(path, kept)
     return len(dropped)
 
 
-def split_after(path: Path, step: int) -> tuple[list[str], list[str]]:
-    """The lines of `path` up to `step`, and the rest (from a line cut by a crash on, all of it)."""
-    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+def split_after(path: Path, step: int) -> tuple[list[bytes], list[bytes]]:
+    """The lines of `path` up to `step`, and the rest (from a line cut by a crash, or any line that is not
+    a UTF-8 JSON row, on: all of it, moved aside whole rather than read further)."""
+    lines = path.read_bytes().splitlines() if path.is_file() else []
     for index, line in enumerate(lines):
         try:
-            row = json.loads(line)
-            if isinstance(row, dict) and isinstance(row.get("step", 0), int) and row.get("step", 0) > step:
-                return lines[:index], lines[index:]
-        except json.JSONDecodeError:
+            row = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):
+            return lines[:index], lines[index:]
+        if isinstance(row, dict) and isinstance(row.get("step", 0), int) and row.get("step", 0) > step:
             return lines[:index], lines[index:]
     return lines, []
 
 
-def rewrite_lines(path: Path, lines: list[str]) -> None:
-    """Replace `path` with `lines` atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, path)
+def rewrite_lines(path: Path, lines: list[bytes]) -> None:
+    """Replace `path` with `lines` atomically, through a new temporary file of its own (never a name a
+    symlink could be planted at)."""
+    tmp: str | None = None
+    try:
+        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(handle, "wb") as out:
+            out.write(b"".join(line + b"\n" for line in lines))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise json_out.write_error(path, exc) from None
