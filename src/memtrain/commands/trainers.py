@@ -90,7 +90,9 @@ def _import(name: str) -> object:
     except ImportError as exc:
         raise MemtrainError(f"--trainer: cannot import {name} ({exc})") from None
     except SystemExit as exc:  # as in `_load_file`
-        raise MemtrainError(f"--trainer: {name} called sys.exit({exc.code!r}) while it was imported") from None
+        raise MemtrainError(
+            f"--trainer: {name} called sys.exit({exc.code!r}) while it was imported"
+        ) from None
 
 
 def recipe_schema(spec: str | None) -> dict[str, Any]:

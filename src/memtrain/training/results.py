@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memtrain.errors import MemtrainError
 from memtrain.memory import format_bytes
 from memtrain.plan import Plan
 
@@ -46,6 +47,7 @@ def summary_of(
     peak: int,
     skipped: int,
     step_time: dict[str, Any] | None,
+    empty: int = 0,
 ) -> dict[str, Any]:
     """summary.json: what the run did, from step `start` on, in `seconds`, ending with `plan`."""
     return {
@@ -57,10 +59,20 @@ def summary_of(
         "seconds": seconds,
         "peak_memory_bytes": peak,
         "skipped_steps": skipped,
+        "empty_steps": empty,  # of the skipped steps, those without a loss token, in this call
         "step_time": step_time,
         "plan": plan.to_dict(),
         "run_dir": str(result.run_dir),
     }
+
+
+def check_token_count(reported: int | torch.Tensor, counted: int) -> None:
+    """`loss()`'s token count must be `count_tokens()`'s (the step's normalisation uses the latter)."""
+    if int(reported) != counted:
+        raise MemtrainError(
+            f"loss() reported {int(reported)} tokens but count_tokens() counted {counted}; "
+            "override Trainer.count_tokens so the two agree (the loss must be a sum over these tokens)"
+        )
 
 
 def describe_summary(summary: dict[str, Any]) -> str:
