@@ -104,7 +104,7 @@ def _check_pinned_weights(
     usable = measured_target(env, None, recipe.planner.safety_fraction, free_bytes).budget.usable
     if weights > usable:
         raise PlanError(
-            f"model.config: {numel:,} parameters are {weights / 2**30:.1f} GiB of {plan.precision.name} weights "
+            f"the model's {numel:,} parameters are {weights / 2**30:.1f} GiB of {plan.precision.name} weights "
             f"alone on each rank, more than the {usable / 2**30:.1f} GiB usable on this {env.device.type}; "
             "train a smaller model, or leave strategies to the planner (auto) and add ranks"
         )
