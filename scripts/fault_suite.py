@@ -70,6 +70,7 @@ def plan(quick: bool) -> list[tuple[str, Scenario]]:
         ("launcher_death", lambda w, s, j: launcher_faults.launcher_death(w, n(3, 1), s)),
         ("input_bombs", lambda w, s, j: input_bombs.input_bombs(w, s)),
         ("undecodable", lambda w, s, j: input_bombs.undecodable_files(w, s)),
+        ("inputs", lambda w, s, j: input_bombs.inputs(w, s)),
     ]
     return runs
 
