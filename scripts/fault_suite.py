@@ -73,6 +73,7 @@ def plan(quick: bool) -> list[tuple[str, Scenario]]:
         ("undecodable", lambda w, s, j: input_bombs.undecodable_files(w, s)),
         ("planted_pickles", lambda w, s, j: planted_pickles.planted_pickles(w, s)),
         ("run_dir", lambda w, s, j: run_dir_faults.run_dir_faults(w, s)),
+        ("inputs", lambda w, s, j: input_bombs.inputs(w, s)),
     ]
     return runs
 

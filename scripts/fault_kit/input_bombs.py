@@ -443,3 +443,92 @@ def undecodable_files(work: Path, seed: int) -> Outcome:
             outcome.record(f"no case for {', '.join(uncovered)}", "coverage of CausalLMRecipe.path_keys")
         run_cases(outcome, work, cases)
     return outcome
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def _data_case(label: str, name: str, content: Callable[[Path], None], source: str, expect: str) -> Case:
+    """`data.path` (a file written by `content`) through `data.source`, with the shipped tokenizer."""
+
+    def write(where: Path) -> list[str]:
+        file = where / name
+        content(file)
+        data = {"source": source, "path": str(file), "tokenizer": str(TOKENIZER)}
+        return [write_recipe(where, recipe(where, data=data))]
+
+    return Case("inputs", label, expect, write)
+
+
+def _deep_row(file: Path) -> None:
+    file.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n", encoding="utf-8")
+
+
+def _long_line(file: Path) -> None:
+    """A 200 MB line, sparse on disk."""
+    with file.open("wb") as handle:
+        handle.write(b'{"text": "')
+        handle.seek(200 * 2**20)
+        handle.write(b'"}\n')
+
+
+def _trainer_case(label: str, source: str, name: str) -> Case:
+    def write(where: Path) -> list[str]:
+        (where / name).write_text(source, encoding="utf-8")
+        return [write_recipe(where, recipe(where)), "--trainer", f"{where / name}:T"]
+
+    return Case("inputs", label, "--trainer", write)
+
+
+def _relabelled_weights(where: Path) -> list[str]:
+    """model.pretrained whose F32 tensors are relabelled I32 in the safetensors header."""
+    from safetensors.torch import save_file
+
+    model = where / "model"
+    model.mkdir()
+    config = {**TINY_LLAMA, "vocab_size": 320, "tie_word_embeddings": False}
+    (model / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    save_file({k: v.contiguous() for k, v in built.state_dict().items()}, str(model / "model.safetensors"))
+    data = (model / "model.safetensors").read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + size].replace(b'"F32"', b'"I32"')
+    (model / "model.safetensors").write_bytes(data[:8] + header + data[8 + size :])
+    return [write_recipe(where, recipe(where, model={"config": None, "pretrained": str(model)}))]
+
+
+def _huge_config(where: Path) -> list[str]:
+    """A 70B Llama config with a pinned plan: refused from its shapes before any weight is allocated."""
+    config = {**TINY_LLAMA, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80}
+    config.update({"num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256})
+    strategies = {"precision": "fp32", "sharding": "none"}
+    return [write_recipe(where, recipe(where, model={"config": config}, strategies=strategies))]
+
+
+def input_cases() -> list[Case]:
+    """The inputs that reached a traceback or a silent wrong result (docs/RELIABILITY.md, "Inputs")."""
+    return [
+        _data_case("jsonl row nested 100k deep", "deep.jsonl", _deep_row, "jsonl", "nested more than 64"),
+        _data_case("the same through datasets", "deep.jsonl", _deep_row, "dataset", "nested more than 64"),
+        _data_case("a 200 MB jsonl line", "long.jsonl", _long_line, "jsonl", "longer than 64 MiB"),
+        _data_case("the same through datasets", "long.jsonl", _long_line, "dataset", "longer than 64 MiB"),
+        _trainer_case("--trainer file calling sys.exit(0)", "import sys\nsys.exit(0)\n", "exits.py"),
+        _trainer_case("--trainer x.yaml:T", "run: {}\n", "x.yaml"),
+        Case(
+            "inputs", "train.lr=1e300", "train.lr", lambda w: [write_recipe(w, recipe(w)), "train.lr=1e300"]
+        ),
+        Case("inputs", "F32 weights relabelled I32", "stored as I32", _relabelled_weights, ("train",)),
+        Case("inputs", "a 70B config, plan pinned", "weights alone", _huge_config, ("train",)),
+    ]
+
+
+def inputs(work: Path, seed: int, count: int | None = None) -> Outcome:
+    """The "inputs" probe class through validate and train (the first `count` cases, or all)."""
+    outcome = Outcome(
+        "inputs", "deep and long data rows, --trainer exits, lr overflow, relabelled weights, 70B"
+    )
+    with timed(outcome):
+        run_cases(outcome, work, input_cases()[:count])
+    return outcome

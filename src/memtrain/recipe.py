@@ -147,9 +147,16 @@ StopSignal = Literal["SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGX
 DEFAULT_STOP_SIGNALS: tuple[StopSignal, ...] = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGQUIT")
 
 
+MAX_LR = 1e3
+"""The largest `train.lr`. AdamW moves each weight by about lr every step (its normalised update
+m/(sqrt(v) + eps) is +-1 on step 1 for any nonzero gradient), and trained weights are O(1): an lr above
+1000 is a typo, never a setting. Past ~3.4e37 (lr / (1 - beta1) beyond fp32's 3.4e38) torch cannot even
+represent the step size and raises inside `optimizer.step()`, after the first step's work."""
+
+
 class TrainConfig(RecipeSection):
     steps: int = Field(default=100, gt=0)
-    lr: float = Field(default=3e-4, gt=0)
+    lr: float = Field(default=3e-4, gt=0, description=f"Peak learning rate, at most {MAX_LR:g}.")
     schedule: str = Field(
         default="cosine",
         description="Learning-rate schedule after the linear warmup (memtrain.schedules): cosine or linear decay "
@@ -181,6 +188,17 @@ class TrainConfig(RecipeSection):
     @classmethod
     def _registered_schedule(cls, value: str) -> str:
         return _registered_in(SCHEDULES, value)
+
+    @field_validator("lr")
+    @classmethod
+    def _lr_bounded(cls, value: float) -> float:
+        if value > MAX_LR:
+            raise PydanticCustomError(
+                "lr_bound",
+                "above {limit}: AdamW moves every weight by about lr per step (a typo? 1e-4 to 1e-2 is usual)",
+                {"limit": f"{MAX_LR:g}"},
+            )
+        return value
 
     @field_validator("betas")
     @classmethod
@@ -418,6 +436,11 @@ class Recipe(RecipeSection):
             )
         if isinstance(micro, int) and micro > self.batch.global_size:
             problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({self.batch.global_size})")
+        if self.train.lr * self.train.weight_decay > 1:
+            problems.append(
+                f"train.weight_decay: {self.train.weight_decay:g} times train.lr ({self.train.lr:g}) is above 1; "
+                "AdamW multiplies every weight by 1 - lr * weight_decay each step (0.01 to 0.1 is usual)"
+            )
         return problems + _path_problems(self)
 
     @classmethod

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from memtrain.causal_lm.lines import check_json_lines
 from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.sft import ROLES, Document, RecordEncoder, column
 from memtrain.causal_lm.tokenizer import Tokenizer
@@ -59,6 +60,7 @@ def load(cfg: DataConfig, streaming: bool) -> Any:
             if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
                 return _from_disk(path, cfg.split, streaming)
             if path.is_file() or glob.has_magic(cfg.path):
+                check_json_files(cfg.path)
                 return datasets.load_dataset(
                     _builder(cfg.path), data_files=cfg.path, split=cfg.split, streaming=streaming
                 )
@@ -131,6 +133,18 @@ def check_text_files(cfg: DataConfig) -> None:
         path = Path(name)
         if path.is_file() and path.suffix.lower() in TEXT_FORMATS:
             check_utf8(path, "data.path")
+
+
+def check_json_files(pattern: str) -> None:
+    """The local json and jsonl files `pattern` names, bounded before pyarrow parses them
+    (`causal_lm.lines`): its native JSON parser crashes the process (SIGSEGV, no message) on a row nested
+    100,000 levels deep, and reads a 200 MB line whole. Streamed files too: a crash is worse than a scan,
+    and the scan only counts brackets unless a line holds more than the depth limit of them."""
+    names = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+    for name in names:
+        path = Path(name)
+        if path.is_file() and path.suffix.lower() in (".json", ".jsonl"):
+            check_json_lines(path, "data.path", one_per_line=path.suffix.lower() == ".jsonl")
 
 
 def head(cfg: DataConfig, count: int) -> tuple[list[tuple[Mapping[str, Any], str]], list[str]]:

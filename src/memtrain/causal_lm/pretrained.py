@@ -6,7 +6,8 @@ before memtrain's strategies exist. Here the model is built with its parameters 
 weights read from the safetensors files (single file or sharded index) straight into what each rank
 keeps: a replicated plan reads every tensor, an FSDP2 plan reads only this rank's rows of each parameter
 (`safe_open(...).get_slice`), so no rank ever holds more than its plan keeps. Each tensor is converted to
-the parameter's dtype, which is the plan's (bf16 for bf16-master, fp32 otherwise). Only safetensors are
+the parameter's dtype, which is the plan's (bf16 for bf16-master, fp32 otherwise); a floating parameter
+stored as integers is refused, since the conversion would silently turn it into other values. Only safetensors are
 read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths a recipe names.
 """
 
@@ -128,6 +129,7 @@ def load_weights(
             try:
                 if file not in handles:
                     handles[file] = stack.enter_context(_open(file))
+                _check_dtype(param, handles[file], name, file)
                 _fill(param, handles[file], name)
             except RecipeError:
                 raise
@@ -151,6 +153,20 @@ def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     checkpoint: wrappers' prefixes removed (checkpoint wrappers, peft's `base_layer` of an adapted linear)."""
     for name, param in model.named_parameters(remove_duplicate=False):
         yield name.replace("_checkpoint_wrapped_module.", "").replace(".base_layer.", "."), param
+
+
+def _check_dtype(param: nn.Parameter, handle: Any, name: str, file: Path) -> None:
+    """`RecipeError` naming the file and tensor when a floating parameter is stored as integers or booleans:
+    copying converts the values (an F32 tensor relabelled I32 in the header trained to NaN, exit 0)."""
+    stored = str(handle.get_slice(name).get_dtype())
+    if param.is_floating_point() and not stored.startswith(("F", "BF")):
+        raise RecipeError(
+            [
+                f"model.pretrained: {file}: tensor {name} is stored as {stored}, but the model's parameter is "
+                f"floating point ({str(param.dtype).removeprefix('torch.')}); the file is damaged or not "
+                "this model's weights"
+            ]
+        )
 
 
 def _fill(param: nn.Parameter, handle: Any, name: str) -> None:

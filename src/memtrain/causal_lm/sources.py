@@ -26,6 +26,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from memtrain.causal_lm import dataset_source, packing, sft
+from memtrain.causal_lm.lines import nested_too_deeply, read_lines, record_too_deep
 from memtrain.causal_lm.packing import Sample
 from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.streaming import Records
@@ -137,14 +138,20 @@ class SyntheticSource(DataSource):
         return None if ids is None else Vocabulary(ids, f"data.synthetic.vocab_size ({ids})")
 
 
-def _read(cfg: DataConfig) -> str:
-    """The text of `data.path`; `RecipeError` naming data.path when it is missing, unreadable or not UTF-8
-    (with the line of the first bad byte)."""
+def _path(cfg: DataConfig) -> Path:
+    """`data.path`; `RecipeError` naming data.path when it is not a file."""
     assert cfg.path is not None
     path = Path(cfg.path)
     if not path.is_file():
         raise RecipeError([f"data.path: file not found: {path} (relative paths start at {Path.cwd()})"])
-    return decode_utf8(path.read_bytes(), path, "data.path")
+    return path
+
+
+def _read(cfg: DataConfig) -> str:
+    """The text of `data.path`; `RecipeError` naming data.path when it is missing, unreadable, not UTF-8
+    (with the line of the first bad byte) or has a line over `lines.MAX_LINE_BYTES` (read no further)."""
+    path = _path(cfg)
+    return decode_utf8(b"".join(line for _, line in read_lines(path, "data.path")), path, "data.path")
 
 
 class TextSource(DataSource):
@@ -163,6 +170,15 @@ class TextSource(DataSource):
         return []
 
 
+def _decoded(line: bytes, where: str) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(
+            [f"data.path: {where} is not UTF-8 text (byte {exc.start} of the line); save it as UTF-8"]
+        ) from None
+
+
 class JsonlSource(DataSource):
     """A jsonl file: one record (a JSON object) per line."""
 
@@ -170,17 +186,22 @@ class JsonlSource(DataSource):
     reads_records = True
 
     def read_records(self, cfg: DataConfig) -> Iterator[tuple[Mapping[str, Any], str]]:
-        """Each record with where it is (file:line)."""
-        for number, line in enumerate(_read(cfg).splitlines(), start=1):
+        """Each record with where it is (file:line), each line bounded in length and nesting."""
+        path = _path(cfg)
+        for number, data in read_lines(path, "data.path"):
+            where = f"{cfg.path}:{number}"
+            line = _decoded(data, where)
             if not line.strip():
                 continue
+            if record_too_deep(data):
+                raise RecipeError([nested_too_deeply("data.path", where)])
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise RecipeError([f"data.path: {cfg.path}:{number} is not valid JSON ({exc.msg})"]) from None
+                raise RecipeError([f"data.path: {where} is not valid JSON ({exc.msg})"]) from None
             if not isinstance(record, dict):
-                raise RecipeError([f"data.path: {cfg.path}:{number} is not a JSON object"])
-            yield record, f"{cfg.path}:{number}"
+                raise RecipeError([f"data.path: {where} is not a JSON object"])
+            yield record, where
 
     def documents(self, cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None) -> list[sft.Document]:
         encode = sft.RecordEncoder(cfg, tokenizer)

@@ -3,8 +3,9 @@
 
 The file is the user's own training code, run as `python file.py` would run it (as torchrun runs a
 script); it is imported once per process under a module name of its own, so every rank of a torchrun
-launch loads the same class. A file Python cannot read (not UTF-8, a syntax error) is a one-line
-`MemtrainError` naming `--trainer` and the line; an exception the file's own code raises while it is
+launch loads the same class. A file Python cannot read (not UTF-8, a syntax error), a file that is not
+`.py`, or one that calls `sys.exit()` while imported (which made `train` exit 0 having trained nothing) is
+a one-line `MemtrainError` naming `--trainer`; an exception the file's own code raises while it is
 imported keeps its traceback (it is the user's code, and the traceback says where).
 
 The trainer is resolved before the recipe is read: its `recipe_class` is the recipe's schema (the
@@ -41,7 +42,10 @@ def trainer_class(spec: str | None) -> type[Trainer]:
         raise MemtrainError(
             f"--trainer: {spec!r} should be path/to/file.py:ClassName or package.module:ClassName"
         )
-    module = _load_file(Path(where)) if where.endswith(".py") or "/" in where else _import(where)
+    if where.endswith(".py") or "/" in where or Path(where).is_file():
+        module = _load_file(Path(where))
+    else:
+        module = _import(where)
     cls = getattr(module, name, None)
     if cls is None:
         raise MemtrainError(f"--trainer: {where} has no {name!r}")
@@ -51,6 +55,8 @@ def trainer_class(spec: str | None) -> type[Trainer]:
 
 
 def _load_file(path: Path) -> object:
+    if path.suffix != ".py":
+        raise MemtrainError(f"--trainer: {path} is not a Python file (path/to/file.py:ClassName)")
     if not path.is_file():
         raise MemtrainError(f"--trainer: no file {path}")
     module_name = f"memtrain_user_{abs(hash(str(path.resolve())))}"
@@ -66,6 +72,12 @@ def _load_file(path: Path) -> object:
     except SyntaxError as exc:  # also how Python reports a file that is not UTF-8
         del sys.modules[module_name]
         raise MemtrainError(f"--trainer: {path}, line {exc.lineno}: {exc.msg}") from None
+    except SystemExit as exc:  # sys.exit() while imported: exit 0 would read as a finished run
+        del sys.modules[module_name]
+        raise MemtrainError(
+            f"--trainer: {path} called sys.exit({exc.code!r}) while it was imported; keep the script's own "
+            "entry point under `if __name__ == '__main__':`"
+        ) from None
     except Exception:
         del sys.modules[module_name]
         raise
@@ -77,6 +89,10 @@ def _import(name: str) -> object:
         return importlib.import_module(name)
     except ImportError as exc:
         raise MemtrainError(f"--trainer: cannot import {name} ({exc})") from None
+    except SystemExit as exc:  # as in `_load_file`
+        raise MemtrainError(
+            f"--trainer: {name} called sys.exit({exc.code!r}) while it was imported"
+        ) from None
 
 
 def recipe_schema(spec: str | None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from memtrain.distributed import DistEnv, broadcast_object
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
 from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
-from memtrain.plan import adapters_of, is_open, pinned_plan, quantization_of
+from memtrain.plan import Plan, adapters_of, is_open, pinned_plan, quantization_of
 from memtrain.planner.memory_model import Prediction
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored
@@ -83,7 +83,31 @@ def make_plan(
     memory (tests inject uneven headroom)."""
     if is_open(recipe):
         return plan_for_run(recipe, env, spec, free_bytes=free_bytes, progress=progress)
-    return PlanResult(plan=pinned_plan(recipe, env))
+    plan = pinned_plan(recipe, env)
+    if recipe.memory.budget is None:  # a simulated budget is judged by training.preflight, also in validate
+        _check_pinned_weights(recipe, env, spec, plan, free_bytes)
+    return PlanResult(plan=plan)
+
+
+def _check_pinned_weights(
+    recipe: Recipe, env: DistEnv, spec: ModelSpec, plan: Plan, free_bytes: int | None
+) -> None:
+    """`PlanError` when the pinned plan's weights alone (counted from the model's meta-device shapes) are
+    more than this device can hold. Why: a pinned plan is not predicted, so a config claiming 70B made
+    `setup()` allocate gigabytes of weights before anything said it could not fit."""
+    if plan.quantization.name != "none":  # its bytes depend on which linears are quantised
+        return
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in spec.build_model().parameters())
+    element = torch.empty((), dtype=plan.precision.stored_dtype).element_size()
+    weights = numel * element // (1 if plan.sharding.replicated else plan.world_size)
+    usable = measured_target(env, None, recipe.planner.safety_fraction, free_bytes).budget.usable
+    if weights > usable:
+        raise PlanError(
+            f"the model's {numel:,} parameters are {weights / 2**30:.1f} GiB of {plan.precision.name} weights "
+            f"alone on each rank, more than the {usable / 2**30:.1f} GiB usable on this {env.device.type}; "
+            "train a smaller model, or leave strategies to the planner (auto) and add ranks"
+        )
 
 
 def plan_for_run(

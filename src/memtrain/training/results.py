@@ -9,13 +9,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from memtrain.errors import MemtrainError
 from memtrain.memory import format_bytes
 from memtrain.plan import Plan
+
+if TYPE_CHECKING:
+    from memtrain.training.memory_monitor import MemoryMonitor
 
 
 @dataclass
@@ -43,11 +47,11 @@ def summary_of(
     plan: Plan,
     start: int,
     seconds: float,
-    peak: int,
-    skipped: int,
-    step_time: dict[str, Any] | None,
+    monitor: MemoryMonitor,
+    skipped: tuple[int, int],
 ) -> dict[str, Any]:
-    """summary.json: what the run did, from step `start` on, in `seconds`, ending with `plan`."""
+    """summary.json: what the run did, from step `start` on, in `seconds`, ending with `plan`; `skipped`:
+    the steps skipped, and of those the steps without a loss token (in this call)."""
     return {
         "steps": result.steps_done,
         "steps_this_run": result.steps_done - start,
@@ -55,12 +59,22 @@ def summary_of(
         "final_loss": result.losses[-1] if result.losses else None,
         "tokens_per_s": result.tokens_seen / seconds if seconds > 0 else 0.0,
         "seconds": seconds,
-        "peak_memory_bytes": peak,
-        "skipped_steps": skipped,
-        "step_time": step_time,
+        "peak_memory_bytes": monitor.max_step_peak,
+        "skipped_steps": skipped[0],
+        "empty_steps": skipped[1],
+        "step_time": monitor.step_time,
         "plan": plan.to_dict(),
         "run_dir": str(result.run_dir),
     }
+
+
+def check_token_count(reported: int | torch.Tensor, counted: int) -> None:
+    """`loss()`'s token count must be `count_tokens()`'s (the step's normalisation uses the latter)."""
+    if int(reported) != counted:
+        raise MemtrainError(
+            f"loss() reported {int(reported)} tokens but count_tokens() counted {counted}; "
+            "override Trainer.count_tokens so the two agree (the loss must be a sum over these tokens)"
+        )
 
 
 def describe_summary(summary: dict[str, Any]) -> str:

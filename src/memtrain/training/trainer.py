@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import sys
 import time
 from collections.abc import Iterable, Set
 from pathlib import Path
@@ -56,7 +57,7 @@ from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.training import loggers, preemption, preflight, trainer_state
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
-from memtrain.training.results import FitResult, StepTotals, seed_everything, summary_of
+from memtrain.training.results import FitResult, StepTotals, check_token_count, seed_everything, summary_of
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
@@ -81,6 +82,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.skipped_steps = 0
+        self.empty_steps = 0  # of those, steps without a loss token (this process's count)
         self._blocks: list[nn.Module] = []  # the blocks strategies wrapped (a re-plan re-wraps them)
 
     @property
@@ -297,16 +299,8 @@ class Trainer:
                 started = time.perf_counter()
                 with contextlib.ExitStack() as cleanup:
                     self._train_steps(result, start, bool(resume), cleanup)
-                seconds = time.perf_counter() - started
-                result.summary = summary_of(
-                    result,
-                    self.plan,
-                    start,
-                    seconds,
-                    self.monitor.max_step_peak,
-                    self.skipped_steps,
-                    self.monitor.step_time,
-                )
+                seconds, skipped = time.perf_counter() - started, (self.skipped_steps, self.empty_steps)
+                result.summary = summary_of(result, self.plan, start, seconds, self.monitor, skipped)
                 if self.env.is_main:
                     self.run.write_summary(result.summary)
             late = preemption.agreed_signal(stop, self.env)  # one during the last checkpoint: its exit code
@@ -331,7 +325,7 @@ class Trainer:
         for step in range(start, total):
             row = self._step_and_record(step, result)
             report.add(row)  # rank 0 only: other ranks have no loggers
-            bad_steps = bad_steps + 1 if row["skipped"] else 0
+            bad_steps = bad_steps + 1 if row["skipped"] and row["tokens"] else 0
             self._stop_on_bad_steps(step, bad_steps, row)
             if self._stop_on_signal(step, stop, result):
                 return
@@ -344,7 +338,10 @@ class Trainer:
         """Train step `step`, let the monitor check it (and re-plan when it passed the budget), evaluate
         when due; the step's metrics row."""
         row = self.train_step(step)
-        over = self.monitor.after_step(step, row, self.plan, last=step + 1 == self.recipe.train.steps)
+        last = step + 1 == self.recipe.train.steps
+        over = (
+            self.monitor.after_step(step, row, self.plan, last) if row["tokens"] else None
+        )  # empty: no figure
         if over is not None:
             self._recover_from_oom(step, over)
         result.losses.append(row["loss"])
@@ -384,8 +381,9 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         totals = self.accumulate_gradients(step)
-        grad_norm, skipped = self.optimizer_step()
-        loss = float(all_reduce_sum(totals.loss_sum, self.env)) / max(totals.global_tokens, 1)
+        empty = not totals.global_tokens  # on every rank: the count is all-reduced
+        grad_norm, skipped = self._skip_empty_step(step) if empty else self.optimizer_step()
+        loss = math.nan if empty else float(all_reduce_sum(totals.loss_sum, self.env)) / totals.global_tokens
         elapsed = time.perf_counter() - t0
         row: dict[str, Any] = {
             "step": step + 1,
@@ -408,6 +406,14 @@ class Trainer:
             norm, skipped = self._clip_and_step()
         self.skipped_steps += int(skipped)
         return norm, skipped
+
+    def _skip_empty_step(self, step: int) -> tuple[float, bool]:
+        """A global step without a loss token (every label -100) has nothing to learn: it was not run, the
+        optimizer does not step (weight decay and the moments would still move), and it is counted."""
+        self.skipped_steps, self.empty_steps = self.skipped_steps + 1, self.empty_steps + 1
+        if self.env.is_main:
+            print(f"[memtrain] step {step + 1}: no loss tokens in the batch; skipped", file=sys.stderr)
+        return 0.0, True
 
     def _clip_and_step(self) -> tuple[float, bool]:
         assert self.model is not None and self.optimizer is not None
@@ -470,6 +476,8 @@ class Trainer:
         global_tokens = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
         scale = self._sharding.grad_sync_scale(self.env) / max(global_tokens, 1)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        if not global_tokens:  # no loss token on any rank: `train_step` skips the step
+            return StepTotals(loss_sum=loss_total, global_tokens=0, micro_batches=len(micro_batches))
         self.model.train()
         failed = False
         for index, micro_batch in enumerate(micro_batches):
@@ -499,7 +507,7 @@ class Trainer:
             with self.monitor.phase("forward"), self.plan.precision.autocast(self.env.device):
                 loss_sum, num_tokens = self.loss(self.model, micro_batch)
             if expected_tokens is not None:
-                self._check_token_count(num_tokens, expected_tokens)
+                check_token_count(num_tokens, expected_tokens)
             with self.monitor.phase("backward"):
                 scaled = loss_sum * scale
                 self._sharding.backward(
@@ -587,11 +595,3 @@ class Trainer:
     @staticmethod
     def _due(step: int, every: int) -> bool:
         return every > 0 and (step + 1) % every == 0
-
-    @staticmethod
-    def _check_token_count(reported: int | torch.Tensor, counted: int) -> None:
-        if int(reported) != counted:
-            raise MemtrainError(
-                f"loss() reported {int(reported)} tokens but count_tokens() counted {counted}; "
-                "override Trainer.count_tokens so the two agree (the loss must be a sum over these tokens)"
-            )
