@@ -15,6 +15,7 @@ final checkpoint's parameters and optimizer states.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import contextlib
 import copy
@@ -981,16 +982,24 @@ def corrupt(work: Path, seed: int, only: int | None = None) -> Outcome:
 
 
 def unsafe_loads() -> list[str]:
-    """Source lines in memtrain that could unpickle arbitrary objects."""
+    """Calls in memtrain that could unpickle arbitrary objects: `torch.load` without `weights_only=True`,
+    `pickle.load` / `pickle.loads` (read from the code, not its docstrings, which name them to say why)."""
     found = []
     for path in sorted(Path(memtrain.__file__).parent.rglob("*.py")):
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            code = line.split("#")[0]
-            if ("torch.load(" in code and "weights_only=True" not in code) or re.search(
-                r"\bpickle\.loads?\(", code
-            ):
-                found.append(f"{path.name}:{number}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and _unpickles(node):
+                found.append(f"{path.name}:{node.lineno}")
     return found
+
+
+def _unpickles(call: ast.Call) -> bool:
+    name = ast.unparse(call.func)
+    if name in ("pickle.load", "pickle.loads"):
+        return True
+    if name != "torch.load":
+        return False
+    weights_only = [k.value for k in call.keywords if k.arg == "weights_only"]
+    return not (weights_only and isinstance(weights_only[0], ast.Constant) and weights_only[0].value is True)
 
 
 def corrupt_two_ranks(work: Path, seed: int) -> Outcome:
