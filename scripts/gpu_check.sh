@@ -229,9 +229,6 @@ EOF
   bench loss 45 bench_loss.py --device cuda --vocab 32768 131072 -- --vocab 4096
   bench fit_budget 200 bench_fit_budget.py --time-budget 170 -- --cpu-smoke --model tiny --seq-len 64 --budgets 24 --steps 2
   bench vs_peers 75 bench_vs_peers.py --quick --reps 1 --steps 20 --no-track -- --model tiny --reps 1 --steps 3 --tools hand,memtrain --no-track
-  if [ "$CUDA" = 0 ]; then
-    say "fit_budget without --cpu-smoke on this machine: $("$PY" scripts/bench_fit_budget.py 2>&1 | tail -1)"
-  fi
 fi
 
 # ------------------------------------------------------------------------------------------ summary
