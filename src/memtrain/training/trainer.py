@@ -325,7 +325,8 @@ class Trainer:
         for step in range(start, total):
             row = self._step_and_record(step, result)
             report.add(row)  # rank 0 only: other ranks have no loggers
-            bad_steps = bad_steps + 1 if row["skipped"] and row["tokens"] else 0
+            if row["tokens"]:  # a step without a loss token neither counts as bad nor ends a bad run
+                bad_steps = bad_steps + 1 if row["skipped"] else 0
             self._stop_on_bad_steps(step, bad_steps, row)
             if self._stop_on_signal(step, stop, result):
                 return
