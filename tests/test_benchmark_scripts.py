@@ -69,11 +69,15 @@ def test_the_common_bisection_finds_the_largest_fitting_candidate(fit_budget: An
 
 @pytest.mark.slow
 def test_cpu_mode_runs_every_tool_under_the_simulated_budget(fit_budget: Any, tmp_path: Path) -> None:
-    """The CPU mode end to end on the tiny model, one budget, every tool in this process (one import):
-    every tool has an answer or a stated reason for each metric, and the report has every table."""
+    """The CPU mode end to end on the tiny model, one budget, every tool in one process of its own (one
+    import; not pytest's: after this run a LoRA plan made in the same process counted no adapter weights,
+    a leak of global state still to find, see the note of issue 23): every tool has an answer or a stated
+    reason for each metric, and the report has every table."""
     out = tmp_path / "fit.json"
     flags = "--cpu --model tiny --global-batch 1 --budgets 100 --reps 1 --steps 1 --in-process".split()
-    fit_budget.main([*flags, "--json", str(out), "--markdown", str(tmp_path / "fit.md")])
+    script = [sys.executable, str(SCRIPTS / "bench_fit_budget.py"), *flags]
+    done = run([*script, "--json", str(out), "--markdown", str(tmp_path / "fit.md")], timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     tools = list(fit_budget.TOOLS)
     assert list(result["search"]) == tools and result["errors"] == {}
