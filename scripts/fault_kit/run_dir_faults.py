@@ -47,8 +47,18 @@ def damage(path: Path, how: str, seed: str) -> None:
         path.write_text('["a list", 1]\n')
     elif how == "directory":
         path.mkdir()
+        (path / "inside").write_text("x")
     else:
-        path.symlink_to(path.name)
+        path.symlink_to(path.name)  # a link to itself
+
+
+def copy_of(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(recipe, run) of a copy of the finished run under `finished` (its `run/`), placed under `tmp_path`."""
+    run = tmp_path / "run"
+    shutil.copytree(finished / "run", run, symlinks=True)
+    raw = json.loads((run / "recipe.json").read_text())
+    raw["run"]["output_dir"] = str(run)
+    return write_recipe(tmp_path / "recipe.yaml", raw), run
 
 
 def checkpoint_files(run: Path) -> dict[str, bytes]:

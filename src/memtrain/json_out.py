@@ -53,12 +53,17 @@ def write_atomic(path: Path, data: Any) -> None:
     reader never sees half a file. The temporary file is a new one with a name of its own (`mkstemp`:
     exclusive, never a symlink planted at a guessable name), flushed to disk before the rename; a failure
     removes it and is a one-line `MemtrainError` naming `path` (`write_error`)."""
-    text = dumps(data, indent=2, sort_keys=True)
+    write_bytes_atomic(path, dumps(data, indent=2, sort_keys=True).encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` atomically, through a new temporary file of its own next to it (never a
+    name a symlink could be planted at), fsync'd; an `OSError` removes it and is `write_error`'s line."""
     tmp: str | None = None
     try:
         handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

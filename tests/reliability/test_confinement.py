@@ -28,6 +28,7 @@ from memtrain.causal_lm.export import export_hf
 from memtrain.run import RunLayout
 from memtrain.run import checkpoints as ckpt
 
+from fault_kit.run_dir_faults import copy_of
 from fault_kit.scenarios import in_process, write_recipe
 from helpers import tiny_recipe_dict
 
@@ -43,15 +44,6 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rc, _, err = in_process(cli.main, ["train", str(recipe)])
     assert rc == 0, err
     return base
-
-
-def copy_of(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """(recipe, run) of a copy of the finished run under `tmp_path`."""
-    run = tmp_path / "run"
-    shutil.copytree(finished / "run", run, symlinks=True)
-    raw = json.loads((run / "recipe.json").read_text())
-    raw["run"]["output_dir"] = str(run)
-    return write_recipe(tmp_path / "recipe.yaml", raw), run
 
 
 class Outside:

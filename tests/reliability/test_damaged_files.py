@@ -19,8 +19,6 @@ import errno
 import itertools
 import json
 import os
-import random
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,29 +30,11 @@ from memtrain.planner import step_time_calibration as stc
 from memtrain.run import RunLayout
 from memtrain.run import checkpoints as ckpt
 
+from fault_kit.run_dir_faults import copy_of, damage
 from fault_kit.scenarios import in_process, recipe_dict, write_recipe
 from helpers import tiny_recipe_dict
 
 DAMAGES = ("empty", "random bytes", "wrong JSON type", "directory", "symlink loop")
-
-
-def damage(path: Path, how: str) -> None:
-    """Put `how` in the place of the file `path` (removed first)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        path.unlink()
-    if how == "empty":
-        path.write_bytes(b"")
-    elif how == "random bytes":
-        path.write_bytes(random.Random(path.name).randbytes(4096))
-    elif how == "wrong JSON type":
-        path.write_text('["a list", 1]\n')
-    elif how == "directory":
-        path.mkdir()
-        (path / "inside").write_text("x")
-    else:
-        path.symlink_to(path.name)  # a link to itself
 
 
 def own_files(run: Path) -> dict[str, Path]:
@@ -76,15 +56,6 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rc, _, err = in_process(cli.main, ["train", str(recipe)])
     assert rc == 0, err
     return base
-
-
-def copy_of(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """(recipe, run) of a copy of the finished run under `tmp_path`."""
-    run = tmp_path / "run"
-    shutil.copytree(finished / "run", run, symlinks=True)
-    raw = json.loads((run / "recipe.json").read_text())
-    raw["run"]["output_dir"] = str(run)
-    return write_recipe(tmp_path / "recipe.yaml", raw), run
 
 
 def checkpoint_trees(run: Path) -> dict[str, bytes]:
@@ -120,7 +91,7 @@ def test_every_own_file_damaged_is_one_line_or_repaired_and_loses_nothing(
         work = tmp_path / f"{name}-{how}"
         recipe, run = copy_of(finished, work)
         before = checkpoint_trees(run)
-        damage(own_files(run)[name], how)
+        damage(own_files(run)[name], how, name)
         rc, out, err = in_process(cli.main, ["export", str(run), "--out", str(work / "hf")])
         problem = one_line_or_ok(rc, err, name)
         rc, out, err = in_process(cli.main, ["train", str(recipe), "--resume", "auto", "train.steps=3"])
@@ -140,7 +111,7 @@ def test_a_checkpoints_symlink_loop_is_one_line_and_trains_nothing(finished: Pat
     and fail at the first save (the steps it trained lost, with a traceback). (A file there is the
     preflight's error already.)"""
     recipe, run = copy_of(finished, tmp_path)
-    damage(RunLayout(run).checkpoints, "symlink loop")
+    damage(RunLayout(run).checkpoints, "symlink loop", "checkpoints")
     rc, out, err = in_process(cli.main, ["train", str(recipe), "--resume", "auto"])
     assert one_line_or_ok(rc, err, "checkpoints") is None and rc == 2, err
     assert "step 1" not in out  # nothing trained
@@ -202,7 +173,7 @@ def nonpositive_times(cache: Path) -> None:
 
 
 CACHE_DAMAGES: dict[str, Callable[[Path], None]] = {
-    **{how: (lambda path, how=how: damage(path, how)) for how in DAMAGES},
+    **{how: (lambda path, how=how: damage(path, how, path.name)) for how in DAMAGES},
     "non-positive step times": nonpositive_times,
 }
 
@@ -215,7 +186,7 @@ def test_a_damaged_step_time_cache_is_ignored_with_a_warning(
     problems = []
     for name, spoil in CACHE_DAMAGES.items():
         if os.path.lexists(cache) and (cache.is_symlink() or cache.is_dir()):
-            damage(cache, "empty")
+            damage(cache, "empty", cache.name)
         cache.write_bytes(kept)
         spoil(cache)
         rc, out, err = in_process(cli.main, ["plan", str(recipe)])

@@ -10,10 +10,8 @@ aside whole, never decoded into a traceback; neither write follows a symlink.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from memtrain import json_out
@@ -54,18 +52,5 @@ def split_after(path: Path, step: int) -> tuple[list[bytes], list[bytes]]:
 
 
 def rewrite_lines(path: Path, lines: list[bytes]) -> None:
-    """Replace `path` with `lines` atomically, through a new temporary file of its own (never a name a
-    symlink could be planted at)."""
-    tmp: str | None = None
-    try:
-        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(handle, "wb") as out:
-            out.write(b"".join(line + b"\n" for line in lines))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise json_out.write_error(path, exc) from None
+    """Replace `path` with `lines` atomically (`json_out.write_bytes_atomic`)."""
+    json_out.write_bytes_atomic(path, b"".join(line + b"\n" for line in lines))
