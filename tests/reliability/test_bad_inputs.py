@@ -12,13 +12,12 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from test_bounded_input import fails_clearly
 
-from memtrain import cli
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import PlanError, RecipeError
 
 from fault_kit.input_bombs import run_bounded
-from fault_kit.scenarios import in_process
 from helpers import REPO, TINY_LLAMA, tiny_recipe, tiny_recipe_dict
 
 TOKENIZER = str(REPO / "data" / "tiny-sft-tokenizer")
@@ -30,15 +29,6 @@ def recipe_file(tmp_path: Path, **sections: dict[str, Any]) -> str:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     return str(path)
-
-
-def fails_clearly(argv: list[str], *expected: str) -> str:
-    rc, _, err = in_process(cli.main, argv)
-    assert rc == 2, (rc, err[-2000:])
-    assert "Traceback" not in err
-    for text in expected:
-        assert text in err, (text, err[-2000:])
-    return err
 
 
 def test_jsonl_row_nested_100k_deep_is_one_line(tmp_path: Path) -> None:
