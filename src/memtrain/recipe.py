@@ -154,6 +154,15 @@ m/(sqrt(v) + eps) is +-1 on step 1 for any nonzero gradient), and trained weight
 represent the step size and raises inside `optimizer.step()`, after the first step's work."""
 
 
+class EarlyStoppingConfig(RecipeSection):
+    patience: int = Field(
+        gt=0, description="Evaluations in a row without an improvement before the run stops (checkpointed)."
+    )
+    min_delta: float = Field(
+        default=0.0, ge=0.0, description="An eval loss this much below the best so far is an improvement."
+    )
+
+
 class TrainConfig(RecipeSection):
     steps: int = Field(default=100, gt=0)
     lr: float = Field(default=3e-4, gt=0, description=f"Peak learning rate, at most {MAX_LR:g}.")
@@ -171,6 +180,11 @@ class TrainConfig(RecipeSection):
     grad_clip: float | None = Field(default=1.0, gt=0)
     eval_every: int = Field(default=0, ge=0, description="0 disables evaluation.")
     eval_batches: int = Field(default=4, gt=0)
+    early_stopping: EarlyStoppingConfig | None = Field(
+        default=None,
+        description="Stop when the eval loss has not improved for `patience` evaluations (needs "
+        "train.eval_every), e.g. {patience: 3, min_delta: 0.01}.",
+    )
     log_every: int = Field(default=1, gt=0)
     max_bad_steps: int = Field(
         default=5,
@@ -436,6 +450,8 @@ class Recipe(RecipeSection):
             )
         if isinstance(micro, int) and micro > self.batch.global_size:
             problems.append(f"batch.micro_size: {micro} exceeds batch.global_size ({self.batch.global_size})")
+        if self.train.early_stopping is not None and not self.train.eval_every:
+            problems.append("train.early_stopping: stops on the eval loss; set train.eval_every above 0")
         if self.train.lr * self.train.weight_decay > 1:
             problems.append(
                 f"train.weight_decay: {self.train.weight_decay:g} times train.lr ({self.train.lr:g}) is above 1; "

@@ -16,6 +16,9 @@ sample.
 
 from __future__ import annotations
 
+import contextlib
+import glob
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,22 +65,81 @@ def build_splits(
     global_batch: int = 1,
     eval_rows: int = 0,
 ) -> Splits:
-    """Samples of the recipe's data, shuffled once by `seed`, with the last `eval_fraction` held out.
-    A streamed dataset keeps its training samples in the stream and holds out `eval_rows` samples."""
+    """Samples of the recipe's data, shuffled once by `seed`, with the last `eval_fraction` held out, or
+    all of them and the separate `data.eval` set (`eval_samples`). A streamed dataset keeps its training
+    samples in the stream and holds out `eval_rows` samples (none with `data.eval`)."""
     source = source_of(cfg)
     if cfg.streaming:
-        return _streamed(cfg, source, seed, global_batch, eval_rows)
+        return _streamed(cfg, source, seed, global_batch, eval_rows, vocab_size, env)
     samples = source.samples(cfg, vocab_size, seed, env)
     if not samples:
         raise RecipeError([f"data.path: {cfg.path} yields no sample with a target (of at least 2 tokens)"])
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     shuffled = [samples[i] for i in order]
+    if cfg.eval.given:
+        return Splits(train=shuffled, eval=eval_samples(cfg, vocab_size, seed, env))
     held_out = int(len(shuffled) * cfg.eval_fraction)
     cut = len(shuffled) - held_out
     return Splits(train=shuffled[:cut], eval=shuffled[cut:])
 
 
-def _streamed(cfg: DataConfig, source: DataSource, seed: int, global_batch: int, eval_rows: int) -> Splits:
+def eval_config(cfg: DataConfig) -> DataConfig:
+    """The `data:` section that reads the `data.eval` set: the training data's, with the eval set's path
+    and split (each defaulting to the training data's), loaded whole."""
+    path, split = cfg.eval.path or cfg.path, cfg.eval.split or cfg.split
+    return cfg.model_copy(update={"path": path, "split": split, "streaming": False})
+
+
+def eval_configs(cfg: DataConfig) -> list[DataConfig]:
+    """The `data:` sections that read the `data.eval` set, one per file: a glob reads each file it matches,
+    in name order (a `datasets` source reads a glob itself)."""
+    eval_cfg, pattern = eval_config(cfg), cfg.eval.path
+    if pattern is None or not glob.has_magic(pattern) or source_of(cfg).has_splits:
+        return [eval_cfg]
+    files = sorted(glob.glob(pattern, recursive=True))
+    if not files:
+        raise RecipeError([f"data.eval.path: no file matches {pattern}"])
+    return [eval_cfg.model_copy(update={"path": f}) for f in files]
+
+
+def eval_samples(cfg: DataConfig, vocab_size: int, seed: int, env: DistEnv | None) -> list[Sample]:
+    """The samples of the `data.eval` set, in stored order, read as the training data is (data.kind, fields,
+    tokenizer, seq_len, packing). A problem names the data.eval key to change."""
+    source = source_of(cfg)
+    with renamed_for_eval(cfg):
+        samples = [s for c in eval_configs(cfg) for s in source.samples(c, vocab_size, seed, env)]
+    if not samples:
+        where = cfg.eval.path or f"split {cfg.eval.split!r} of {cfg.path}"
+        raise RecipeError([f"data.eval: {where} yields no sample with a target (of at least 2 tokens)"])
+    return samples
+
+
+@contextlib.contextmanager
+def renamed_for_eval(cfg: DataConfig) -> Iterator[None]:
+    """A `RecipeError` about data.path / data.split raised meanwhile names data.eval.path / data.eval.split
+    instead, where the eval set gives them (the eval set is read through a copy of the `data:` section)."""
+    try:
+        yield
+    except RecipeError as exc:
+        raise RecipeError([eval_key(problem, cfg) for problem in exc.problems]) from None
+
+
+def eval_key(problem: str, cfg: DataConfig) -> str:
+    for key, given in (("data.path", cfg.eval.path), ("data.split", cfg.eval.split)):
+        if given is not None and problem.startswith(key + ":"):
+            return "data.eval." + key.split(".")[1] + problem[len(key) :]
+    return problem
+
+
+def _streamed(
+    cfg: DataConfig,
+    source: DataSource,
+    seed: int,
+    global_batch: int,
+    eval_rows: int,
+    vocab_size: int,
+    env: DistEnv | None,
+) -> Splits:
     tokenizer = load_tokenizer(cfg)
     stream = StreamedSamples(
         records=source.records(cfg),
@@ -87,8 +149,10 @@ def _streamed(cfg: DataConfig, source: DataSource, seed: int, global_batch: int,
         bos=tokenizer.bos,
         global_batch=global_batch,
         seed=seed,
-        eval_fraction=cfg.eval_fraction,
+        eval_fraction=0.0 if cfg.eval.given else cfg.eval_fraction,
     )
+    if cfg.eval.given:
+        return Splits(train=[], eval=eval_samples(cfg, vocab_size, seed, env)[:eval_rows], stream=stream)
     return Splits(train=[], eval=stream.eval_samples(eval_rows), stream=stream)
 
 

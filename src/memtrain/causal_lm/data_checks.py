@@ -12,9 +12,10 @@ recipe key to change.
 
 from __future__ import annotations
 
+from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.sources import DATA_SOURCES, DataSource, source_of
-from memtrain.causal_lm.tokenizer import load_tokenizer
+from memtrain.causal_lm.tokenizer import Tokenizer, load_tokenizer
 from memtrain.errors import RecipeError, did_you_mean
 
 FIELD_ROLES = ("text", "messages", "prompt", "completion")  # the keys of data.fields
@@ -40,9 +41,17 @@ def data_problems(cfg: DataConfig) -> list[str]:
             "chat_template.jinja holds one)"
         ]
     try:
-        return source.problems(cfg, tokenizer)
+        return source.problems(cfg, tokenizer) or _eval_problems(cfg, source, tokenizer)
     except RecipeError as exc:
         return exc.problems
+
+
+def _eval_problems(cfg: DataConfig, source: DataSource, tokenizer: Tokenizer) -> list[str]:
+    """The `data.eval` set, checked as the training data is, each problem under its data.eval key."""
+    if not cfg.eval.given:
+        return []
+    with data_lib.renamed_for_eval(cfg):
+        return [p for eval_cfg in data_lib.eval_configs(cfg) for p in source.problems(eval_cfg, tokenizer)]
 
 
 def _key_problems(cfg: DataConfig, source: DataSource) -> list[str]:
@@ -56,6 +65,14 @@ def _key_problems(cfg: DataConfig, source: DataSource) -> list[str]:
     if cfg.streaming and not source.streams:
         streamed = "', '".join(s.name for s in DATA_SOURCES if s.streams)
         problems.append(f"data.streaming: streams data.source '{streamed}' only (not {cfg.source!r})")
+    if cfg.eval.path is not None and not source.needs_path:
+        problems.append(
+            f"data.eval.path: data.source {cfg.source!r} reads no file; leave data.eval unset to hold out "
+            "data.eval_fraction"
+        )
+    if cfg.eval.split is not None and not source.has_splits:
+        split = " or ".join(s.name for s in DATA_SOURCES if s.has_splits)
+        problems.append(f"data.eval.split: only data.source {split} has splits; give data.eval.path instead")
     if cfg.kind != "text" and not source.reads_records:
         readers = " or ".join(s.name for s in DATA_SOURCES if s.reads_records)
         problems.append(

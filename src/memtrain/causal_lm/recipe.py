@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from memtrain.recipe import ModelSection, Recipe, RecipeSection, strategy_keys_section
 
@@ -41,6 +41,27 @@ class SyntheticData(RecipeSection):
     num_samples: int = Field(default=4096, gt=0)
     min_len: int = Field(default=0, ge=0, description="0 means every sample is seq_len+1 tokens.")
     vocab_size: int | None = Field(default=None, gt=1, description="Default: the model's vocab_size.")
+
+
+class EvalData(RecipeSection):
+    """`data.eval`: a validation set of its own, read like the training data (its data.source, kind, fields,
+    tokenizer, seq_len and packing). Unset (neither key), the last data.eval_fraction is held out instead."""
+
+    path: str | None = Field(
+        default=None,
+        description="A file or glob of eval records in data.source's format (default: data.path, with "
+        "data.eval.split).",
+    )
+    split: str | None = Field(
+        default=None,
+        description="A datasets split to evaluate on, e.g. validation (data.source: dataset; default: "
+        "data.split).",
+    )
+
+    @property
+    def given(self) -> bool:
+        """Whether a separate eval set is named (else the held-out data.eval_fraction)."""
+        return self.path is not None or self.split is not None
 
 
 class DataConfig(RecipeSection):
@@ -74,8 +95,20 @@ class DataConfig(RecipeSection):
     packing: bool = Field(
         default=True, description="Fixed-length packing; false = one padded document per row."
     )
-    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    eval_fraction: float = Field(
+        default=0.05, ge=0.0, lt=1.0, description="Held out for evaluation when data.eval is unset."
+    )
+    eval: EvalData = Field(
+        default_factory=EvalData,
+        description="A separate eval set: {path: FILE_OR_GLOB} and/or {split: NAME}, or just the path; "
+        "then no training data is held out.",
+    )
     synthetic: SyntheticData = SyntheticData()
+
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval_path_alone(cls, value: Any) -> Any:
+        return {"path": value} if isinstance(value, str) else value
 
 
 class CausalLMRecipe(Recipe):
@@ -87,6 +120,7 @@ class CausalLMRecipe(Recipe):
         "model.config_path",
         "model.pretrained",
         "data.path",
+        "data.eval.path",
         "data.tokenizer",
     )
     sequence_length_key: ClassVar[str | None] = "data.seq_len"

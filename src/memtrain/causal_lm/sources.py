@@ -53,6 +53,7 @@ class DataSource:
     reads_records: ClassVar[bool] = False  # records with columns: every data.kind, not only text
     streams: ClassVar[bool] = False  # data.streaming reads `records` epoch by epoch
     tokenized: ClassVar[bool] = True  # text through data.tokenizer into documents
+    has_splits: ClassVar[bool] = False  # data.split (and data.eval.split) name a split of data.path
 
     def documents(self, cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None) -> list[sft.Document]:
         """Every document, in stored order."""
@@ -223,6 +224,7 @@ class DatasetSource(DataSource):
     name = "dataset"
     reads_records = True
     streams = True
+    has_splits = True
 
     def records(self, cfg: DataConfig) -> Records:
         dataset = dataset_source.load(cfg, streaming=True)

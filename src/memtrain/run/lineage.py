@@ -36,7 +36,7 @@ recipe.<n>.json). These keys (`all_free_keys()`, with everything under them) may
 - `train.steps`: extending a run is the point of a resume (the schedule's decay stretches to the new end);
 - `run.name`, `run.output_dir`, `checkpoint.*`, `output.*`: where and how often things are written;
 - `train.log_every`, `train.eval_every`, `train.eval_batches`: what is reported, not what is trained;
-- `train.max_bad_steps`: when to stop, not how to step;
+- `train.max_bad_steps`, `train.early_stopping`: when to stop, not how to step;
 - `memory.*`, `planner.*`, `batch.micro_size`, `batch.micro_tokens`, and the strategy keys declared with
   `changes_trajectory=False` (`memtrain.strategies.catalog.free_keys`: sharding and its options,
   checkpointing, the loss, the optimizer step; the table in docs/STRATEGIES.md): the gradient is that of
@@ -81,6 +81,7 @@ RUN_FREE_KEYS = (
     "train.eval_every",
     "train.eval_batches",
     "train.max_bad_steps",
+    "train.early_stopping",
     "train.stop_signals",
     "batch.micro_size",
     "batch.micro_tokens",

@@ -135,14 +135,19 @@ def wants_progress_line(setting: str, every_s: float, is_main: bool) -> bool:
 
 
 def format_progress(row: Mapping[str, Any], total: int) -> str:
+    """The step's line; an evaluation's row adds its eval loss and perplexity."""
+    evaluated = (
+        f" eval_loss {row['eval_loss']:.4f} ppl {row['eval_perplexity']:.4g}" if "eval_loss" in row else ""
+    )
     return (
         f"[memtrain] step {row['step']}/{total} loss {row['loss']:.4f} lr {row['lr']:.3g} "
-        f"tok/s {row['tokens_per_s']:.0f} peak {format_bytes(int(row['peak_memory_bytes']))}"
+        f"tok/s {row['tokens_per_s']:.0f} peak {format_bytes(int(row['peak_memory_bytes']))}{evaluated}"
     )
 
 
 class ProgressLine:
-    """Prints `format_progress` to stderr at most every `every_s` seconds, and always for the last step."""
+    """Prints `format_progress` to stderr at most every `every_s` seconds, and always for the last step and
+    an evaluation's step."""
 
     def __init__(
         self,
@@ -156,12 +161,14 @@ class ProgressLine:
         self._stream, self._clock = stream, clock
         self._last: float | None = None
 
-    def _due(self, step: int, now: float) -> bool:
-        return step >= self.total or self._last is None or now - self._last >= self.every_s
+    def _due(self, row: Mapping[str, Any], now: float) -> bool:
+        if int(row["step"]) >= self.total or "eval_loss" in row or self._last is None:
+            return True
+        return now - self._last >= self.every_s
 
     def update(self, row: Mapping[str, Any]) -> None:
         now = self._clock()
-        if not self.enabled or not self._due(int(row["step"]), now):
+        if not self.enabled or not self._due(row, now):
             return
         self._last = now
         print(format_progress(row, self.total), file=self._stream or sys.stderr, flush=True)

@@ -33,6 +33,7 @@ class FitResult:
     stopped_by: str | None = None  # that signal: "SIGTERM" (exit 0) or "SIGINT" (Ctrl-C, exit 130)
     summary: dict[str, Any] = field(default_factory=dict)
     tokens_seen: int = 0  # loss tokens of the steps this call trained
+    stopped_early: int | None = None  # the step after which `train.early_stopping` ended the run
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ def summary_of(
         "tokens_per_s": result.tokens_seen / seconds if seconds > 0 else 0.0,
         "seconds": seconds,
         "peak_memory_bytes": monitor.max_step_peak,
+        "stopped_early": result.stopped_early,
         "skipped_steps": skipped[0],
         "empty_steps": skipped[1],
         "step_time": monitor.step_time,

@@ -55,7 +55,7 @@ from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.training import loggers, preemption, preflight, trainer_state
+from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
 from memtrain.training.results import FitResult, StepTotals, check_token_count, seed_everything, summary_of
 
@@ -84,6 +84,7 @@ class Trainer:
         self.skipped_steps = 0
         self.empty_steps = 0  # of those, steps without a loss token (this process's count)
         self._blocks: list[nn.Module] = []  # the blocks strategies wrapped (a re-plan re-wraps them)
+        self.early_stopping = evaluation.EarlyStopping(self.recipe.train.early_stopping)
 
     @property
     def run_dir(self) -> Path:
@@ -322,13 +323,15 @@ class Trainer:
             loggers.StepReport(self.recipe, self.run_dir, self.env.is_main, start, resume_step)
         )
         bad_steps = 0
-        for step in range(start, total):
+        for step in range(start, total if not evaluation.stopped_before(self, start) else start):
             row = self._step_and_record(step, result)
             report.add(row)  # rank 0 only: other ranks have no loggers
             if row["tokens"]:  # a step without a loss token neither counts as bad nor ends a bad run
                 bad_steps = bad_steps + 1 if row["skipped"] else 0
             self._stop_on_bad_steps(step, bad_steps, row)
-            if self._stop_on_signal(step, stop, result):
+            if self._stop_on_signal(step, stop, result) or evaluation.stop_early(
+                self, step, result, self.save_checkpoint
+            ):
                 return
             if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
                 self.save_checkpoint(step + 1)
@@ -349,8 +352,7 @@ class Trainer:
         result.steps_done = step + 1
         result.tokens_seen += row["tokens"]
         if self._due(step, self.recipe.train.eval_every):
-            row["eval_loss"] = self.evaluate()
-            result.eval_losses[step + 1] = row["eval_loss"]
+            evaluation.record(self, step, row, result)
         return row
 
     def _stop_on_bad_steps(self, step: int, bad_steps: int, row: dict[str, Any]) -> None:
@@ -533,29 +535,24 @@ class Trainer:
             switch_in_place(self._sharding.unwrap(self.model), self._blocks, new.checkpointing, new.loss)
         self.plan = new
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Token-weighted mean loss over `eval_batches()` on every rank, combined over ranks."""
-        assert self.model is not None
-        self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        for batch in self.eval_batches():
-            for micro_batch in self.split_batch(self._to_device(batch), self.plan.micro_batch_size):
-                with self.plan.precision.autocast(self.env.device):
-                    loss_sum, num_tokens = self.loss(self._sharding.unwrap(self.model), micro_batch)
-                totals[0] += loss_sum.double()
-                totals[1] += float(num_tokens)
-        self.model.train()
-        totals = all_reduce_sum(totals, self.env)
-        return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+        """Token-weighted mean loss over `eval_batches()` on every rank, combined over ranks (`evaluation`)."""
+        return evaluation.mean_loss(self)
 
     # ------------------------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, step: int) -> Path:
         """Atomically save everything needed to continue exactly after `step` steps
         (`RunDirectory.save_checkpoint`: a full disk on any rank is one error on every rank)."""
-        meta = trainer_state.checkpoint_meta(
-            self.recipe, self.plan, self.env.world_size, self.skipped_steps, self._sharding.checkpoint_format
+        meta = (
+            trainer_state.checkpoint_meta(
+                self.recipe,
+                self.plan,
+                self.env.world_size,
+                self.skipped_steps,
+                self._sharding.checkpoint_format,
+            )
+            | self.early_stopping.meta()
         )
         return self.run.save_checkpoint(step, self._state().write, meta, self.recipe.checkpoint.keep)
 
@@ -584,6 +581,7 @@ class Trainer:
         meta = self.run.check_resumable(found, recipe, self.recipe.train.steps, allow_recipe_change)
         self._state().load(found)
         self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.early_stopping.load(meta)
         self.plan = trainer_state.adopt_saved_micro_batch(self.plan, meta, self.env.world_size)
         if self.env.is_main:
             print(f"[memtrain] resumed from {found.path} at step {found.step}", flush=True)
