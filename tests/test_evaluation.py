@@ -99,6 +99,11 @@ def test_eval_problems_name_the_eval_keys(tmp_path: Path) -> None:
     early = tiny_recipe_dict(tmp_path, train={"early_stopping": {"patience": 2}})
     with pytest.raises(RecipeError, match=r"train\.early_stopping: .*train\.eval_every"):
         CausalLMRecipe.from_dict(early)
+    unseen = tiny_recipe_dict(
+        tmp_path, train={"eval_every": 2, "early_stopping": {"patience": 2}}, data={"eval_fraction": 0.0}
+    )
+    with pytest.raises(RecipeError, match=r"train\.early_stopping: no eval set; set data\.eval"):
+        CausalLMRecipe.from_dict(unseen)
 
 
 # ------------------------------------------------------------------------------------ loss and perplexity

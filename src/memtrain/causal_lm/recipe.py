@@ -134,4 +134,6 @@ class CausalLMRecipe(Recipe):
         problems = super().cross_checks()
         if self.model.config is not None and self.model.config_path is not None:
             problems.insert(0, "model: give only one of model.config and model.config_path")
+        if self.train.early_stopping is not None and not (self.data.eval.given or self.data.eval_fraction):
+            problems.append("train.early_stopping: no eval set; set data.eval or data.eval_fraction above 0")
         return problems

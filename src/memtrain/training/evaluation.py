@@ -20,25 +20,49 @@ that stopped early ends at once (raise `patience`, or remove it, to train on: a 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
 from memtrain.distributed import DistEnv, all_reduce_sum
 from memtrain.recipe import EarlyStoppingConfig
 
 if TYPE_CHECKING:
+    from memtrain.plan import Plan
+    from memtrain.strategies.sharding.base import ShardingBackend
     from memtrain.training.results import FitResult
-    from memtrain.training.trainer import Trainer
 
 META_KEY = "early_stopping"  # the checkpoint meta's entry with the state
+Batch = dict[str, torch.Tensor]
+
+
+class Evaluating(Protocol):
+    """What evaluation reads of the trainer (`memtrain.training.trainer.Trainer`, which imports this
+    module: a protocol, not an import)."""
+
+    env: DistEnv
+    model: nn.Module | None
+    sharding: ShardingBackend | None
+    early_stopping: EarlyStopping
+
+    @property
+    def plan(self) -> Plan: ...
+
+    def eval_batches(self) -> Iterable[Batch]: ...
+
+    def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]: ...
+
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int | torch.Tensor]: ...
+
+    def evaluate(self) -> float: ...
 
 
 @torch.no_grad()
-def mean_loss(trainer: Trainer) -> float:
+def mean_loss(trainer: Evaluating) -> float:
     """The token-weighted mean loss over `trainer.eval_batches()` on every rank, combined over ranks (NaN
     when no rank has an eval target token)."""
     model, plan, env = trainer.model, trainer.plan, trainer.env
@@ -46,7 +70,8 @@ def mean_loss(trainer: Trainer) -> float:
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)
     for batch in trainer.eval_batches():
-        for micro_batch in trainer.split_batch(trainer._to_device(batch), plan.micro_batch_size):
+        on_device = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+        for micro_batch in trainer.split_batch(on_device, plan.micro_batch_size):
             with plan.precision.autocast(env.device):
                 loss_sum, num_tokens = trainer.loss(trainer.sharding.unwrap(model), micro_batch)
             totals[0] += loss_sum.double()
@@ -61,7 +86,7 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 709.0 else (math.inf if loss == loss else math.nan)
 
 
-def record(trainer: Trainer, step: int, row: dict[str, Any], result: FitResult) -> None:
+def record(trainer: Evaluating, step: int, row: dict[str, Any], result: FitResult) -> None:
     """Evaluate after `step` (0-based): the eval loss and perplexity into the metrics row and the result,
     and the loss to early stopping."""
     loss = trainer.evaluate()
@@ -84,7 +109,7 @@ class EarlyStopping:
         """One evaluation after `step` steps (a NaN loss is no improvement)."""
         if self.config is None:
             return
-        if self.best is None or loss < self.best - self.config.min_delta:
+        if not math.isnan(loss) and (self.best is None or loss < self.best - self.config.min_delta):
             self.best, self.best_step, self.since_best = loss, step, 0
         else:
             self.since_best += 1
@@ -99,20 +124,27 @@ class EarlyStopping:
 
     def load(self, meta: dict[str, Any]) -> None:
         """The state a checkpoint saved (`meta`), or a fresh one when it saved none."""
-        saved = meta.get(META_KEY) or {}
-        self.best, self.best_step = saved.get("best"), saved.get("best_step")
-        self.since_best = int(saved.get("since_best", 0))
+        saved = meta.get(META_KEY)
+        saved = saved if isinstance(saved, dict) else {}
+        self.best, self.best_step = _number(saved.get("best"), float), _number(saved.get("best_step"), int)
+        self.since_best = _number(saved.get("since_best"), int) or 0
 
     def reason(self) -> str:
         assert self.config is not None
         delta = f" by more than {self.config.min_delta:g}" if self.config.min_delta else ""
+        best = "" if self.best is None else f" on its best, {self.best:.4f} after step {self.best_step},"
         return (
-            f"the eval loss has not improved{delta} on its best, {self.best:.4f} after step {self.best_step}, "
-            f"in {self.since_best} evaluations (train.early_stopping.patience: {self.config.patience})"
+            f"the eval loss has not improved{delta}{best} in {self.since_best} evaluations "
+            f"(train.early_stopping.patience: {self.config.patience})"
         )
 
 
-def stop_early(trainer: Trainer, step: int, result: FitResult, save: Callable[[int], Path]) -> bool:
+def _number(value: Any, kind: type[float] | type[int]) -> Any:
+    """`value` as `kind` when it is a number (a meta.json edited by hand may hold anything), else None."""
+    return kind(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def stop_early(trainer: Evaluating, step: int, result: FitResult, save: Callable[[int], Path]) -> bool:
     """After step `step` (0-based): when early stopping says so, a checkpoint of it (`save`), the line
     that says why, and True (end the run)."""
     if not trainer.early_stopping.stopped:
@@ -123,7 +155,7 @@ def stop_early(trainer: Trainer, step: int, result: FitResult, save: Callable[[i
     return True
 
 
-def stopped_before(trainer: Trainer, start: int) -> bool:
+def stopped_before(trainer: Evaluating, start: int) -> bool:
     """True when the checkpoint a run resumed from (after `start` steps) had already stopped early: the
     run ends at once, saying so."""
     if not trainer.early_stopping.stopped:
@@ -136,7 +168,7 @@ def stopped_before(trainer: Trainer, start: int) -> bool:
     return True
 
 
-def _announce(what: str, trainer: Trainer) -> None:
+def _announce(what: str, trainer: Evaluating) -> None:
     env: DistEnv = trainer.env
     if env.is_main:
         print(f"[memtrain] early stopping: {what}: {trainer.early_stopping.reason()}", flush=True)
