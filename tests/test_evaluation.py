@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks
@@ -47,13 +46,17 @@ def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # ------------------------------------------------------------------------------------ the eval set
 
 
-def test_eval_set_from_a_file_and_a_glob(tmp_path: Path) -> None:
+def test_eval_set_from_a_file_and_a_glob_else_the_fraction(tmp_path: Path) -> None:
     """The hole: there was no data.eval; a validation file could not be named, only a held-out fraction
-    of the training data. Now its rows are the eval rows, and no training row is held out."""
+    of the training data. Now its rows are the eval rows and no training row is held out; unset, the
+    last data.eval_fraction of the shuffled samples is held out, as before."""
     train = _jsonl(tmp_path / "train.jsonl", [f"train document {i}" for i in range(20)])
     _jsonl(tmp_path / "val-a.jsonl", [f"val a{i}" for i in range(3)])
     _jsonl(tmp_path / "val-b.jsonl", [f"val b{i}" for i in range(2)])
     base = {"source": "jsonl", "path": str(train), "seq_len": 32, "packing": False, "eval_fraction": 0.25}
+    held_out = data_lib.build_splits(DataConfig(**base), 256, 0)
+    assert (len(held_out.train), len(held_out.eval)) == (15, 5)
+    assert _texts(held_out.train + held_out.eval) == sorted(f"train document {i}\n" for i in range(20))
     one = data_lib.build_splits(DataConfig(**base, eval=str(tmp_path / "val-a.jsonl")), 256, 0)
     assert _texts(one.eval) == [f"val a{i}\n" for i in range(3)]
     assert len(one.train) == 20  # all of it: data.eval replaces the held-out fraction
@@ -74,15 +77,6 @@ def test_eval_set_from_a_dataset_split(tmp_path: Path, datasets_cache: Path) -> 
     splits = data_lib.build_splits(cfg, 256, 0)
     assert _texts(splits.eval) == [f"held {i}\n" for i in range(4)]
     assert len(splits.train) == 30
-
-
-def test_fraction_stays_the_default(tmp_path: Path) -> None:
-    """Without data.eval, the last data.eval_fraction of the shuffled samples is held out, as before."""
-    train = _jsonl(tmp_path / "train.jsonl", [f"train document {i}" for i in range(20)])
-    cfg = DataConfig(source="jsonl", path=str(train), seq_len=32, packing=False, eval_fraction=0.25)
-    splits = data_lib.build_splits(cfg, 256, 0)
-    assert len(splits.eval) == 5 and len(splits.train) == 15
-    assert _texts(splits.train + splits.eval) == sorted(f"train document {i}\n" for i in range(20))
 
 
 def test_eval_problems_name_the_eval_keys(tmp_path: Path) -> None:
@@ -134,25 +128,6 @@ def test_eval_loss_and_perplexity_in_metrics_tensorboard_and_progress(
     assert [int(step) for step, _, _ in printed] == [2, 4]
     for (_, loss, ppl), row in zip(printed, rows, strict=True):
         assert (loss, ppl) == (f"{row['eval_loss']:.4f}", f"{row['eval_perplexity']:.4g}")
-
-
-def test_eval_loss_is_the_mean_over_target_tokens(tmp_path: Path) -> None:
-    """The eval loss averages over target tokens, not rows (rows of 4 to 17 tokens, two micro-batches)."""
-    batch, train = {"global_size": 8, "micro_size": 4}, {"eval_batches": 1}  # the first 8 eval rows
-    recipe = tiny_recipe(tmp_path, batch=batch, train=train, data={"eval_fraction": 0.1})
-    trainer = CausalLMTrainer(recipe)
-    trainer.setup()
-    assert trainer.model is not None
-    rows = trainer.eval_samples[:8]
-    losses = []
-    with torch.no_grad():
-        for sample in rows:
-            logits = trainer.model(input_ids=sample.input_ids[None]).logits[0]
-            losses.append(torch.nn.functional.cross_entropy(logits.double(), sample.labels, reduction="none"))
-    per_token = torch.cat(losses).mean().item()
-    per_row = torch.stack([loss.mean() for loss in losses]).mean().item()
-    assert trainer.evaluate() == pytest.approx(per_token, rel=1e-6)
-    assert abs(per_row - per_token) > 1e-4  # the rows' mean would be told apart
 
 
 # ------------------------------------------------------------------------------------ early stopping
