@@ -56,6 +56,11 @@ def _key_problems(cfg: DataConfig, source: DataSource) -> list[str]:
     if cfg.streaming and not source.streams:
         streamed = "', '".join(s.name for s in DATA_SOURCES if s.streams)
         problems.append(f"data.streaming: streams data.source '{streamed}' only (not {cfg.source!r})")
+    if cfg.pack_mode != "auto" and not cfg.packing:
+        problems.append(
+            f"data.pack_mode: {cfg.pack_mode} packs rows, and data.packing is false (set data.packing: true, "
+            "or leave data.pack_mode at auto)"
+        )
     if cfg.kind != "text" and not source.reads_records:
         readers = " or ".join(s.name for s in DATA_SOURCES if s.reads_records)
         problems.append(
