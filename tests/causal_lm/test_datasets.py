@@ -1,7 +1,7 @@
-"""Data sources: a jsonl file, a parquet file through `datasets`, and a streamed dataset each train, and a
-run resumed from its step-2 checkpoint equals the uninterrupted run bit for bit. `datasets` tokenizes
-once (its cache), reads directories, globs, splits and cached hub ids offline; bad data is a named
-`memtrain validate` error."""
+"""Data sources: a jsonl file (text, and chat packed whole), a parquet file through `datasets`, and a
+streamed dataset each train, and a run resumed from its step-2 checkpoint equals the uninterrupted run bit
+for bit. `datasets` tokenizes once (its cache), reads directories, globs, splits and cached hub ids
+offline; bad data is a named `memtrain validate` error."""
 
 from __future__ import annotations
 
@@ -64,6 +64,13 @@ def _sources(tmp_path: Path) -> dict[str, dict[str, Any]]:
             "tokenizer": TOKENIZER,
             "packing": False,
         },
+        "jsonl-chat-whole": {  # conversations packed whole (pack_mode auto), those over seq_len cut
+            "source": "jsonl",
+            "path": str(REPO / "data/tiny_chat.jsonl"),
+            "kind": "chat",
+            "tokenizer": TOKENIZER,
+            "packing": True,
+        },
         "streamed": {
             "source": "dataset",
             "path": str(bodies),
@@ -91,7 +98,7 @@ class CrashesAtStep2(CausalLMTrainer):
         return super().train_step(step)
 
 
-@pytest.mark.parametrize("source", ["jsonl", "parquet-chat", "streamed"])
+@pytest.mark.parametrize("source", ["jsonl", "parquet-chat", "jsonl-chat-whole", "streamed"])
 def test_source_trains_and_resumes_bit_exact(tmp_path: Path, source: str) -> None:
     data = {"seq_len": 32, "eval_fraction": 0.1, **_sources(tmp_path)[source]}
     straight = CausalLMTrainer(tiny_recipe(tmp_path / "a", data=data, **SECTIONS))

@@ -1,6 +1,7 @@
 """Packing: documents joined with EOS (one BOS, at the start), rows of seq_len, position ids restarting per
-document; each document's loss in a packed batch equals its loss alone (sdpa and eager), through the
-trainer's own `loss`; and `memtrain plan` predicts a packed run's peak within 2% of `memtrain profile`."""
+document; each document's loss in a packed batch equals its loss alone (sdpa and eager, split and whole
+packing: whole, every document is compared), through the trainer's own `loss`; and `memtrain plan`
+predicts a packed run's peak within 2% of `memtrain profile`."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 import yaml
 
 from memtrain.causal_lm import data as data_lib
-from memtrain.causal_lm.packing import Packer, document_sample, pack, position_ids
-from memtrain.causal_lm.recipe import CausalLMRecipe
+from memtrain.causal_lm.packing import Packer, document_sample, pack, position_ids, rows_of
+from memtrain.causal_lm.recipe import CausalLMRecipe, DataConfig
 from memtrain.causal_lm.sft import IGNORE_INDEX, Document
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
@@ -90,11 +91,14 @@ def _token_losses(
     )
 
 
+@pytest.mark.parametrize("mode", ["split", "whole"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_document_losses_equal_documents_alone(tmp_path: Path, attention: str) -> None:
+def test_packed_document_losses_equal_documents_alone(tmp_path: Path, attention: str, mode: str) -> None:
+    """Whole packing (the hole: it did not exist) must hold every document whole, each with its loss alone."""
     model = _model(attention)
     docs = _docs(24, seed=0)
-    rows = pack(docs, seq_len=24, bos=[])
+    cfg = DataConfig(source="jsonl", path="x.jsonl", seq_len=24, pack_mode=mode)
+    rows = rows_of(docs, cfg, bos=[])[0]
     batch = data_lib.collate(rows, list(range(len(rows))))
     with torch.no_grad():
         packed = _token_losses(model, batch["input_ids"], batch["labels"], position_ids=batch["position_ids"])
@@ -103,23 +107,24 @@ def test_packed_document_losses_equal_documents_alone(tmp_path: Path, attention:
         starts = batch["position_ids"] == 0
         compared, total_alone = 0, 0.0
         for row in range(len(rows)):
-            bounds = [
-                *starts[row].nonzero().flatten().tolist(),
-                int((batch["labels"][row] != -100).nonzero().max()) + 2,
-            ]
+            last = (
+                len(rows[row]) if mode == "whole" else int((batch["labels"][row] != -100).nonzero().max()) + 2
+            )
+            bounds = [*starts[row].nonzero().flatten().tolist(), last]
             for begin, end in zip(bounds, bounds[1:], strict=False):
                 segment = batch["input_ids"][row, begin:end]
                 alone = _token_losses(model, segment[None], batch["labels"][row, begin:end][None])
                 assert torch.allclose(packed[row, begin:end], alone, atol=1e-5), (row, begin)
                 total_alone += float(alone.sum())
-                matches = [d for d in docs if d.tokens == segment.tolist()]
+                # Split rows hold a document's EOS as an input; whole rows hold the document's own row.
+                matches = [d for d in docs if d.tokens[: len(d) - (mode == "whole")] == segment.tolist()]
                 if matches:  # a whole document: its loss run one by one, as an unpacked row
                     sample = document_sample(matches[0], seq_len=64)
                     assert sample is not None
                     single = _token_losses(model, sample.input_ids[None], sample.labels[None]).sum()
                     assert abs(float(single) - float(packed[row, begin:end].sum())) <= 1e-5
                     compared += 1
-        assert compared >= 12
+        assert compared == len(docs) if mode == "whole" else compared >= 12
         # The trainer's loss passes the position ids: the packed batch's sum is the sum of the documents'.
         trainer = CausalLMTrainer(tiny_recipe(tmp_path))
         loss_sum, tokens = trainer.loss(model, batch)

@@ -3,7 +3,8 @@ synthetic tokens, local text and jsonl files, datasets through the `datasets` li
 by `causal_lm.streaming`).
 
 Every record becomes a document (`causal_lm.sft`: which tokens carry loss for `data.kind`), and documents
-become rows (`causal_lm.packing`): one per row, or packed with position ids that restart per document.
+become rows (`causal_lm.packing`): one per row, or packed (split, or each document whole in one row) with
+position ids that restart per document.
 A `Sample` holds a row's `input_ids` and next-token `labels`; batches are right-padded with
 `labels = -100` where there is no target, so a causal model never attends to padding and the loss
 counts only real tokens.
@@ -150,6 +151,8 @@ def _streamed(
         global_batch=global_batch,
         seed=seed,
         eval_fraction=0.0 if cfg.eval.given else cfg.eval_fraction,
+        whole=packing.mode_of(cfg) == "whole",
+        overlong=cfg.overlong,
     )
     if cfg.eval.given:
         return Splits(train=[], eval=eval_samples(cfg, vocab_size, seed, env)[:eval_rows], stream=stream)

@@ -73,6 +73,11 @@ def _key_problems(cfg: DataConfig, source: DataSource) -> list[str]:
     if cfg.eval.split is not None and not source.has_splits:
         split = " or ".join(s.name for s in DATA_SOURCES if s.has_splits)
         problems.append(f"data.eval.split: only data.source {split} has splits; give data.eval.path instead")
+    if cfg.pack_mode != "auto" and not cfg.packing:
+        problems.append(
+            f"data.pack_mode: {cfg.pack_mode} packs rows, and data.packing is false (set data.packing: true, "
+            "or leave data.pack_mode at auto)"
+        )
     if cfg.kind != "text" and not source.reads_records:
         readers = " or ".join(s.name for s in DATA_SOURCES if s.reads_records)
         problems.append(

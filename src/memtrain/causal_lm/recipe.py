@@ -95,6 +95,17 @@ class DataConfig(RecipeSection):
     packing: bool = Field(
         default=True, description="Fixed-length packing; false = one padded document per row."
     )
+    pack_mode: Literal["auto", "split", "whole"] = Field(
+        default="auto",
+        description="How data.packing fills rows. whole: every document (conversation) whole in one row, "
+        "rows filled best-fit decreasing; split: documents joined and cut every seq_len tokens (pretraining); "
+        "auto: whole for kind chat / prompt_completion, split for text.",
+    )
+    overlong: Literal["truncate", "drop"] = Field(
+        default="truncate",
+        description="A document longer than data.seq_len (whole packing, or packing: false): cut to seq_len "
+        "tokens, or left out. The count is printed when the data is built.",
+    )
     eval_fraction: float = Field(
         default=0.05, ge=0.0, lt=1.0, description="Held out for evaluation when data.eval is unset."
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -66,7 +67,7 @@ class DataSource:
     def samples(self, cfg: DataConfig, vocab_size: int, seed: int, env: DistEnv | None) -> list[Sample]:
         """Every sample in stored order (`vocab_size`: the model's)."""
         tokenizer = load_tokenizer(cfg.tokenizer)
-        return samples_of(self.documents(cfg, tokenizer, env), cfg, tokenizer)
+        return samples_of(self.documents(cfg, tokenizer, env), cfg, tokenizer, env)
 
     def problems(self, cfg: DataConfig, tokenizer: Tokenizer) -> list[str]:
         """What `memtrain validate` finds wrong in a tokenized source's data (after the tokenizer loaded),
@@ -87,11 +88,15 @@ def source_of(cfg: DataConfig) -> DataSource:
     return DATA_SOURCES.get(cfg.source)
 
 
-def samples_of(docs: list[sft.Document], cfg: DataConfig, tokenizer: Tokenizer) -> list[Sample]:
-    """Packed rows, or one row per document (cut to seq_len; documents without a target dropped)."""
-    if cfg.packing:
-        return packing.pack(docs, cfg.seq_len, tokenizer.bos)
-    return [s for s in (packing.document_sample(d, cfg.seq_len) for d in docs) if s is not None]
+def samples_of(
+    docs: list[sft.Document], cfg: DataConfig, tokenizer: Tokenizer, env: DistEnv | None = None
+) -> list[Sample]:
+    """Packed rows (split or whole), or one row per document (documents without a target dropped); the main
+    rank prints one line of what became of the documents (`packing.RowsReport`)."""
+    rows, report = packing.rows_of(docs, cfg, tokenizer.bos)
+    if env is None or env.is_main:
+        print(report.line(), file=sys.stderr, flush=True)
+    return rows
 
 
 def encode_problems(

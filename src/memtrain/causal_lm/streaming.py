@@ -7,6 +7,10 @@ shuffle buffer driven by one generator seeded with `run.seed`. Sample p of that 
 therefore always the same, and step s takes samples [s * global_batch, (s + 1) * global_batch). A resumed
 run replays the sequence up to its step (it re-reads and re-tokenizes what it skips: exact, at the cost
 of reading that far again). Every rank reads the whole stream and keeps its share of each step.
+
+Whole packing (`data.pack_mode`) over a stream packs `packing.WHOLE_PACK_WINDOW` documents at a time, in
+stream order (a bounded look-ahead: rows are best-fit within a window, not over the whole corpus), so its
+rows too are a function of the stream's order and replay alike.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 import torch
 
-from memtrain.causal_lm.packing import Packer, Sample, document_sample
+from memtrain.causal_lm.packing import WHOLE_PACK_WINDOW, Packer, Sample, WholePacker, fitted
 from memtrain.causal_lm.sft import Document
 from memtrain.errors import RecipeError
 
@@ -44,9 +48,12 @@ class StreamedSamples:
         seed: int,
         eval_fraction: float,
         buffer: int = SHUFFLE_BUFFER,
+        whole: bool = False,
+        overlong: str = "truncate",
     ) -> None:
         self.records, self.encode = records, encode
         self.seq_len, self.packing, self.bos = seq_len, packing, bos
+        self.whole, self.overlong = whole, overlong
         self.global_batch, self.seed, self.buffer = global_batch, seed, buffer
         self.every = hold_out_every(eval_fraction)
         self._iterator: Iterator[Sample] | None = None
@@ -75,8 +82,10 @@ class StreamedSamples:
         return list(itertools.islice(self._samples(self._epoch(held_out=True)), count))
 
     def host_bytes(self) -> int:
-        """The shuffle buffer: its rows' input ids, labels and document starts."""
-        return self.buffer * self.seq_len * (8 + 8 + 1)
+        """The shuffle buffer: its rows' input ids, labels and document starts (and, packing whole, the
+        look-ahead's documents and the rows packed from them)."""
+        rows = self.buffer + (2 * WHOLE_PACK_WINDOW if self.packing and self.whole else 0)
+        return rows * self.seq_len * (8 + 8 + 1)
 
     def _epoch(self, held_out: bool) -> Iterator[Document]:
         for index, (record, where) in enumerate(self.records()):
@@ -89,11 +98,11 @@ class StreamedSamples:
     def _samples(self, docs: Iterable[Document]) -> Iterator[Sample]:
         if not self.packing:
             for doc in docs:
-                sample = document_sample(doc, self.seq_len)
+                sample = fitted(doc, self.seq_len, self.overlong)
                 if sample is not None:
                     yield sample
             return
-        packer = Packer(self.seq_len, self.bos)
+        packer = WholePacker(self.seq_len, self.overlong) if self.whole else Packer(self.seq_len, self.bos)
         for doc in docs:
             yield from packer.add(doc)
         yield from packer.flush()
