@@ -47,7 +47,7 @@ from memtrain.errors import RecipeError, did_you_mean, shortened
 from memtrain.jsonfile import mib
 from memtrain.loggers import LOGGERS
 from memtrain.registry import Registry
-from memtrain.schedules import SCHEDULES
+from memtrain.schedules import SCHEDULES, DecayShape
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES, chosen_in
 from memtrain.yamlfile import MAX_RECIPE_BYTES, cut, parse_yaml, read_yaml
 
@@ -160,10 +160,22 @@ class TrainConfig(RecipeSection):
     schedule: str = Field(
         default="cosine",
         description="Learning-rate schedule after the linear warmup (memtrain.schedules): cosine or linear decay "
-        "to min_lr_ratio * lr at train.steps, or constant.",
+        "to min_lr_ratio * lr at train.steps, constant, or wsd (constant, then train.decay_shape over the last "
+        "train.decay_fraction of the steps).",
         json_schema_extra=_names_in_schema(SCHEDULES),
     )
-    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="The learning rate decays to min_lr_ratio * lr at train.steps.",
+    )
+    decay_fraction: float = Field(
+        default=0.2, gt=0.0, le=1.0, description="schedule wsd: the share of train.steps its decay takes."
+    )
+    decay_shape: DecayShape = Field(
+        default="linear", description="schedule wsd: how its decay falls to min_lr_ratio * lr."
+    )
     warmup_steps: int = Field(default=0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
