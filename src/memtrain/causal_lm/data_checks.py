@@ -12,8 +12,9 @@ recipe key to change.
 
 from __future__ import annotations
 
+from memtrain.causal_lm import mixture
 from memtrain.causal_lm.recipe import DataConfig
-from memtrain.causal_lm.sources import DATA_SOURCES, DataSource, source_of
+from memtrain.causal_lm.sources import DATA_SOURCES, DataSource, Vocabulary, source_of
 from memtrain.causal_lm.tokenizer import load_tokenizer
 from memtrain.errors import RecipeError, did_you_mean
 
@@ -21,7 +22,10 @@ FIELD_ROLES = ("text", "messages", "prompt", "completion")  # the keys of data.f
 
 
 def data_problems(cfg: DataConfig) -> list[str]:
-    """Every problem of the `data:` section found without reading more than the first records."""
+    """Every problem of the `data:` section found without reading more than the first records (of each
+    source of a mixture)."""
+    if cfg.mixture is not None:
+        return mixture.problems(cfg, data_problems)
     try:
         source = source_of(cfg)
     except RecipeError as exc:
@@ -43,6 +47,17 @@ def data_problems(cfg: DataConfig) -> list[str]:
         return source.problems(cfg, tokenizer)
     except RecipeError as exc:
         return exc.problems
+
+
+def vocabulary(cfg: DataConfig) -> Vocabulary | None:
+    """The token ids the data can hold (None: as many as the model has): its source's, or the largest of a
+    mixture's sources (None when a source's name is unknown: `data_problems` says so)."""
+    configs = [mixture.entry_config(cfg, i) for i in range(len(cfg.mixture))] if cfg.mixture else [cfg]
+    try:
+        found = [v for c in configs if (v := source_of(c).vocabulary(c)) is not None]
+    except RecipeError:
+        return None
+    return max(found, key=lambda v: v.size, default=None)
 
 
 def _key_problems(cfg: DataConfig, source: DataSource) -> list[str]:

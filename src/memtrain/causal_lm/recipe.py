@@ -43,6 +43,24 @@ class SyntheticData(RecipeSection):
     vocab_size: int | None = Field(default=None, gt=1, description="Default: the model's vocab_size.")
 
 
+class MixtureSource(RecipeSection):
+    """One entry of `data.mixture`: a file (or dataset) of its own kind, and its share of the samples. A key
+    left out reads as the `data:` key of the same name (`source` from the path's suffix)."""
+
+    path: str = Field(description="The source's file, glob, directory or hub id (as data.path).")
+    weight: float = Field(
+        default=1.0, gt=0, description="Its share of the training samples (weights are normalised)."
+    )
+    source: str | None = Field(
+        default=None,
+        description="text | jsonl | dataset; default: jsonl for .jsonl, text for .txt, else dataset.",
+    )
+    kind: Literal["text", "chat", "prompt_completion"] | None = None
+    fields: dict[str, str] | None = None
+    jsonl_field: str | None = None
+    split: str | None = None
+
+
 class DataConfig(RecipeSection):
     source: str = Field(
         default="synthetic",
@@ -75,6 +93,12 @@ class DataConfig(RecipeSection):
         default=True, description="Fixed-length packing; false = one padded document per row."
     )
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    mixture: list[MixtureSource] | None = Field(
+        default=None,
+        min_length=1,
+        description="Several sources mixed by weight, each tokenized by its own kind and fields (instead of "
+        "data.path), e.g. [{path: chats.jsonl, weight: 0.7, kind: chat}, {path: notes.txt, weight: 0.3}].",
+    )
     synthetic: SyntheticData = SyntheticData()
 
 
@@ -93,6 +117,11 @@ class CausalLMRecipe(Recipe):
 
     model: CausalLMModelConfig = CausalLMModelConfig()
     data: DataConfig = DataConfig()
+
+    def path_values(self) -> dict[str, Any]:
+        """Every trainer's path keys, and the path of each `data.mixture` entry."""
+        entries = enumerate(self.data.mixture or [])
+        return {**super().path_values(), **{f"data.mixture[{i}].path": e.path for i, e in entries}}
 
     def cross_checks(self) -> list[str]:
         """Every trainer's checks, and one model source at most (the model config itself is checked in
