@@ -18,7 +18,7 @@ from memtrain.causal_lm import mixture
 from memtrain.causal_lm.trainer import CausalLMTrainer, model_problems
 from memtrain.errors import RecipeError
 
-from helpers import REPO, TINY_LLAMA, tiny_recipe
+from helpers import REPO, TINY_LLAMA, tiny_recipe, tiny_recipe_dict
 
 TOKENIZER = str(REPO / "data/tiny-sft-tokenizer")
 MODEL = {"config": {**TINY_LLAMA, "vocab_size": 320}}  # the tokenizer's 320 ids
@@ -128,6 +128,24 @@ def test_resume_mid_run_draws_the_same_samples_per_step(tmp_path: Path) -> None:
     assert full.losses[3:] == rest.losses
 
 
+def test_an_entry_reads_the_data_keys_it_leaves_out() -> None:
+    """`kind`, `fields`, ... and `source` from `data:`; `source` from the suffix while data.source is the
+    synthetic default (which has no path to mix)."""
+    from memtrain.causal_lm.recipe import DataConfig
+
+    mix = [{"path": "a.jsonl"}, {"path": "b.txt", "kind": "text"}, {"path": "c/", "source": "jsonl"}]
+    by_suffix = DataConfig.model_validate({"kind": "chat", "fields": {"messages": "m"}, "mixture": mix})
+    entries = [mixture.entry_config(by_suffix, i) for i in range(3)]
+    assert [(e.source, e.kind, e.path) for e in entries] == [
+        ("jsonl", "chat", "a.jsonl"),
+        ("text", "text", "b.txt"),
+        ("jsonl", "chat", "c/"),
+    ]
+    assert all(e.fields == {"messages": "m"} and e.mixture is None for e in entries)
+    given = DataConfig.model_validate({"source": "dataset", "mixture": mix})
+    assert [mixture.entry_config(given, i).source for i in range(3)] == ["dataset", "dataset", "jsonl"]
+
+
 BAD_ENTRIES = [  # (what data.mixture or data: holds, the one line expected to start with)
     ({"mixture": [{"path": "{chat}", "weight": 0}]}, "data.mixture[0].weight: "),
     (
@@ -194,3 +212,20 @@ def test_the_model_vocabulary_is_checked_against_a_mixtures_tokenizer(tmp_path: 
         "model.config.vocab_size: 64 is smaller than the tokenizer's 320 tokens (added and special tokens "
         "included); ids past the vocabulary would fail in the embedding"
     ]
+
+
+def test_validate_exits_2_with_the_entry_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What `memtrain validate` prints for a bad entry: the recipe, and one line naming the entry's key."""
+    import yaml
+
+    from memtrain.cli import main
+
+    chat, text = _files(tmp_path)
+    data = _data(chat, text)
+    data["mixture"][1]["path"] = str(tmp_path / "gone.txt")
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_recipe_dict(tmp_path, data=data, model=MODEL)))
+    assert main(["validate", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert f"{recipe}: 1 problem" in err and "  - data.mixture[1].path: file not found: " in err, err
+    assert "Traceback" not in err

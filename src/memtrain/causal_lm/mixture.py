@@ -31,13 +31,16 @@ from memtrain.errors import RecipeError
 ENTRY_KEYS = ("path", "source", "kind", "fields", "jsonl_field", "split")
 """The `data:` keys an entry sets for its own source (problems naming them are the entry's)."""
 
-SUFFIX_SOURCES = {".jsonl": "jsonl", ".txt": "text"}  # an entry without `source`: else "dataset"
+SUFFIX_SOURCES = {".jsonl": "jsonl", ".txt": "text"}  # else "dataset" (`entry_source`)
 
 
-def entry_source(entry: MixtureSource) -> str:
-    """The entry's `source`, or the one its path's suffix implies."""
+def entry_source(cfg: DataConfig, entry: MixtureSource) -> str:
+    """The entry's `source`, else `data.source`, else (`data.source` at its default, synthetic, which has
+    no path to mix) the one its path's suffix implies."""
     if entry.source is not None:
         return entry.source
+    if cfg.source != "synthetic":
+        return cfg.source
     return SUFFIX_SOURCES.get(Path(entry.path).suffix.lower(), "dataset")
 
 
@@ -47,7 +50,9 @@ def entry_config(cfg: DataConfig, index: int) -> DataConfig:
     assert cfg.mixture is not None
     entry = cfg.mixture[index]
     own = {key: getattr(entry, key) for key in ENTRY_KEYS if getattr(entry, key) is not None}
-    return cfg.model_copy(update={**own, "source": entry_source(entry), "mixture": None, "streaming": False})
+    return cfg.model_copy(
+        update={**own, "source": entry_source(cfg, entry), "mixture": None, "streaming": False}
+    )
 
 
 def entry_problem(problem: str, index: int) -> str:

@@ -45,7 +45,7 @@ class SyntheticData(RecipeSection):
 
 class MixtureSource(RecipeSection):
     """One entry of `data.mixture`: a file (or dataset) of its own kind, and its share of the samples. A key
-    left out reads as the `data:` key of the same name (`source` from the path's suffix)."""
+    left out reads as the `data:` key of the same name (`source`, while that is synthetic: from the path)."""
 
     path: str = Field(description="The source's file, glob, directory or hub id (as data.path).")
     weight: float = Field(
@@ -53,7 +53,8 @@ class MixtureSource(RecipeSection):
     )
     source: str | None = Field(
         default=None,
-        description="text | jsonl | dataset; default: jsonl for .jsonl, text for .txt, else dataset.",
+        description="text | jsonl | dataset; default: data.source, or when that is synthetic (its default), "
+        "jsonl for .jsonl, text for .txt, else dataset.",
     )
     kind: Literal["text", "chat", "prompt_completion"] | None = None
     fields: dict[str, str] | None = None
