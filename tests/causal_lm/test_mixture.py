@@ -73,6 +73,16 @@ def test_each_row_of_a_source_once_per_pass_over_it(unpacked: CausalLMTrainer) -
     assert sorted(draws[1][: mixed.sizes[1]]) == list(range(mixed.sizes[0], sum(mixed.sizes)))
 
 
+def test_held_out_rows_are_interleaved_by_weight(tmp_path: Path) -> None:
+    """An evaluation reads the first `train.eval_batches` batches of the held-out rows: they were the
+    first source's alone (the rows source after source)."""
+    data = _data(*_files(tmp_path), packing=False, eval_fraction=0.5)
+    held_out = CausalLMTrainer(tiny_recipe(tmp_path, data=data, model=MODEL)).eval_samples
+    chat = [bool((s.labels == data_lib.IGNORE_INDEX).any()) for s in held_out]
+    assert 0 < sum(chat) < len(chat)
+    assert abs(sum(chat[:20]) - 14) <= 1, chat  # 0.7 of the first 20
+
+
 def test_every_prefix_of_three_sources_is_within_two_samples_of_its_share() -> None:
     shares = (0.5, 0.3, 0.2)
     counts: Counter[int] = Counter()

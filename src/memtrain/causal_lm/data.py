@@ -97,16 +97,18 @@ def _held_out(samples: list[Sample], fraction: float, seed: int) -> Splits:
 
 
 def _mixed(cfg: DataConfig, vocab_size: int, seed: int, env: DistEnv | None) -> Splits:
-    """Each source of `data.mixture` split as one source is; the training rows source after source."""
+    """Each source of `data.mixture` split as one source is; the training rows source after source, the
+    held-out ones interleaved by weight (an evaluation reads the first few batches)."""
     assert cfg.mixture is not None
+    shares = mixture.weights(cfg)
     parts = [
         _held_out(mixture.entry_samples(cfg, i, vocab_size, seed, env), cfg.eval_fraction, seed)
         for i in range(len(cfg.mixture))
     ]
     return Splits(
         train=[s for part in parts for s in part.train],
-        eval=[s for part in parts for s in part.eval],
-        mixed=Mixed(tuple(len(part.train) for part in parts), mixture.weights(cfg)),
+        eval=mixture.interleaved([part.eval for part in parts], shares),
+        mixed=Mixed(tuple(len(part.train) for part in parts), shares),
     )
 
 

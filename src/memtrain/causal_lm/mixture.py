@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from memtrain.causal_lm.packing import Sample
 from memtrain.causal_lm.recipe import DataConfig, MixtureSource
@@ -30,6 +31,8 @@ from memtrain.errors import RecipeError
 
 ENTRY_KEYS = ("path", "source", "kind", "fields", "jsonl_field", "split")
 """The `data:` keys an entry sets for its own source (problems naming them are the entry's)."""
+
+T = TypeVar("T")
 
 SUFFIX_SOURCES = {".jsonl": "jsonl", ".txt": "text"}  # else "dataset" (`entry_source`)
 
@@ -130,3 +133,18 @@ def source_at(shares: tuple[float, ...], position: int) -> tuple[int, int]:
         else:
             low, n = middle, n - before
     return low, n
+
+
+def interleaved(parts: list[list[T]], shares: tuple[float, ...]) -> list[T]:
+    """Every item of `parts` (one list per source), in the order `source_at` draws the sources until one
+    runs out, then the rest source after source: a prefix (the held-out rows an evaluation of a few
+    batches reads) holds each source in its share."""
+    merged: list[T] = []
+    taken = [0] * len(parts)
+    position = 0
+    while all(t < len(part) for t, part in zip(taken, parts, strict=True)):
+        source, k = source_at(shares, position)
+        merged.append(parts[source][k])
+        taken[source] = k + 1
+        position += 1
+    return merged + [item for t, part in zip(taken, parts, strict=True) for item in part[t:]]
