@@ -27,7 +27,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -47,7 +47,7 @@ from memtrain.errors import RecipeError, did_you_mean, shortened
 from memtrain.jsonfile import mib
 from memtrain.loggers import LOGGERS
 from memtrain.registry import Registry
-from memtrain.schedules import SCHEDULES
+from memtrain.schedules import SCHEDULES, DecayShape
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES, chosen_in
 from memtrain.yamlfile import MAX_RECIPE_BYTES, cut, parse_yaml, read_yaml
 
@@ -169,10 +169,22 @@ class TrainConfig(RecipeSection):
     schedule: str = Field(
         default="cosine",
         description="Learning-rate schedule after the linear warmup (memtrain.schedules): cosine or linear decay "
-        "to min_lr_ratio * lr at train.steps, or constant.",
+        "to min_lr_ratio * lr at train.steps, constant, or wsd (constant, then train.decay_shape over the last "
+        "train.decay_fraction of the steps).",
         json_schema_extra=_names_in_schema(SCHEDULES),
     )
-    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="The learning rate decays to min_lr_ratio * lr at train.steps.",
+    )
+    decay_fraction: float = Field(
+        default=0.2, gt=0.0, le=1.0, description="schedule wsd: the share of train.steps its decay takes."
+    )
+    decay_shape: DecayShape = Field(
+        default="linear", description="schedule wsd: how its decay falls to min_lr_ratio * lr."
+    )
     warmup_steps: int = Field(default=0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -432,6 +444,11 @@ class Recipe(RecipeSection):
         """Hash of the resolved recipe; stored with checkpoints to detect resuming a different run."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def path_values(self) -> dict[str, Any]:
+        """The value of each key that names a file or directory (`path_keys`; a recipe part may add keys
+        of its own that a dotted name cannot reach, such as a list's entries)."""
+        return {key: self.value_at(key) for key in self.path_keys}
+
     def value_at(self, dotted: str) -> Any:
         """The value of a dotted key (`data.seq_len`)."""
         value: Any = self
@@ -663,29 +680,43 @@ def _describe(schema: type[Recipe], exc: ValidationError) -> list[str]:
 
 
 def _field_path(schema: type[Recipe], loc: list[str]) -> list[str]:
-    """The leading part of a pydantic error location that names recipe keys (drops union branch tags)."""
+    """The leading part of a pydantic error location that names recipe keys (drops union branch tags); an
+    entry of a list of sections is named by its index (`data.mixture[1].weight`)."""
     model: type[BaseModel] | None = schema
+    items: type[BaseModel] | None = None  # the last key holds a list of these sections
     path: list[str] = []
     for part in loc:
+        if items is not None and part.isdigit():
+            path[-1] += f"[{part}]"
+            model, items = items, None
+            continue
         if model is None:
             break
         path.append(part)
         field = model.model_fields.get(part)
         if field is None:
             break
-        annotation = field.annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        model, items = _section(field.annotation), _section(field.annotation, items=True)
     return path
+
+
+def _section(annotation: Any, items: bool = False) -> type[BaseModel] | None:
+    """The section class `annotation` is (`items`: holds a list of, maybe optional), or None."""
+    if items:
+        lists = [a for a in (annotation, *get_args(annotation)) if get_origin(a) is list]
+        annotation = get_args(lists[0])[0] if lists else None
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def _model_at(schema: type[Recipe], loc: list[str]) -> type[BaseModel] | None:
     model: type[BaseModel] = schema
     for part in loc:
-        field = model.model_fields.get(part)
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        name, indexed, _ = part.partition("[")
+        field = model.model_fields.get(name)
+        section = _section(field.annotation, items=bool(indexed)) if field else None
+        if section is None:
             return None
-        model = annotation
+        model = section
     return model
 
 
@@ -710,7 +741,7 @@ def _literal_values(annotation: Any) -> list[str]:
 def _path_problems(recipe: Recipe) -> list[str]:
     """Path values the filesystem would refuse with an exception (a NUL byte, a name too long, text that
     is not Unicode), each a problem naming its key; `run.name` is a path component without run.output_dir."""
-    given = {key: recipe.value_at(key) for key in recipe.path_keys}
+    given = recipe.path_values()
     if recipe.run.output_dir is None:
         given["run.name"] = recipe.run.name
     problems = []

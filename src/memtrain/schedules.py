@@ -12,7 +12,10 @@ not import the recipe. A schedule reads its settings through `ScheduleSettings`,
 Built in, each after a linear warmup over `train.warmup_steps` to `train.lr`:
 - `cosine` (the default): cosine decay to `min_lr_ratio * lr` at `train.steps`;
 - `linear`: linear decay to `min_lr_ratio * lr` at `train.steps`;
-- `constant`: `lr` from the end of the warmup on.
+- `constant`: `lr` from the end of the warmup on;
+- `wsd` (warmup-stable-decay): `lr` until the last `decay_fraction` of `train.steps`, then a
+  `decay_shape` decay (linear, cosine or 1-sqrt) to `min_lr_ratio * lr` at `train.steps`. Why: a run can
+  be extended or branched from any point of its stable phase, and only the short decay is redone.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from memtrain.registry import Registry
+
+DecayShape = Literal["linear", "cosine", "1-sqrt"]
+"""How `wsd` ends (`train.decay_shape`); each has its formula in `DECAY_SHAPES`."""
 
 
 class ScheduleSettings(Protocol):
@@ -42,6 +48,12 @@ class ScheduleSettings(Protocol):
 
     @property
     def min_lr_ratio(self) -> float: ...
+
+    @property
+    def decay_fraction(self) -> float: ...
+
+    @property
+    def decay_shape(self) -> DecayShape: ...
 
 
 LrFunction = Callable[[int, ScheduleSettings], float]
@@ -89,6 +101,34 @@ def _constant(progress: float, floor: float) -> float:
     return 1.0
 
 
+def _one_minus_sqrt(progress: float, floor: float) -> float:
+    return floor + (1.0 - floor) * (1.0 - math.sqrt(progress))
+
+
+DECAY_SHAPES: dict[DecayShape, Callable[[float, float], float]] = {
+    "linear": _linear,
+    "cosine": _cosine,
+    "1-sqrt": _one_minus_sqrt,
+}
+
+
+def decay_steps(s: ScheduleSettings) -> int:
+    """The steps of `wsd`'s decay: `decay_fraction` of `train.steps` (rounded, at least 1), never more
+    than the steps after the warmup."""
+    return max(min(round(s.decay_fraction * s.steps), s.steps - s.warmup_steps), 1)
+
+
+def _wsd(step: int, s: ScheduleSettings) -> float:
+    """Linear warmup, `lr` while stable, then `decay_shape` from `lr` (at `steps - decay_steps`) to
+    `min_lr_ratio * lr` (at `steps`, and after it)."""
+    if s.warmup_steps and step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    decay = decay_steps(s)
+    progress = min(max(step - (s.steps - decay), 0) / decay, 1.0)
+    return s.lr * DECAY_SHAPES[s.decay_shape](progress, s.min_lr_ratio)
+
+
 SCHEDULES.register(Schedule("cosine", after_warmup(_cosine)))
 SCHEDULES.register(Schedule("linear", after_warmup(_linear)))
 SCHEDULES.register(Schedule("constant", after_warmup(_constant)))
+SCHEDULES.register(Schedule("wsd", _wsd))

@@ -115,7 +115,7 @@ def test_unregistered_names_are_one_line_recipe_errors(tmp_path: Path) -> None:
     assert _only_problem(caught).startswith("output.loggers: 'toy' is not one of jsonl, tensorboard")
     with pytest.raises(RecipeError) as caught:
         tiny_recipe(tmp_path, train={"schedule": "halving"})
-    assert _only_problem(caught) == "train.schedule: 'halving' is not one of cosine, linear, constant"
+    assert _only_problem(caught) == "train.schedule: 'halving' is not one of cosine, linear, constant, wsd"
     recipe = _source_recipe(tmp_path)  # the data source is checked with the data: by validate and train
     expected = "data.source: 'repeated-text' is not one of synthetic, text, jsonl, dataset"
     for check in (lambda: validate(recipe, "recipe", CausalLMTrainer), lambda: CausalLMTrainer(recipe)):

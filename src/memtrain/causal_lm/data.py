@@ -12,7 +12,8 @@ counts only real tokens.
 Data order is a pure function of (seed, step): `StepSampler.indices(step)` gives the global step batch
 (a stream has its own replayable order). That makes resume exact (the data position *is* the step) and
 lets the trainer re-split the same batch after an out-of-memory error without losing or repeating a
-sample.
+sample. A mixture (`data.mixture`, `causal_lm.mixture`) keeps it so: each source's rows are built and held
+out as one source's are, and `MixtureSampler` gives each position of the run to a source by a formula.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import contextlib
 import glob
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import Protocol
 
 import torch
 
-from memtrain.causal_lm import packing, sft
+from memtrain.causal_lm import mixture, packing, sft
 from memtrain.causal_lm import tokenizer as tokenizer_lib
 from memtrain.causal_lm.packing import Sample
 from memtrain.causal_lm.recipe import DataConfig
@@ -47,8 +50,17 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 
 def carries_positions(cfg: DataConfig) -> bool:
-    """Whether batches carry `position_ids` (packed documents): attention is then masked per document."""
-    return cfg.packing and source_of(cfg).tokenized
+    """Whether batches carry `position_ids` (packed documents): attention is then masked per document
+    (every mixed source is tokenized)."""
+    return cfg.packing and (cfg.mixture is not None or source_of(cfg).tokenized)
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """`train` of a mixture: the rows of each source in turn (`sizes` of them), mixed by `shares`."""
+
+    sizes: tuple[int, ...]
+    shares: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class Splits:
     train: list[Sample]
     eval: list[Sample]
     stream: StreamedSamples | None = None  # `data.streaming`: the training samples by step (`train` is empty)
+    mixed: Mixed | None = None  # `data.mixture`
 
 
 def build_splits(
@@ -68,20 +81,45 @@ def build_splits(
 ) -> Splits:
     """Samples of the recipe's data, shuffled once by `seed`, with the last `eval_fraction` held out, or
     all of them and the separate `data.eval` set (`eval_samples`). A streamed dataset keeps its training
-    samples in the stream and holds out `eval_rows` samples (none with `data.eval`)."""
+    samples in the stream and holds out `eval_rows` samples (none with `data.eval`). A mixture splits each
+    of its sources so (`_mixed`)."""
+    if cfg.mixture is not None:
+        return _mixed(cfg, vocab_size, seed, env)
     source = source_of(cfg)
     if cfg.streaming:
         return _streamed(cfg, source, seed, global_batch, eval_rows, vocab_size, env)
     samples = source.samples(cfg, vocab_size, seed, env)
     if not samples:
         raise RecipeError([f"data.path: {cfg.path} yields no sample with a target (of at least 2 tokens)"])
+    if cfg.eval.given:
+        return Splits(
+            train=_held_out(samples, 0.0, seed).train, eval=eval_samples(cfg, vocab_size, seed, env)
+        )
+    return _held_out(samples, cfg.eval_fraction, seed)
+
+
+def _held_out(samples: list[Sample], fraction: float, seed: int) -> Splits:
+    """`samples` shuffled once by `seed`, the last `fraction` of them held out for evaluation."""
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     shuffled = [samples[i] for i in order]
-    if cfg.eval.given:
-        return Splits(train=shuffled, eval=eval_samples(cfg, vocab_size, seed, env))
-    held_out = int(len(shuffled) * cfg.eval_fraction)
-    cut = len(shuffled) - held_out
+    cut = len(shuffled) - int(len(shuffled) * fraction)
     return Splits(train=shuffled[:cut], eval=shuffled[cut:])
+
+
+def _mixed(cfg: DataConfig, vocab_size: int, seed: int, env: DistEnv | None) -> Splits:
+    """Each source of `data.mixture` split as one source is; the training rows source after source, the
+    held-out ones interleaved by weight (an evaluation reads the first few batches)."""
+    assert cfg.mixture is not None
+    shares = mixture.weights(cfg)
+    parts = [
+        _held_out(mixture.entry_samples(cfg, i, vocab_size, seed, env), cfg.eval_fraction, seed)
+        for i in range(len(cfg.mixture))
+    ]
+    return Splits(
+        train=[s for part in parts for s in part.train],
+        eval=mixture.interleaved([part.eval for part in parts], shares),
+        mixed=Mixed(tuple(len(part.train) for part in parts), shares),
+    )
 
 
 def eval_config(cfg: DataConfig) -> DataConfig:
@@ -179,6 +217,37 @@ class StepSampler:
             self._perm = torch.randperm(self.num_samples, generator=gen).tolist()
             self._cached_epoch = epoch
         return self._perm[offset]
+
+
+class Sampler(Protocol):
+    """Global sample indices for each step, a pure function of the step."""
+
+    def indices(self, step: int) -> list[int]: ...
+
+
+def sampler_for(splits: Splits, global_batch: int, seed: int) -> Sampler:
+    """The sampler of the training samples: a mixture's, or epochs over them all."""
+    if splits.mixed is not None:
+        return MixtureSampler(splits.mixed, global_batch, seed)
+    return StepSampler(len(splits.train), global_batch, seed)
+
+
+class MixtureSampler:
+    """Global sample indices for each step of a mixture: position `p` of the run is the k-th sample of
+    the source `mixture.source_at` names, and that source's own epochs of permutations give its row."""
+
+    def __init__(self, mixed: Mixed, global_batch: int, seed: int) -> None:
+        self.mixed = mixed
+        self.global_batch = global_batch
+        self.offsets = [0, *accumulate(mixed.sizes)]
+        self.sources = [StepSampler(size, 1, seed * 1_000 + i) for i, size in enumerate(mixed.sizes)]
+
+    def indices(self, step: int) -> list[int]:
+        return [self._at(p) for p in range(step * self.global_batch, (step + 1) * self.global_batch)]
+
+    def _at(self, position: int) -> int:
+        source, k = mixture.source_at(self.mixed.shares, position)
+        return self.offsets[source] + self.sources[source].indices(k)[0]
 
 
 def collate(samples: list[Sample] | list[torch.Tensor], sample_ids: list[int]) -> Batch:

@@ -13,8 +13,9 @@ recipe key to change.
 from __future__ import annotations
 
 from memtrain.causal_lm import data as data_lib
+from memtrain.causal_lm import mixture
 from memtrain.causal_lm.recipe import DataConfig
-from memtrain.causal_lm.sources import DATA_SOURCES, DataSource, source_of
+from memtrain.causal_lm.sources import DATA_SOURCES, DataSource, Vocabulary, source_of
 from memtrain.causal_lm.tokenizer import Tokenizer, load_tokenizer
 from memtrain.errors import RecipeError, did_you_mean
 
@@ -22,7 +23,15 @@ FIELD_ROLES = ("text", "messages", "prompt", "completion")  # the keys of data.f
 
 
 def data_problems(cfg: DataConfig) -> list[str]:
-    """Every problem of the `data:` section found without reading more than the first records."""
+    """Every problem of the `data:` section found without reading more than the first records (of each
+    source of a mixture)."""
+    if cfg.mixture is not None:
+        if cfg.eval.given:
+            return [
+                "data.eval: a data.mixture holds out each source's data.eval_fraction; leave data.eval unset "
+                "(a separate eval set for a mixture is not supported yet)"
+            ]
+        return mixture.problems(cfg, data_problems)
     try:
         source = source_of(cfg)
     except RecipeError as exc:
@@ -52,6 +61,17 @@ def _eval_problems(cfg: DataConfig, source: DataSource, tokenizer: Tokenizer) ->
         return []
     with data_lib.renamed_for_eval(cfg):
         return [p for eval_cfg in data_lib.eval_configs(cfg) for p in source.problems(eval_cfg, tokenizer)]
+
+
+def vocabulary(cfg: DataConfig) -> Vocabulary | None:
+    """The token ids the data can hold (None: as many as the model has): its source's, or the largest of a
+    mixture's sources (None when a source's name is unknown: `data_problems` says so)."""
+    configs = [mixture.entry_config(cfg, i) for i in range(len(cfg.mixture))] if cfg.mixture else [cfg]
+    try:
+        found = [v for c in configs if (v := source_of(c).vocabulary(c)) is not None]
+    except RecipeError:
+        return None
+    return max(found, key=lambda v: v.size, default=None)
 
 
 def _key_problems(cfg: DataConfig, source: DataSource) -> list[str]:

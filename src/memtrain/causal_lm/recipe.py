@@ -64,6 +64,25 @@ class EvalData(RecipeSection):
         return self.path is not None or self.split is not None
 
 
+class MixtureSource(RecipeSection):
+    """One entry of `data.mixture`: a file (or dataset) of its own kind, and its share of the samples. A key
+    left out reads as the `data:` key of the same name (`source`, while that is synthetic: from the path)."""
+
+    path: str = Field(description="The source's file, glob, directory or hub id (as data.path).")
+    weight: float = Field(
+        default=1.0, gt=0, description="Its share of the training samples (weights are normalised)."
+    )
+    source: str | None = Field(
+        default=None,
+        description="text | jsonl | dataset; default: data.source, or when that is synthetic (its default), "
+        "jsonl for .jsonl, text for .txt, else dataset.",
+    )
+    kind: Literal["text", "chat", "prompt_completion"] | None = None
+    fields: dict[str, str] | None = None
+    jsonl_field: str | None = None
+    split: str | None = None
+
+
 class DataConfig(RecipeSection):
     source: str = Field(
         default="synthetic",
@@ -114,6 +133,12 @@ class DataConfig(RecipeSection):
         description="A separate eval set: {path: FILE_OR_GLOB} and/or {split: NAME}, or just the path; "
         "then no training data is held out.",
     )
+    mixture: list[MixtureSource] | None = Field(
+        default=None,
+        min_length=1,
+        description="Several sources mixed by weight, each tokenized by its own kind and fields (instead of "
+        "data.path), e.g. [{path: chats.jsonl, weight: 0.7, kind: chat}, {path: notes.txt, weight: 0.3}].",
+    )
     synthetic: SyntheticData = SyntheticData()
 
     @field_validator("eval", mode="before")
@@ -138,6 +163,11 @@ class CausalLMRecipe(Recipe):
 
     model: CausalLMModelConfig = CausalLMModelConfig()
     data: DataConfig = DataConfig()
+
+    def path_values(self) -> dict[str, Any]:
+        """Every trainer's path keys, and the path of each `data.mixture` entry."""
+        entries = enumerate(self.data.mixture or [])
+        return {**super().path_values(), **{f"data.mixture[{i}].path": e.path for i, e in entries}}
 
     def cross_checks(self) -> list[str]:
         """Every trainer's checks, and one model source at most (the model config itself is checked in

@@ -22,7 +22,6 @@ from torch import nn
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks, pretrained
 from memtrain.causal_lm.recipe import CausalLMRecipe
-from memtrain.causal_lm.sources import source_of
 from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import ModelSpec
@@ -238,7 +237,7 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
         )
     vocab = getattr(config, "vocab_size", None)
     data_ok = not any(p.startswith(("data.tokenizer", "data.source")) for p in data_problems)
-    data_vocab = source_of(recipe.data).vocabulary(recipe.data) if data_ok else None
+    data_vocab = data_checks.vocabulary(recipe.data) if data_ok else None
     if isinstance(vocab, int) and data_vocab is not None and data_vocab.size > vocab:
         _, key = config_dict(recipe)
         field = "model.config.vocab_size" if key == "model.config" else f"{key} (its vocab_size)"
@@ -300,7 +299,7 @@ class CausalLMTrainer(Trainer):
         super().__init__(recipe)
         self.model_config = build_config(self.recipe)
         self._data: data_lib.Splits | None = None
-        self._sampler: data_lib.StepSampler | None = None
+        self._sampler: data_lib.Sampler | None = None
         self._per_block: int | None = None  # config layers per block (`_layers_per_block`)
 
     @classmethod
@@ -348,10 +347,10 @@ class CausalLMTrainer(Trainer):
         return self.data.eval
 
     @property
-    def sampler(self) -> data_lib.StepSampler:
+    def sampler(self) -> data_lib.Sampler:
         if self._sampler is None:
-            self._sampler = data_lib.StepSampler(
-                len(self.train_samples), self.recipe.batch.global_size, self.recipe.run.seed
+            self._sampler = data_lib.sampler_for(
+                self.data, self.recipe.batch.global_size, self.recipe.run.seed
             )
         return self._sampler
 
