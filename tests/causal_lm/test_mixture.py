@@ -168,6 +168,7 @@ BAD_ENTRIES = [  # (what data.mixture or data: holds, the one line expected to s
     ),
     ({"mixture": [{"weight": 1}]}, "data.mixture[0].path: "),
     ({"mixture": []}, "data.mixture: "),
+    ({"eval": "{chat}", "mixture": [{"path": "{text}"}]}, "data.eval: a data.mixture holds out"),
     (
         {"path": "{chat}", "mixture": [{"path": "{text}"}]},
         "data.mixture: give data.path (one source) or data.mixture",
