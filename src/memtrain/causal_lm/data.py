@@ -44,7 +44,7 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 def carries_positions(cfg: DataConfig) -> bool:
     """Whether batches carry `position_ids` (packed documents): attention is then masked per document."""
-    return cfg.packing and source_of(cfg).tokenized
+    return cfg.packing and cfg.kind != "preference" and source_of(cfg).tokenized  # pairs: never packed
 
 
 @dataclass(frozen=True)

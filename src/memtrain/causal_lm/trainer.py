@@ -295,6 +295,13 @@ class CausalLMTrainer(Trainer):
     recipe_class = CausalLMRecipe
     recipe: CausalLMRecipe
 
+    def __new__(cls, recipe: Recipe) -> CausalLMTrainer:
+        if cls is CausalLMTrainer and CausalLMRecipe.adopt(recipe).data.kind == "preference":
+            from memtrain.causal_lm.preference import PreferenceTrainer  # pairs: DPO with a reference
+
+            return super().__new__(PreferenceTrainer)
+        return super().__new__(cls)
+
     def __init__(self, recipe: Recipe) -> None:
         check_model_recipe(CausalLMRecipe.adopt(recipe))
         super().__init__(recipe)
