@@ -12,8 +12,8 @@ forward. The DPO loss per pair is `-logsigmoid(beta * ((pc - pr) - (rc - rr)))` 
 optional), p and r the policy's and the reference's log-probabilities summed over the completion tokens.
 
 The reference (`preference.reference`), a planned memory choice:
-- `copy`: the initial policy, frozen, stored in the compute dtype; its weights are in the plan
-  (`ModelSpec.frozen_bytes`) and the tracker counts them as weights. Replicated plans only.
+- `copy`: the initial policy (built again, whole on every rank), frozen, stored in the compute dtype; its
+  weights are in the plan (`ModelSpec.frozen_bytes`) and the tracker counts them as weights.
 - `precomputed`: the reference log-probabilities of every pair (two floats each), computed once by the
   initial model before step 1 (again, from the same initial weights, before a resume loads its checkpoint:
   exact); no weights, one forward pass over the data.
@@ -26,7 +26,6 @@ step it appears in).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -43,10 +42,11 @@ from memtrain.causal_lm.recipe import CausalLMRecipe, DataConfig
 from memtrain.causal_lm.sft import IGNORE_INDEX, RecordEncoder
 from memtrain.causal_lm.sources import JsonlSource, source_of
 from memtrain.causal_lm.tokenizer import load_tokenizer
-from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.causal_lm.trainer import CausalLMTrainer, _under_fake_tensors
 from memtrain.errors import RecipeError
 from memtrain.planner import ModelSpec
 from memtrain.recipe import Recipe
+from memtrain.strategies.apply import materialise_parameters
 from memtrain.training.trainer import Batch, Trainer
 
 SIDES = ("chosen", "rejected")
@@ -133,9 +133,10 @@ def trim_pairs(batch: Batch) -> Batch:
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-probability of its labels (positions labelled -100 excluded), in fp32."""
+    """Each row's summed log-probability of its labels (positions labelled -100 excluded), in fp32 at least."""
     mask = labels != IGNORE_INDEX
-    picked = logits.float().log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    picked = logits.log_softmax(-1).gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
     return (picked * mask).sum(-1)
 
 
@@ -223,23 +224,29 @@ class PreferenceTrainer(CausalLMTrainer):
 
     def _build_reference(self) -> None:
         """The reference from the model as setup left it (the initial weights, before any resume)."""
-        model = self._sharding.unwrap(self.model) if self.model is not None else None
-        assert model is not None
         if self.reference == "copy":
-            if not self.plan.sharding.replicated:
-                raise RecipeError(
-                    [f"preference.reference: copy keeps a whole model per rank; sharding {self.plan.sharding.name} "
-                     "shards the policy (use precomputed, or strategies.sharding: none / ddp)"]
-                )
-            self._reference_model = frozen_copy(model, self._compute_dtype())
+            self._reference_model = self._initial_copy()
             if self.monitor.tracker is not None:
                 self.monitor.tracker.count_as_weights(self._reference_model)
         elif self.reference == "precomputed":
             self._reference_logps = {"train": self._precompute(self.pairs.train), "eval": self._precompute(self.pairs.eval)}
 
-    def _compute_dtype(self) -> torch.dtype:
+    def _initial_copy(self) -> nn.Module:
+        """The initial policy, built again as setup built it (same seed, same pretrained weights) whole on
+        this rank whatever the sharding, frozen, its parameters in the compute dtype (the RNG left as it was)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.recipe.run.seed)  # as `seed_everything` before setup's build
+            model = self.build_model()
+        if any(p.is_meta for p in model.parameters()):
+            materialise_parameters(model, self.env.device)
+            self.load_weights(model)
+        model = model.to(self.env.device).eval().requires_grad_(False)
         precision = self.plan.precision
-        return precision.autocast_dtype or precision.stored_dtype
+        dtype = precision.autocast_dtype or precision.stored_dtype
+        with torch.no_grad():
+            for parameter in model.parameters():  # not the buffers: rotary tables stay as the model keeps them
+                parameter.data = parameter.data.to(dtype)
+        return model
 
     @torch.no_grad()
     def _precompute(self, pairs: list[Pair]) -> torch.Tensor:
@@ -312,30 +319,25 @@ class PreferenceTrainer(CausalLMTrainer):
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed DPO losses of the micro-batch's pairs, and the pair count."""
-        policy = logps_of(model, batch)
-        reference = self._reference_logps_of(model, batch)
+        reference = self._reference_logps_of(model, batch)  # first: its transient memory is gone by the
+        policy = logps_of(model, batch)  # time the policy's forward keeps its activations
         settings = self.recipe.preference
         losses = dpo_losses(policy, reference, settings.beta, settings.label_smoothing)
         return losses.sum(), torch.tensor(losses.shape[0])
 
     @torch.no_grad()
     def _reference_logps_of(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Precomputed, or a forward of the copy or the adapter-free policy. While planning (no copy yet)
-        the policy stands in for the copy: the same forward, the same transient memory."""
+        """Precomputed, or a forward of the copy or the adapter-free policy. Under the planner's fake tensors
+        no forward runs: run before the policy's, its transient memory stays below the policy's forward and
+        backward (the same model, without the activations kept for backward)."""
         if REFERENCE_KEYS[0] in batch:
             return batch[REFERENCE_KEYS[0]], batch[REFERENCE_KEYS[1]]
+        if _under_fake_tensors():
+            zeros = torch.zeros(batch["chosen_input_ids"].shape[0], device=batch["chosen_input_ids"].device)
+            return zeros, zeros
         if self._reference_model is not None:
             return logps_of(self._reference_model, batch)
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         disabled = adapters_disabled(inner) if self.reference == "adapter_free" else contextlib.nullcontext()
         with disabled:
             return logps_of(inner, batch)
-
-
-def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of `model` without gradients, in eval mode, its parameters (not its buffers: rotary tables stay
-    as the model keeps them) stored in `dtype`."""
-    reference = copy.deepcopy(model).eval().requires_grad_(False)
-    for parameter in reference.parameters():
-        parameter.data = parameter.data.to(dtype)
-    return reference
