@@ -81,7 +81,11 @@ def written_out_logps(model: torch.nn.Module, ids: torch.Tensor, labels: torch.T
 
 
 def written_out_dpo(
-    policy: torch.nn.Module, reference: torch.nn.Module, batch: dict[str, torch.Tensor], beta: float, smoothing: float
+    policy: torch.nn.Module,
+    reference: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    beta: float,
+    smoothing: float,
 ) -> torch.Tensor:
     """The mean over pairs of -(1-s) logsigmoid(beta m) - s logsigmoid(-beta m), m the difference of the
     policy's and the reference's chosen-minus-rejected log-ratio sums. Chosen and rejected rows go through
@@ -103,7 +107,7 @@ def test_loss_and_gradients_equal_a_written_out_dpo(tmp_path: Path, pairs_file: 
     over every position, differs by float rounding alone at 3e-6 of its 1.2); the reference is the initial
     policy (a copy taken before the policy moves), not the policy."""
     recipe = dpo_recipe(tmp_path, pairs_file, preference={"reference": "copy", "label_smoothing": 0.1})
-    trainer = CausalLMTrainer(recipe)
+    trainer = PreferenceTrainer(recipe)
     assert isinstance(trainer, PreferenceTrainer)
     trainer.setup()
     policy, reference = trainer.model, trainer._reference_model
@@ -141,14 +145,20 @@ def test_matches_trl_dpo_loss() -> None:
     logps = [-torch.rand(6, generator=generator) * 20 for _ in range(4)]
     ours = dpo_losses((logps[0], logps[1]), (logps[2], logps[3]), beta=0.3, label_smoothing=0.1)
     settings = types.SimpleNamespace(
-        beta=0.3, label_smoothing=0.1, loss_type="sigmoid", f_divergence_type="reverse_kl", use_weighting=False
+        beta=0.3,
+        label_smoothing=0.1,
+        loss_type="sigmoid",
+        f_divergence_type="reverse_kl",
+        use_weighting=False,
     )
     theirs = trl.DPOTrainer.dpo_loss(settings, *logps)[0]
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_reference_copy_bytes_predicted_and_measured(tmp_path: Path, pairs_file: Path, precision: str) -> None:
+def test_reference_copy_bytes_predicted_and_measured(
+    tmp_path: Path, pairs_file: Path, precision: str
+) -> None:
     """The copy's weights (every parameter in the compute dtype) are in the planner's predicted weights and
     in the tracker's measured ones, to the byte, and the predicted peak is within 3% of the measured one.
     Without `ModelSpec.frozen_bytes` and `MemoryTracker.count_as_weights` neither would count them."""
@@ -163,7 +173,7 @@ def test_reference_copy_bytes_predicted_and_measured(tmp_path: Path, pairs_file:
         memory={"track": True},
         train={"steps": 2},
     )
-    trainer = CausalLMTrainer(recipe)
+    trainer = PreferenceTrainer(recipe)
     target = Target("cpu", 1, budget_from(2**50, 2**50, 0, 0.0, "test"), bf16=True, fp8=False)
     chosen = search(recipe, ModelProbe(trainer.model_spec()), target, torch.device("cpu")).chosen
     assert chosen is not None and chosen.plan.micro_batch_size == 4
@@ -181,12 +191,12 @@ def test_full_dpo_trains_and_resumes_exactly(tmp_path: Path, pairs_file: Path) -
     policy is its reference), the loss falls, and a resume from step 3 repeats steps 4-6 bit for bit (the
     reference log-probabilities come again from the initial weights, not the checkpoint's)."""
     recipe = dpo_recipe(tmp_path, pairs_file, checkpoint={"every": 3})
-    first = CausalLMTrainer(recipe)
+    first = PreferenceTrainer(recipe)
     assert first.reference == "precomputed"
     whole = first.fit()
     assert abs(whole.losses[0] - math.log(2)) < 1e-6
     assert whole.losses[-1] < 0.5 * whole.losses[0], whole.losses
-    again = CausalLMTrainer(recipe).fit(resume=True)
+    again = PreferenceTrainer(recipe).fit(resume=True)
     assert again.losses == whole.losses[3:]
 
 
@@ -194,7 +204,7 @@ def test_lora_dpo_trains_against_the_adapter_free_base(tmp_path: Path, pairs_fil
     """LoRA DPO: the loss falls, and the reference log-probabilities after training are still the base
     model's (the adapters are off for the reference forward), while the policy's have moved."""
     recipe = dpo_recipe(tmp_path, pairs_file, adapters={"kind": "lora", "r": 4}, train={"lr": 3e-2})
-    trainer = CausalLMTrainer(recipe)
+    trainer = PreferenceTrainer(recipe)
     assert isinstance(trainer, PreferenceTrainer) and trainer.reference == "adapter_free"
     trainer.setup()
     assert trainer.model is not None
@@ -229,8 +239,15 @@ def test_chat_pairs_label_the_completion_and_micro_batches_keep_pairs(tmp_path: 
     raw = tiny_recipe_dict(
         tmp_path,
         model={"config": {**TINY_LLAMA, "vocab_size": 320}},
-        data={"source": "jsonl", "path": str(path), "kind": "preference", "tokenizer": tokenizer,
-              "seq_len": 48, "packing": False, "eval_fraction": 0.0},
+        data={
+            "source": "jsonl",
+            "path": str(path),
+            "kind": "preference",
+            "tokenizer": tokenizer,
+            "seq_len": 48,
+            "packing": False,
+            "eval_fraction": 0.0,
+        },
         batch={"global_size": 4, "micro_size": 2},
     )
     recipe = CausalLMRecipe.from_dict(raw)
@@ -243,8 +260,10 @@ def test_chat_pairs_label_the_completion_and_micro_batches_keep_pairs(tmp_path: 
             text = hf.hf.decode(labelled)
             assert text.endswith("<|im_end|>\n") and "Say" not in text and "assistant" not in text, text
             completions.add(text.removesuffix("<|im_end|>\n"))
-    assert completions == {w for r in records for w in (r["chosen"][0]["content"], r["rejected"][0]["content"])}
-    trainer = CausalLMTrainer(recipe)
+    assert completions == {
+        w for r in records for w in (r["chosen"][0]["content"], r["rejected"][0]["content"])
+    }
+    trainer = PreferenceTrainer(recipe)
     assert isinstance(trainer, PreferenceTrainer)
     trainer.plan = trainer.choose_plan().plan
     batch = trainer.step_batch(0)
@@ -272,4 +291,30 @@ def test_recipe_refuses_what_dpo_cannot_run(
     """One line naming the key, before anything is built."""
     with pytest.raises(RecipeError) as caught:
         dpo_recipe(tmp_path, pairs_file, **sections)
-    assert len(caught.value.problems) == 1 and caught.value.problems[0].startswith(message), caught.value.problems
+    assert len(caught.value.problems) == 1 and caught.value.problems[0].startswith(message), (
+        caught.value.problems
+    )
+
+
+def test_memtrain_train_picks_the_dpo_trainer(
+    tmp_path: Path, pairs_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`memtrain train` on a preference recipe trains with the DPO trainer (step 1's loss is log 2); the
+    built-in trainer itself, given pairs from Python, refuses them in one line naming the key."""
+    import yaml
+
+    from memtrain.cli import main
+    from memtrain.run.layout import RunLayout
+    from memtrain.training.metrics import read_metrics
+
+    recipe = dpo_recipe(tmp_path, pairs_file, train={"steps": 2})
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(recipe.to_dict()))
+    assert main(["train", str(path)]) == 0, capsys.readouterr().err
+    rows = read_metrics(RunLayout(recipe.output_path()).metrics_file)
+    assert [row["step"] for row in rows] == [1, 2] and abs(rows[0]["loss"] - math.log(2)) < 1e-6
+    with pytest.raises(RecipeError) as refused:
+        CausalLMTrainer(recipe)
+    assert refused.value.problems == [
+        "data.kind: preference trains with memtrain.causal_lm.preference.PreferenceTrainer"
+    ]

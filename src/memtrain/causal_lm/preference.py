@@ -100,7 +100,9 @@ def read_pairs(cfg: DataConfig, seed: int) -> PairSplits:
         else:
             pairs.append(Pair(chosen, rejected))
     if not pairs:
-        raise RecipeError([f"data.path: {cfg.path} yields no preference pair with both completions in data.seq_len"])
+        raise RecipeError(
+            [f"data.path: {cfg.path} yields no preference pair with both completions in data.seq_len"]
+        )
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     shuffled = [pairs[i] for i in order]
     cut = len(shuffled) - int(len(shuffled) * cfg.eval_fraction)
@@ -110,7 +112,9 @@ def read_pairs(cfg: DataConfig, seed: int) -> PairSplits:
 def collate_pairs(pairs: list[Pair], ids: list[int], reference: torch.Tensor | None = None) -> Batch:
     """Both sides right-padded to one length, a pair per index of dim 0; `reference` (pairs x 2, indexed by
     `ids`) adds the precomputed reference log-probabilities."""
-    both = data_lib.collate([p.chosen for p in pairs] + [p.rejected for p in pairs], list(range(2 * len(pairs))))
+    both = data_lib.collate(
+        [p.chosen for p in pairs] + [p.rejected for p in pairs], list(range(2 * len(pairs)))
+    )
     n = len(pairs)
     batch = {
         "chosen_input_ids": both["input_ids"][:n],
@@ -183,7 +187,9 @@ def _standard_loss(recipe: Recipe) -> CausalLMRecipe:
     adopted = CausalLMRecipe.adopt(recipe)
     if adopted.strategies.loss == "standard":
         return adopted
-    return adopted.model_copy(update={"strategies": adopted.strategies.model_copy(update={"loss": "standard"})})
+    return adopted.model_copy(
+        update={"strategies": adopted.strategies.model_copy(update={"loss": "standard"})}
+    )
 
 
 class PreferenceTrainer(CausalLMTrainer):
@@ -207,7 +213,9 @@ class PreferenceTrainer(CausalLMTrainer):
                     [f"batch.global_size: {size} exceeds the {len(self._pairs.train)} training pairs of data"]
                 )
             if self._pairs.dropped and self.env.is_main:
-                print(f"[memtrain] {self._pairs.dropped} preference pairs dropped: a completion past data.seq_len")
+                print(
+                    f"[memtrain] {self._pairs.dropped} preference pairs dropped: a completion past data.seq_len"
+                )
         return self._pairs
 
     @property
@@ -229,7 +237,10 @@ class PreferenceTrainer(CausalLMTrainer):
             if self.monitor.tracker is not None:
                 self.monitor.tracker.count_as_weights(self._reference_model)
         elif self.reference == "precomputed":
-            self._reference_logps = {"train": self._precompute(self.pairs.train), "eval": self._precompute(self.pairs.eval)}
+            self._reference_logps = {
+                "train": self._precompute(self.pairs.train),
+                "eval": self._precompute(self.pairs.eval),
+            }
 
     def _initial_copy(self) -> nn.Module:
         """The initial policy, built again as setup built it (same seed, same pretrained weights) whole on
@@ -244,7 +255,9 @@ class PreferenceTrainer(CausalLMTrainer):
         precision = self.plan.precision
         dtype = precision.autocast_dtype or precision.stored_dtype
         with torch.no_grad():
-            for parameter in model.parameters():  # not the buffers: rotary tables stay as the model keeps them
+            for (
+                parameter
+            ) in model.parameters():  # not the buffers: rotary tables stay as the model keeps them
                 parameter.data = parameter.data.to(dtype)
         return model
 
@@ -294,7 +307,9 @@ class PreferenceTrainer(CausalLMTrainer):
     def step_batch(self, step: int) -> Batch:
         share = self.per_rank_batch_size
         indices = self.sampler.indices(step)[self.env.rank * share : (self.env.rank + 1) * share]
-        return collate_pairs([self.pairs.train[i] for i in indices], indices, self._reference_logps.get("train"))
+        return collate_pairs(
+            [self.pairs.train[i] for i in indices], indices, self._reference_logps.get("train")
+        )
 
     def eval_batches(self) -> Iterable[Batch]:
         """This rank's share of the held-out pairs, `train.eval_batches` step batches at most."""

@@ -82,7 +82,9 @@ class DataConfig(RecipeSection):
 class PreferenceConfig(RecipeSection):
     """`preference:` — DPO on `data.kind: preference` pairs (`memtrain.causal_lm.preference`)."""
 
-    beta: float = Field(default=0.1, gt=0.0, description="DPO's beta: how far the policy may leave the reference.")
+    beta: float = Field(
+        default=0.1, gt=0.0, description="DPO's beta: how far the policy may leave the reference."
+    )
     loss_type: Literal["sigmoid"] = Field(default="sigmoid", description="sigmoid: the DPO paper's loss.")
     label_smoothing: float = Field(
         default=0.0, ge=0.0, lt=0.5, description="cDPO: the share of pairs assumed mislabelled."
@@ -125,10 +127,18 @@ class CausalLMRecipe(Recipe):
         that contradicts the adapters."""
         if self.data.kind != "preference":
             given = self.preference.model_fields_set
-            return [f"preference: set data.kind: preference to train on pairs (or drop preference.{next(iter(sorted(given)))})"] if given else []
+            return (
+                [
+                    f"preference: set data.kind: preference to train on pairs (or drop preference.{next(iter(sorted(given)))})"
+                ]
+                if given
+                else []
+            )
         problems = []
         if self.data.packing and "packing" in self.data.model_fields_set:
-            problems.append("data.packing: preference pairs are never packed (one padded row each); set it to false")
+            problems.append(
+                "data.packing: preference pairs are never packed (one padded row each); set it to false"
+            )
         if self.data.streaming:
             problems.append("data.streaming: preference pairs are read whole; set it to false")
         if self.strategies.loss not in ("auto", "standard"):
@@ -139,5 +149,7 @@ class CausalLMRecipe(Recipe):
         if reference == "adapter_free" and not lora:
             problems.append("preference.reference: adapter_free needs adapters (adapters.kind: lora)")
         if reference != "auto" and reference != "adapter_free" and lora:
-            problems.append(f"preference.reference: {reference} with adapters; the adapter-free base is the reference (use adapter_free or auto)")
+            problems.append(
+                f"preference.reference: {reference} with adapters; the adapter-free base is the reference (use adapter_free or auto)"
+            )
         return problems

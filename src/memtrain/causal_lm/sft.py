@@ -100,7 +100,10 @@ def chat_completion_document(
         raise ChatError("the chat template renders the prompt differently once the completion follows")
     encoded = tokenizer.hf(full, add_special_tokens=False, return_offsets_mapping=True)
     tokens = list(encoded["input_ids"])
-    labels = [t if start >= len(before) else IGNORE_INDEX for t, (start, _) in zip(tokens, encoded["offset_mapping"], strict=True)]
+    labels = [
+        t if start >= len(before) else IGNORE_INDEX
+        for t, (start, _) in zip(tokens, encoded["offset_mapping"], strict=True)
+    ]
     if tokens[-len(tokenizer.eos) :] != tokenizer.eos:
         tokens, labels = tokens + tokenizer.eos, labels + [IGNORE_INDEX] * len(tokenizer.eos)
     if labels:

@@ -295,15 +295,11 @@ class CausalLMTrainer(Trainer):
     recipe_class = CausalLMRecipe
     recipe: CausalLMRecipe
 
-    def __new__(cls, recipe: Recipe) -> CausalLMTrainer:
-        if cls is CausalLMTrainer and CausalLMRecipe.adopt(recipe).data.kind == "preference":
-            from memtrain.causal_lm.preference import PreferenceTrainer  # pairs: DPO with a reference
-
-            return super().__new__(PreferenceTrainer)
-        return super().__new__(cls)
-
     def __init__(self, recipe: Recipe) -> None:
-        check_model_recipe(CausalLMRecipe.adopt(recipe))
+        adopted = CausalLMRecipe.adopt(recipe)
+        check_model_recipe(adopted)
+        if adopted.data.kind == "preference" and type(self) is CausalLMTrainer:  # the commands pick it
+            raise RecipeError(["data.kind: preference trains with memtrain.causal_lm.preference.PreferenceTrainer"])
         super().__init__(recipe)
         self.model_config = build_config(self.recipe)
         self._data: data_lib.Splits | None = None

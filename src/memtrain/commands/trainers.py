@@ -54,6 +54,18 @@ def trainer_class(spec: str | None) -> type[Trainer]:
     return cls
 
 
+def for_recipe(trainer: type[Trainer], recipe: Recipe) -> type[Trainer]:
+    """`trainer`, or for the built-in trainer on preference pairs (`data.kind: preference`) its DPO subclass."""
+    from memtrain.causal_lm.recipe import CausalLMRecipe
+    from memtrain.causal_lm.trainer import CausalLMTrainer
+
+    if trainer is CausalLMTrainer and isinstance(recipe, CausalLMRecipe) and recipe.data.kind == "preference":
+        from memtrain.causal_lm.preference import PreferenceTrainer
+
+        return PreferenceTrainer
+    return trainer
+
+
 def _load_file(path: Path) -> object:
     if path.suffix != ".py":
         raise MemtrainError(f"--trainer: {path} is not a Python file (path/to/file.py:ClassName)")
