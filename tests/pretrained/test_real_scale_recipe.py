@@ -109,7 +109,11 @@ def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, capsys: pytest.
     data = [f"data.path={pairs}"]
     assert main(["validate", recipe, *data]) == 0, capsys.readouterr().err
     assert "llama3-8b-dpo-8xh100.yaml: ok" in capsys.readouterr().out
-    pinned = ["strategies.checkpointing=selective", "strategies.optimizer_states=8bit", "strategies.sharding=zero3"]
+    pinned = [
+        "strategies.checkpointing=selective",
+        "strategies.optimizer_states=8bit",
+        "strategies.sharding=zero3",
+    ]
     copy = [*data, *pinned, "preference.reference=copy"]
     assert main(["plan", recipe, *copy, "--gpu", "h100-80gb", "--world-size", "8", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -299,7 +299,9 @@ class CausalLMTrainer(Trainer):
         adopted = CausalLMRecipe.adopt(recipe)
         check_model_recipe(adopted)
         if adopted.data.kind == "preference" and type(self) is CausalLMTrainer:  # the commands pick it
-            raise RecipeError(["data.kind: preference trains with memtrain.causal_lm.preference.PreferenceTrainer"])
+            raise RecipeError(
+                ["data.kind: preference trains with memtrain.causal_lm.preference.PreferenceTrainer"]
+            )
         super().__init__(recipe)
         self.model_config = build_config(self.recipe)
         self._data: data_lib.Splits | None = None
