@@ -356,3 +356,8 @@ class PreferenceTrainer(CausalLMTrainer):
         disabled = adapters_disabled(inner) if self.reference == "adapter_free" else contextlib.nullcontext()
         with disabled:
             return logps_of(inner, batch)
+
+
+def trainer_for(recipe: CausalLMRecipe) -> type[CausalLMTrainer]:
+    """The built-in trainer for `recipe`'s data: this module's for preference pairs (`memtrain` commands)."""
+    return PreferenceTrainer if recipe.data.kind == "preference" else CausalLMTrainer

@@ -55,14 +55,14 @@ def trainer_class(spec: str | None) -> type[Trainer]:
 
 
 def for_recipe(trainer: type[Trainer], recipe: Recipe) -> type[Trainer]:
-    """`trainer`, or for the built-in trainer on preference pairs (`data.kind: preference`) its DPO subclass."""
+    """`trainer`, or for the built-in trainer the class its data trains with (DPO for preference pairs)."""
     from memtrain.causal_lm.recipe import CausalLMRecipe
     from memtrain.causal_lm.trainer import CausalLMTrainer
 
-    if trainer is CausalLMTrainer and isinstance(recipe, CausalLMRecipe) and recipe.data.kind == "preference":
-        from memtrain.causal_lm.preference import PreferenceTrainer
+    if trainer is CausalLMTrainer and isinstance(recipe, CausalLMRecipe):
+        from memtrain.causal_lm.preference import trainer_for
 
-        return PreferenceTrainer
+        return trainer_for(recipe)
     return trainer
 
 
