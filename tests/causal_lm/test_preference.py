@@ -150,6 +150,8 @@ def test_matches_trl_dpo_loss() -> None:
         loss_type="sigmoid",
         f_divergence_type="reverse_kl",
         use_weighting=False,
+        reference_free=False,
+        accelerator=types.SimpleNamespace(device=torch.device("cpu")),
     )
     theirs = trl.DPOTrainer.dpo_loss(settings, *logps)[0]
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
@@ -201,7 +203,9 @@ def test_full_dpo_trains_and_resumes_exactly(tmp_path: Path, pairs_file: Path) -
 def test_lora_dpo_trains_against_the_adapter_free_base(tmp_path: Path, pairs_file: Path) -> None:
     """LoRA DPO: the loss falls, and the reference log-probabilities after training are still the base
     model's (the adapters are off for the reference forward), while the policy's have moved."""
-    recipe = dpo_recipe(tmp_path, pairs_file, adapters={"kind": "lora", "r": 4}, train={"lr": 3e-2})
+    recipe = dpo_recipe(
+        tmp_path, pairs_file, adapters={"kind": "lora", "r": 4}, train={"lr": 3e-2, "steps": 4}
+    )
     trainer = PreferenceTrainer(recipe)
     assert isinstance(trainer, PreferenceTrainer) and trainer.reference == "adapter_free"
     trainer.setup()
