@@ -24,12 +24,14 @@ def test_there_are_recipes() -> None:
 @pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_recipe_validates(path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Every shipped recipe validates; the fine-tuning ones against a staged Hugging Face cache of their
-    model (tests/hf_cache.py) and the shipped chat data in place of `data.path: <your data>`."""
+    model (tests/hf_cache.py) and the shipped chat data (or preference pairs) in place of `data.path: <your
+    data>`."""
     monkeypatch.chdir(REPO)
     hf_cache.stage(tmp_path, monkeypatch)
     recipe = CausalLMRecipe.load(path)
     if recipe.data.path is not None and not Path(recipe.data.path).exists():
-        recipe = CausalLMRecipe.load(path, ["data.path=data/tiny_chat.jsonl"])
+        shipped = "data/tiny_pairs.jsonl" if recipe.data.kind == "preference" else "data/tiny_chat.jsonl"
+        recipe = CausalLMRecipe.load(path, [f"data.path={shipped}"])
     check_model_recipe(recipe)
 
 

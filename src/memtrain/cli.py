@@ -263,7 +263,7 @@ def _run(args: argparse.Namespace) -> int:
             args.resume = True
         if args.no_progress:
             overrides.append("output.progress=off")
-    from memtrain.commands.trainers import load_checked_recipe, trainer_class
+    from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
 
     with _ctrl_c_deferred():  # imports of the trainer's module and its libraries: C++ code too
         trainer_cls = trainer_class(args.trainer)
@@ -284,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
 
         model_config(recipe)
     with preemption.watching(recipe.train.stop_signals):  # from before the process group joins
-        trainer = trainer_cls(recipe)
+        trainer = for_recipe(trainer_cls, recipe)(recipe)
         try:
             trainer.setup()
             if trainer.env.is_main:

@@ -87,3 +87,37 @@ def test_lora_on_eight_gpus(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", recipe, *data, "--gpu", "h100-80gb", "--world-size", "8"]) == 0
     table = capsys.readouterr().out
     assert "full fine-tuning would keep" in table and "more than lora" in table, table
+
+
+@pytest.mark.usefixtures("staged_cache")
+def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """recipes/llama3-8b-dpo-8xh100.yaml validates and plans from the staged config with chat preference
+    pairs; with `preference.reference=copy` every rank keeps the whole initial model in bf16 beside its
+    shard of the policy, and the plan's weights count it (before, DPO did not exist; a planner without the
+    copy's `frozen_bytes` would predict the policy's shard alone, 4 bytes x numel / 8)."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
+            "chosen": [{"role": "assistant", "content": f"{2 * i}."}],
+            "rejected": [{"role": "assistant", "content": f"{2 * i + 1}."}],
+        }
+        for i in range(8)
+    ]
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    recipe = str(REPO / "recipes/llama3-8b-dpo-8xh100.yaml")
+    data = [f"data.path={pairs}"]
+    assert main(["validate", recipe, *data]) == 0, capsys.readouterr().err
+    assert "llama3-8b-dpo-8xh100.yaml: ok" in capsys.readouterr().out
+    pinned = [
+        "strategies.checkpointing=selective",
+        "strategies.optimizer_states=8bit",
+        "strategies.sharding=zero3",
+    ]
+    copy = [*data, *pinned, "preference.reference=copy"]
+    assert main(["plan", recipe, *copy, "--gpu", "h100-80gb", "--world-size", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    numel = 8_030_261_248  # Llama-3.1-8B's parameters
+    policy_shard = doc["model_states"]["weights"] - 2 * numel
+    assert 0 < policy_shard <= 1.01 * 4 * numel / 8
+    assert doc["predicted"]["peak"] <= doc["budget"]["usable"]

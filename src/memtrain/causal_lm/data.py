@@ -51,8 +51,8 @@ def load_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 def carries_positions(cfg: DataConfig) -> bool:
     """Whether batches carry `position_ids` (packed documents): attention is then masked per document
-    (every mixed source is tokenized)."""
-    return cfg.packing and (cfg.mixture is not None or source_of(cfg).tokenized)
+    (every mixed source is tokenized; preference pairs are never packed)."""
+    return cfg.packing and cfg.kind != "preference" and (cfg.mixture is not None or source_of(cfg).tokenized)
 
 
 @dataclass(frozen=True)

@@ -92,10 +92,11 @@ class DataConfig(RecipeSection):
     )
     path: str | None = None
     jsonl_field: str = "text"
-    kind: Literal["text", "chat", "prompt_completion"] = Field(
+    kind: Literal["text", "chat", "prompt_completion", "preference"] = Field(
         default="text",
         description="text: loss on every token; chat: a messages list rendered with the tokenizer's chat "
-        "template, loss on assistant turns; prompt_completion: loss on the completion only.",
+        "template, loss on assistant turns; prompt_completion: loss on the completion only; preference: "
+        "prompt / chosen / rejected pairs (strings or messages lists), trained with DPO (`preference:`).",
     )
     fields: dict[str, str] = Field(
         default_factory=dict,
@@ -147,6 +148,24 @@ class DataConfig(RecipeSection):
         return {"path": value} if isinstance(value, str) else value
 
 
+class PreferenceConfig(RecipeSection):
+    """`preference:` — DPO on `data.kind: preference` pairs (`memtrain.causal_lm.preference`)."""
+
+    beta: float = Field(
+        default=0.1, gt=0.0, description="DPO's beta: how far the policy may leave the reference."
+    )
+    loss_type: Literal["sigmoid"] = Field(default="sigmoid", description="sigmoid: the DPO paper's loss.")
+    label_smoothing: float = Field(
+        default=0.0, ge=0.0, lt=0.5, description="cDPO: the share of pairs assumed mislabelled."
+    )
+    reference: Literal["auto", "copy", "precomputed", "adapter_free"] = Field(
+        default="auto",
+        description="The frozen reference model: copy (the initial policy in the compute dtype), precomputed "
+        "(its log-probabilities of every pair, computed before step 1), adapter_free (LoRA: the base without "
+        "the adapters); auto: adapter_free with adapters, else precomputed.",
+    )
+
+
 class CausalLMRecipe(Recipe):
     """A recipe of the built-in causal-LM trainer: every trainer's sections, `model:` widened with how
     the model is built, and `data:`."""
@@ -163,6 +182,7 @@ class CausalLMRecipe(Recipe):
 
     model: CausalLMModelConfig = CausalLMModelConfig()
     data: DataConfig = DataConfig()
+    preference: PreferenceConfig = PreferenceConfig()
 
     def path_values(self) -> dict[str, Any]:
         """Every trainer's path keys, and the path of each `data.mixture` entry."""
@@ -177,4 +197,36 @@ class CausalLMRecipe(Recipe):
             problems.insert(0, "model: give only one of model.config and model.config_path")
         if self.train.early_stopping is not None and not (self.data.eval.given or self.data.eval_fraction):
             problems.append("train.early_stopping: no eval set; set data.eval or data.eval_fraction above 0")
+        return problems + self._preference_problems()
+
+    def _preference_problems(self) -> list[str]:
+        """What DPO cannot run: pairs packed or streamed, a loss that never holds the logits, a reference
+        that contradicts the adapters."""
+        if self.data.kind != "preference":
+            given = self.preference.model_fields_set
+            return (
+                [
+                    f"preference: set data.kind: preference to train on pairs (or drop preference.{next(iter(sorted(given)))})"
+                ]
+                if given
+                else []
+            )
+        problems = []
+        if self.data.packing and "packing" in self.data.model_fields_set:
+            problems.append(
+                "data.packing: preference pairs are never packed (one padded row each); set it to false"
+            )
+        if self.data.streaming:
+            problems.append("data.streaming: preference pairs are read whole; set it to false")
+        if self.strategies.loss not in ("auto", "standard"):
+            problems.append(
+                f"strategies.loss: {self.strategies.loss} never holds the logits DPO reads; use standard"
+            )
+        lora, reference = self.adapters.kind != "none", self.preference.reference
+        if reference == "adapter_free" and not lora:
+            problems.append("preference.reference: adapter_free needs adapters (adapters.kind: lora)")
+        if reference != "auto" and reference != "adapter_free" and lora:
+            problems.append(
+                f"preference.reference: {reference} with adapters; the adapter-free base is the reference (use adapter_free or auto)"
+            )
         return problems

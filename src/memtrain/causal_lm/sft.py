@@ -27,7 +27,12 @@ from memtrain.causal_lm.tokenizer import PretrainedTokenizer, Tokenizer
 from memtrain.errors import RecipeError, shortened
 
 IGNORE_INDEX = -100
-ROLES = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+ROLES = {
+    "text": ("text",),
+    "chat": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+}
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,30 @@ def chat_document(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> Docum
     else:
         tokens, mask = _rendered_prefixes(tokenizer, messages)
     labels = [t if m else IGNORE_INDEX for t, m in zip(tokens, mask, strict=True)]
+    if tokens[-len(tokenizer.eos) :] != tokenizer.eos:
+        tokens, labels = tokens + tokenizer.eos, labels + [IGNORE_INDEX] * len(tokenizer.eos)
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return Document(tokens, labels)
+
+
+def chat_completion_document(
+    tokenizer: Tokenizer, prompt: list[dict[str, Any]], completion: list[dict[str, Any]]
+) -> Document:
+    """The conversation `prompt + completion` rendered by the chat template; only the completion's tokens
+    (after the prompt rendered with the generation prompt) carry loss, found by character offsets."""
+    if not isinstance(tokenizer, PretrainedTokenizer) or tokenizer.chat_template is None:
+        raise ChatError("the tokenizer has no chat template")
+    before = _render(tokenizer, prompt, prompt=True)
+    full = _render(tokenizer, prompt + completion, prompt=False)
+    if not full.startswith(before):
+        raise ChatError("the chat template renders the prompt differently once the completion follows")
+    encoded = tokenizer.hf(full, add_special_tokens=False, return_offsets_mapping=True)
+    tokens = list(encoded["input_ids"])
+    labels = [
+        t if start >= len(before) else IGNORE_INDEX
+        for t, (start, _) in zip(tokens, encoded["offset_mapping"], strict=True)
+    ]
     if tokens[-len(tokenizer.eos) :] != tokenizer.eos:
         tokens, labels = tokens + tokenizer.eos, labels + [IGNORE_INDEX] * len(tokenizer.eos)
     if labels:
@@ -141,10 +170,55 @@ class RecordEncoder:
         if self.kind == "chat":
             self._messages(record, where)
             return
+        if self.kind == "preference":
+            self._pair_fields(record, where)
+            return
         for role in ROLES[self.kind]:
             self._string(record, role, where)
 
+    def pair(self, record: Mapping[str, Any], where: str) -> tuple[Document, Document]:
+        """A preference record's chosen and rejected documents (loss on each completion only): three strings
+        (prompt-completion) or three messages lists (the chat template; TRL's conversational format)."""
+        prompt, chosen, rejected = self._pair_fields(record, where)
+        if isinstance(prompt, str):
+            assert isinstance(chosen, str) and isinstance(rejected, str)
+            return (
+                prompt_completion_document(self.tokenizer, prompt, chosen),
+                prompt_completion_document(self.tokenizer, prompt, rejected),
+            )
+        assert isinstance(chosen, list) and isinstance(rejected, list)
+        try:
+            return (
+                chat_completion_document(self.tokenizer, prompt, chosen),
+                chat_completion_document(self.tokenizer, prompt, rejected),
+            )
+        except ChatError as exc:
+            raise RecipeError([f"data.kind: preference {where}: {exc}"]) from None
+
+    def _pair_fields(
+        self, record: Mapping[str, Any], where: str
+    ) -> tuple[str | list[dict[str, Any]], str | list[dict[str, Any]], str | list[dict[str, Any]]]:
+        """The prompt, chosen and rejected fields: all strings, or all messages lists."""
+        if all(isinstance(record.get(self.columns[r][0]), str) for r in ROLES["preference"]):
+            prompt, chosen, rejected = (self._string(record, r, where) for r in ROLES["preference"])
+            return prompt, chosen, rejected
+        lists = []
+        for role in ROLES["preference"]:
+            name, key = self.columns[role]
+            problem = message_problem(record.get(name))
+            if problem is not None:
+                raise RecipeError(
+                    [
+                        f"{key}: {where}: {problem} in field {name!r} (prompt, chosen and rejected are all "
+                        "strings or all messages lists of {role, content})"
+                    ]
+                )
+            lists.append(record[name])
+        return lists[0], lists[1], lists[2]
+
     def __call__(self, record: Mapping[str, Any], where: str) -> Document:
+        if self.kind == "preference":
+            raise RecipeError([f"data.kind: preference {where}: pairs are read with RecordEncoder.pair"])
         if self.kind == "text":
             return text_document(self.tokenizer, self._string(record, "text", where))
         if self.kind == "prompt_completion":

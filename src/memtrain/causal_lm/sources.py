@@ -105,7 +105,10 @@ def encode_problems(
     """Render and tokenize the first `PEEK_RECORDS` records (a bad one is a `RecipeError` naming the key)."""
     encode = sft.RecordEncoder(cfg, tokenizer)
     for record, where in itertools.islice(records, PEEK_RECORDS):
-        encode(record, where)
+        if cfg.kind == "preference":
+            encode.pair(record, where)
+        else:
+            encode(record, where)
     return []
 
 

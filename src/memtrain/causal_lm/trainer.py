@@ -295,7 +295,12 @@ class CausalLMTrainer(Trainer):
     recipe: CausalLMRecipe
 
     def __init__(self, recipe: Recipe) -> None:
-        check_model_recipe(CausalLMRecipe.adopt(recipe))
+        adopted = CausalLMRecipe.adopt(recipe)
+        check_model_recipe(adopted)
+        if adopted.data.kind == "preference" and type(self) is CausalLMTrainer:  # the commands pick it
+            raise RecipeError(
+                ["data.kind: preference trains with memtrain.causal_lm.preference.PreferenceTrainer"]
+            )
         super().__init__(recipe)
         self.model_config = build_config(self.recipe)
         self._data: data_lib.Splits | None = None

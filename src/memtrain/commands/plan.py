@@ -16,7 +16,7 @@ import sys
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from memtrain import json_out
-from memtrain.commands.trainers import load_checked_recipe, trainer_class
+from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
 from memtrain.errors import PlanError
 from memtrain.memory.headroom import load_gpu
 from memtrain.planner import PlanResult, plan_here, plan_what_if
@@ -46,7 +46,7 @@ def run(
         )
     trainer_cls = trainer_class(trainer)
     recipe = load_checked_recipe(recipe_path, overrides, trainer_cls)
-    spec = trainer_cls(recipe).model_spec()
+    spec = for_recipe(trainer_cls, recipe)(recipe).model_spec()
     if gpu is not None or memory is not None:
         result = plan_what_if(
             recipe,

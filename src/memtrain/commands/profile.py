@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memtrain import json_out
-from memtrain.commands.trainers import load_checked_recipe, trainer_class
+from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
 from memtrain.memory import cuda_stats
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
 from memtrain.run import RunLayout
@@ -36,7 +36,7 @@ def run_profile(
     recipe = trainer_cls.recipe_class.load(
         recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}", *PROFILE_OVERRIDES]
     )
-    trainer = trainer_cls(recipe)
+    trainer = for_recipe(trainer_cls, recipe)(recipe)
     on_cuda = trainer.env.device.type == "cuda"
     if on_cuda:
         cuda_stats.start_memory_history()

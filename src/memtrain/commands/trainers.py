@@ -54,6 +54,18 @@ def trainer_class(spec: str | None) -> type[Trainer]:
     return cls
 
 
+def for_recipe(trainer: type[Trainer], recipe: Recipe) -> type[Trainer]:
+    """`trainer`, or for the built-in trainer the class its data trains with (DPO for preference pairs)."""
+    from memtrain.causal_lm.recipe import CausalLMRecipe
+    from memtrain.causal_lm.trainer import CausalLMTrainer
+
+    if trainer is CausalLMTrainer and isinstance(recipe, CausalLMRecipe):
+        from memtrain.causal_lm.preference import trainer_for
+
+        return trainer_for(recipe)
+    return trainer
+
+
 def _load_file(path: Path) -> object:
     if path.suffix != ".py":
         raise MemtrainError(f"--trainer: {path} is not a Python file (path/to/file.py:ClassName)")

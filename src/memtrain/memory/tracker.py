@@ -77,6 +77,7 @@ class MemoryTracker:
         self._mode: _Watch | None = None
         self._handles: list[RemovableHandle] = []
         self._params: list[torch.Tensor] = []
+        self._frozen: list[nn.Module] = []
         self._masters: list[torch.Tensor] = []
         self._phase = "other"
         self._optimizer_running = False
@@ -92,6 +93,11 @@ class MemoryTracker:
         if self._mode is not None:
             self._handles += self._optimizer_hooks(optimizer)
             self._resync()
+
+    def count_as_weights(self, module: nn.Module) -> None:
+        """Count `module`'s parameters as weights too: a frozen model the step uses beside the trained one
+        (DPO's reference copy). Call before `with tracker:`."""
+        self._frozen.append(module)
 
     def __enter__(self) -> MemoryTracker:
         if self._mode is not None:
@@ -287,6 +293,8 @@ class MemoryTracker:
         seen: dict[int, torch.Tensor] = {}
         if self.model is not None:
             seen.update((id(p), p) for p in self.model.parameters())
+        for module in self._frozen:
+            seen.update((id(p), p) for p in module.parameters())
         masters: dict[int, torch.Tensor] = {}
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:

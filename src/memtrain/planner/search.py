@@ -259,7 +259,19 @@ class _Evaluation:
                 self.states[key] = in_backward_memory.levels(
                     self.states[key], self.probe.shape, plan.optimizer_states
                 )
+            self.states[key] = _with_frozen(self.states[key], self.probe.spec.frozen_bytes, plan)
         return self.states[key]
+
+
+def _with_frozen(levels: StateLevels, frozen_bytes: Callable[[torch.dtype], int], plan: Plan) -> StateLevels:
+    """`levels` with the frozen weights the trainer keeps beside the model (`ModelSpec.frozen_bytes`, in the
+    plan's compute dtype) added to the weights, at every moment and between steps."""
+    precision = plan.precision
+    frozen = frozen_bytes(precision.autocast_dtype or precision.stored_dtype)
+    if not frozen:
+        return levels
+    weights, gradients, states = levels.stored
+    return replace(levels, weights=levels.weights + frozen, stored=(weights + frozen, gradients, states))
 
 
 def _streamed(levels: StateLevels) -> int:

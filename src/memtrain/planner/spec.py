@@ -34,6 +34,8 @@ class ModelSpec:
     host_bytes: -> bytes of data the trainer keeps in host memory (asked only when the device is a CPU,
         where host memory is the device).
     name: what to call the model in progress lines and errors.
+    frozen_bytes: the forward's compute dtype -> bytes of frozen weights the trainer keeps beside the model
+        on every rank (a DPO reference copy, `causal_lm.preference`): weights in every plan's prediction.
     trace_key: a value that determines everything the hooks above do in a trace: two specs with equal keys
         build the same model and clones, cut the same blocks, make the same micro-batches and compute the
         same loss. Set only where that holds (the built-in causal-LM trainer with its own hooks: its
@@ -48,4 +50,5 @@ class ModelSpec:
     build_clone: Callable[[int], nn.Module] | None = None
     host_bytes: Callable[[], int] = lambda: 0
     name: str = "model"
+    frozen_bytes: Callable[[torch.dtype], int] = lambda _dtype: 0
     trace_key: Hashable | None = None
