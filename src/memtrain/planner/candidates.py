@@ -118,13 +118,10 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     candidates = []
     for precision in precisions:
         for sharding in shardings:
-            if quantization.name != "none" and not sharding.replicated:
-                reason = (
-                    f"strategies.sharding={sharding.name}",
-                    f"model.quantization={quantization.name} "
-                    "keeps the quantised base whole on every rank (use none or ddp)",
-                )
-                if reason not in excluded:
+            try:
+                quantization.check_sharding(sharding)
+            except Unsupported as exc:
+                if (reason := (f"strategies.sharding={sharding.name}", str(exc))) not in excluded:
                     excluded.append(reason)
                 continue
             try:
