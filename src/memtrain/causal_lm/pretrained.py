@@ -73,8 +73,12 @@ def _fetch_config(repo_id: str) -> Path | None:
 
 
 def check_config(directory: Path) -> None:
-    """`RecipeError` naming model.pretrained unless `directory` has a config.json (all shapes need)."""
-    if not (directory / CONFIG_FILE).is_file():
+    """`RecipeError` naming model.pretrained unless `directory` has a config.json (all shapes need), and
+    whatever weights it holds (safetensors, or pickles it would refuse) are as `train` reads them: only a
+    directory without weight files at all is a config alone."""
+    if has_weights(directory) or any(directory.glob("*.bin")):
+        check_directory(directory)
+    elif not (directory / CONFIG_FILE).is_file():
         raise RecipeError([f"model.pretrained: {directory} has no {CONFIG_FILE}"])
 
 

@@ -76,6 +76,15 @@ def pretrained_directory(recipe: CausalLMRecipe, weights: bool = False) -> Path:
     return directory
 
 
+def weights_note(recipe: CausalLMRecipe) -> str:
+    """What `memtrain validate` adds to its line for a config-only `model.pretrained` ("" otherwise): it
+    plans and validates, and `train` refuses it until the weights are there."""
+    if not config_only(recipe):
+        return ""
+    unchecked = ", and data.tokenizer is not there: the data is not checked" if shapes_only(recipe) else ""
+    return f"; model.pretrained: config.json only, `train` needs its weights{unchecked}"
+
+
 def config_only(recipe: CausalLMRecipe) -> bool:
     """Whether `model.pretrained` names a config.json without weights (plan and validate only)."""
     if recipe.model.pretrained is None:

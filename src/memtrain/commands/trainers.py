@@ -142,16 +142,11 @@ def _validated_model(recipe: Recipe, source: str, trainer: type[Trainer]) -> str
     if trainer is CausalLMTrainer:
         from transformers import AutoModelForCausalLM
 
-        from memtrain.causal_lm.trainer import build_config, config_only, shapes_only
+        from memtrain.causal_lm.trainer import build_config, weights_note
 
         causal = CausalLMRecipe.adopt(recipe)
         config = build_config(causal)
-        described = config.model_type
-        if config_only(causal):  # plans and validates; `train` refuses it before allocating anything
-            unchecked = (
-                ", and data.tokenizer is not there: the data is not checked" if shapes_only(causal) else ""
-            )
-            described += f"; model.pretrained: config.json only, `train` needs its weights{unchecked}"
+        described = config.model_type + weights_note(causal)
         problems = preflight.model_problems(recipe, lambda: AutoModelForCausalLM.from_config(config))
     else:
         from memtrain.distributed import shutdown
