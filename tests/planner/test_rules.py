@@ -45,42 +45,42 @@ QLORA = {"model": {"quantization": "nf4"}, "adapters": {"kind": "lora", "r": 4}}
 
 # name -> (ranks, recipe sections, the key=value the first line of plan's error names)
 CPU_RULES: dict[str, tuple[int, dict[str, dict[str, Any]], str]] = {
-    "quantised base, sharding that shards weights": (
+    "quantised-base-sharding-that-shards-weights": (
         1,
         {**QLORA, "strategies": {"sharding": ["zero3"]}},
         "strategies.sharding=zero3",
     ),
-    "sharding that cannot train on these ranks": (
+    "sharding-that-cannot-train-on-these-ranks": (
         2,
         {"strategies": {"sharding": ["none"]}},
         "strategies.sharding=none",
     ),
-    "sharding with a precision it cannot run": (
+    "sharding-with-a-precision-it-cannot-run": (
         2,
         {"strategies": {"sharding": ["zero1"], "precision": "bf16-master"}},
         "strategies.sharding=zero1",
     ),
-    "gradient reduction the sharding does not do": (
+    "gradient-reduction-the-sharding-does-not-do": (
         2,
         {"strategies": {"sharding": ["ddp"], "gradient_reduction": "per_micro_step"}},
         "strategies.gradient_reduction",
     ),
-    "offload where the host is the device": (
+    "offload-where-the-host-is-the-device": (
         2,
         {"strategies": {"sharding": ["zero3"], "sharding_offload": ["params"]}},
         "strategies.sharding_offload=params",
     ),
-    "in_backward with gradient clipping": (
+    "in_backward-with-gradient-clipping": (
         1,
         {"strategies": {"optimizer_step": ["in_backward"]}, "train": {"grad_clip": 1.0}},
         "strategies.optimizer_step=in_backward",
     ),
-    "every listed option refused by the device": (
+    "every-listed-option-refused-by-the-device": (
         1,
         {"strategies": {"precision": ["fp8"]}},
         "strategies.precision",
     ),
-    "pinned quantised base with zero3": (
+    "pinned-quantised-base-with-zero3": (
         1,
         {
             **QLORA,
@@ -91,7 +91,7 @@ CPU_RULES: dict[str, tuple[int, dict[str, dict[str, Any]], str]] = {
     ),
 }
 DEEPSPEED_RULES = {
-    "loss the sharding cannot run": (
+    "loss-the-sharding-cannot-run": (
         2,
         {"strategies": {"sharding": ["zero3"], "sharding_backend": "deepspeed", "loss": ["chunked"]}},
         "strategies.loss=chunked",
