@@ -1,6 +1,7 @@
 """A throw-away Hugging Face cache holding meta-llama/Llama-3.1-8B-Instruct's real config.json, a safetensors
 index (no weight files: validation and planning read no weights) and a small tokenizer with a chat
-template, so the real-scale fine-tuning recipes validate and plan here."""
+template, so the real-scale fine-tuning recipes validate and plan here; or its config.json alone (what
+`memtrain plan` and `validate` need before the weights are downloaded)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ CONFIG = {  # meta-llama/Llama-3.1-8B-Instruct's config.json
 }
 
 
-def stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Stage the cache under `tmp_path` and point huggingface_hub at it; returns the snapshot directory."""
+def stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config_only: bool = False) -> Path:
+    """Stage the cache under `tmp_path` and point huggingface_hub at it; returns the snapshot directory.
+    `config_only`: its config.json alone (what a what-if needs: no weights, no index, no tokenizer)."""
     home = tmp_path / "hf"
     repo = home / "hub" / f"models--{HUB_ID.replace('/', '--')}"
     snapshot = repo / "snapshots" / "0123456789abcdef"
@@ -49,18 +51,22 @@ def stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (repo / "refs").mkdir()
     (repo / "refs/main").write_text("0123456789abcdef")
     (snapshot / "config.json").write_text(json.dumps(CONFIG))
+    use_cache(monkeypatch, home)
+    if config_only:
+        return snapshot
     weight_map = {"model.embed_tokens.weight": "model-00001-of-00004.safetensors"}
     (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     for file in (REPO / "data/tiny-sft-tokenizer").iterdir():
         shutil.copy(file, snapshot / file.name)
-    use_cache(monkeypatch, home)
     return snapshot
 
 
 def use_cache(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
-    """huggingface_hub reads HF_HOME once, at import: point its constant at `home` too."""
+    """huggingface_hub reads HF_HOME and HF_HUB_OFFLINE once, at import: point its constants at `home`
+    and offline too (nothing is fetched: a hub id the cache lacks fails at once)."""
     import huggingface_hub.constants
 
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

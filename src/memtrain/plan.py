@@ -200,6 +200,7 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states):
         strategy.check(facts)
     sharding.check_with(env, precision)
+    quantization.check_sharding(sharding)
     loss.check_sharding(sharding)
     rows = per_rank_batch(recipe, env.world_size)
     size = rows if recipe.batch.micro_size == "auto" else int(recipe.batch.micro_size)

@@ -80,10 +80,9 @@ def test_planner_counts_the_checkpoints_parameters(tmp_path: Path) -> None:
     assert result.chosen.states.stored[0] == 4 * sum(p.numel() for p in reference.parameters())
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # a config.json alone validates: tests/pretrained/test_real_scale_recipe.py
     ("contents", "message"),
     [
-        ({"config.json": "{}"}, "no safetensors weights"),
         ({"model.safetensors": ""}, "no config.json"),
         ({"config.json": "{}", "pytorch_model.bin": ""}, "pickles are not loaded"),
     ],

@@ -1,100 +1,176 @@
-"""recipes/llama3-8b-chat-sft.yaml validates and plans here: its model and tokenizer are a hub id, staged in
-a throw-away Hugging Face cache with the real config.json, a safetensors index (no weight files: neither
-validation nor planning reads weights) and a small tokenizer with a chat template."""
+"""What-ifs from shapes: every shipped recipe plans from its model's config.json alone (no weights, no
+tokenizer files), as `memtrain plan` would before a 16 GB download; `validate` passes it and says what
+`train` still needs; `train` refuses it before anything is allocated. The fine-tuning recipes name a hub
+id, staged in a throw-away Hugging Face cache holding the real config.json alone (tests/hf_cache.py); the
+others' inline `model.config` is written to a directory as its config.json. Only the offline path is
+tested (HF_HUB_OFFLINE=1): online, a hub id the cache lacks has its config.json alone fetched.
+
+The hole: `model.pretrained` demanded safetensors weights (or an index naming them) and a tokenizer for
+`plan` and `validate`, which read neither."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from memtrain.cli import main
 
-from helpers import REPO
-from hf_cache import HUB_ID, use_cache
+import hf_cache
+from helpers import REPO, TINY_LLAMA, tiny_recipe_dict
 
-RECIPE = str(REPO / "recipes/llama3-8b-chat-sft.yaml")
+RECIPES = sorted(str(p.relative_to(REPO / "recipes")) for p in (REPO / "recipes").rglob("*.yaml"))
+TARGETS = {  # the what-if each recipe's comments plan it for (default: one H100)
+    "gpt2-124m-24gb.yaml": ["--gpu", "rtx4090-24gb"],
+    "llama-70b-64gpu.yaml": ["--gpu", "h100-80gb", "--world-size", "64"],
+    "llama3-8b-8xh100.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
+    "llama3-8b-chat-sft.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
+    "llama3-8b-lora-8gpu.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
+    "llama3-8b-qlora-24gb.yaml": ["--gpu", "rtx4090-24gb"],
+}
+# Its `loss: auto` traces the chunked and fused losses chunk by chunk over 64k tokens (~25 s here), which
+# has nothing to do with where the config comes from: this test plans it with the standard loss.
+NARROWED = {"llama3-8b-8xh100.yaml": ["strategies.loss=standard"]}
+Outcome = tuple[int, str, str]  # exit code, stdout, stderr
 
 
-@pytest.mark.usefixtures("staged_cache")
-def test_validates_and_plans_on_eight_h100(capsys: pytest.CaptureFixture[str]) -> None:
-    data = [f"data.path={REPO / 'data/tiny_chat.jsonl'}"]
-    assert main(["validate", RECIPE, *data]) == 0, capsys.readouterr().err
-    assert "llama" in capsys.readouterr().out
-    assert main(["plan", RECIPE, *data, "--gpu", "h100-80gb", "--world-size", "8", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+def _run(argv: list[str]) -> Outcome:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def config_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, str], Outcome]]:
+    """`memtrain <command> recipes/NAME` with the model's config.json alone (each plan run once)."""
+    tmp = tmp_path_factory.mktemp("config-alone")
+    done: dict[tuple[str, str], Outcome] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        hf_cache.stage(tmp, patch, config_only=True)
+
+        def run(command: str, name: str) -> Outcome:
+            if (command, name) not in done:
+                argv = [command, str(REPO / "recipes" / name), *_config_overrides(name, tmp)]
+                argv += NARROWED.get(name, [])
+                extra = TARGETS.get(name, ["--gpu", "h100-80gb"]) if command == "plan" else []
+                done[command, name] = _run([*argv, *extra, *(["--json"] if command == "plan" else [])])
+            return done[command, name]
+
+        yield run
+
+
+def _config_overrides(name: str, tmp: Path) -> list[str]:
+    """A recipe with an inline `model.config`: that config as a directory's config.json alone."""
+    raw = yaml.safe_load((REPO / "recipes" / name).read_text(encoding="utf-8"))
+    config = raw["model"].get("config")
+    if config is None:
+        return []
+    directory = tmp / name.removesuffix(".yaml").replace("/", "-")
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return ["model.config=null", f"model.pretrained={directory}"]
+
+
+def _plan(config_alone: Callable[[str, str], Outcome], name: str) -> dict[str, Any]:
+    rc, out, err = config_alone("plan", name)
+    assert rc == 0, err[-3000:]
+    doc: dict[str, Any] = json.loads(out)
+    return doc
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_shipped_recipe_plans_from_its_config_alone(
+    config_alone: Callable[[str, str], Outcome], name: str
+) -> None:
+    rc, out, err = config_alone("plan", name)
+    assert "Traceback" not in err
+    if rc == 2:  # a recipe that does not fit its target: the usual answer, not a missing file
+        assert "no plan fits" in err and "model.pretrained" not in err, err[-3000:]
+        return
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out)
+    assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
+
+
+def test_validate_passes_and_says_what_train_needs(config_alone: Callable[[str, str], Outcome]) -> None:
+    rc, out, err = config_alone("validate", "llama3-8b-chat-sft.yaml")
+    assert rc == 0, err
+    assert "config.json only, `train` needs its weights" in out and "data.tokenizer is not there" in out
+
+
+def test_train_refuses_a_config_alone_before_allocating(tmp_path: Path) -> None:
+    """One line naming model.pretrained and the missing weights; no run directory, no model built."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model/config.json").write_text(json.dumps(TINY_LLAMA), encoding="utf-8")
+    raw = tiny_recipe_dict(tmp_path, model={"config": None, "pretrained": str(tmp_path / "model")})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+    assert _run(["validate", str(tmp_path / "r.yaml")])[0] == 0
+    rc, _, err = _run(["train", str(tmp_path / "r.yaml")])
+    assert rc == 2 and "Traceback" not in err
+    assert "model.pretrained" in err and "has no safetensors weights" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_not_downloaded_says_how(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline, a hub id not in the cache: one line saying how to download it (its config alone is
+    enough to plan)."""
+    hf_cache.use_cache(monkeypatch, tmp_path / "empty")
+    recipe = str(REPO / "recipes/llama3-8b-chat-sft.yaml")
+    rc, _, err = _run(["validate", recipe, f"data.path={REPO / 'data/tiny_chat.jsonl'}"])
+    assert rc == 2 and f"huggingface-cli download {hf_cache.HUB_ID}" in err
+
+
+def test_eight_h100_shard_the_weights(config_alone: Callable[[str, str], Outcome]) -> None:
+    doc = _plan(config_alone, "llama3-8b-chat-sft.yaml")
     assert doc["plan"]["precision"]["name"] == "bf16-mixed"
     numel = 8_030_261_248  # Llama-3.1-8B's parameters
-    weights, predicted = doc["model_states"]["weights"], doc["predicted"]["peak"]
-    assert weights < 4 * numel, "the weights are sharded over the 8 ranks"
-    assert predicted <= doc["budget"]["usable"]
+    assert doc["model_states"]["weights"] < 4 * numel, "the weights are sharded over the 8 ranks"
 
 
-def test_not_downloaded_says_how(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    use_cache(monkeypatch, tmp_path / "empty")
-    assert main(["validate", RECIPE, f"data.path={REPO / 'data/tiny_chat.jsonl'}"]) == 2
-    assert f"huggingface-cli download {HUB_ID}" in capsys.readouterr().err
-
-
-@pytest.mark.usefixtures("staged_cache")
-def test_qlora_on_one_24gb_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_qlora_on_one_24gb_gpu(config_alone: Callable[[str, str], Outcome]) -> None:
     """The 8B QLoRA what-if on a 24 GB GPU: weights are the 4-bit arithmetic (docs/STRATEGIES.md) and a
     micro-batch and checkpointing that fit are chosen."""
     from memtrain.strategies.quantization import QUANTIZATION
 
-    data = [f"data.path={REPO / 'data/tiny_chat.jsonl'}"]
-    recipe = str(REPO / "recipes/llama3-8b-qlora-24gb.yaml")
-    assert main(["plan", recipe, *data, "--gpu", "rtx4090-24gb", "--json"]) == 0, capsys.readouterr().err
-    doc = json.loads(capsys.readouterr().out)
+    doc = _plan(config_alone, "llama3-8b-qlora-24gb.yaml")
     hidden, inter, layers, vocab, kv = 4096, 14336, 32, 128256, 1024
-    linears = [
-        hidden * hidden,
-        kv * hidden,
-        kv * hidden,
-        hidden * hidden,
-        inter * hidden,
-        inter * hidden,
-        hidden * inter,
+    shapes = [
+        (hidden, hidden),
+        (kv, hidden),
+        (kv, hidden),
+        (hidden, hidden),
+        (inter, hidden),
+        (inter, hidden),
     ]
-    rank = 16
-    lora = sum(
-        rank * (rows + cols)
-        for rows, cols in (
-            (hidden, hidden),
-            (kv, hidden),
-            (kv, hidden),
-            (hidden, hidden),
-            (inter, hidden),
-            (inter, hidden),
-            (hidden, inter),
-        )
-    )
+    shapes.append((hidden, inter))
+    linears = [rows * cols for rows, cols in shapes]
+    lora = sum(16 * (rows + cols) for rows, cols in shapes)  # rank 16
     four_bit = QUANTIZATION.create("nf4").weight_bytes(linears * layers)
     other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, head, norms: fp32 (bf16-mixed)
     assert doc["model_states"]["weights"] == four_bit + 4 * other + 4 * layers * lora
     assert doc["model_states"]["gradients"] == 4 * layers * lora, "only the adapters have gradients"
-    assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
     assert doc["full_fine_tuning"]["weights"] > 4 * doc["model_states"]["weights"] / 2
 
 
-@pytest.mark.usefixtures("staged_cache")
-def test_lora_on_eight_gpus(capsys: pytest.CaptureFixture[str]) -> None:
-    data = [f"data.path={REPO / 'data/tiny_chat.jsonl'}"]
-    recipe = str(REPO / "recipes/llama3-8b-lora-8gpu.yaml")
-    assert main(["plan", recipe, *data, "--gpu", "h100-80gb", "--world-size", "8"]) == 0
-    table = capsys.readouterr().out
-    assert "full fine-tuning would keep" in table and "more than lora" in table, table
+def test_lora_on_eight_gpus(config_alone: Callable[[str, str], Outcome]) -> None:
+    doc = _plan(config_alone, "llama3-8b-lora-8gpu.yaml")
+    full, kept = doc["full_fine_tuning"], doc["model_states"]
+    assert sum(full.values()) > sum(kept.values()), "full fine-tuning would keep more than lora"
 
 
-@pytest.mark.usefixtures("staged_cache")
-def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """recipes/llama3-8b-dpo-8xh100.yaml validates and plans from the staged config with chat preference
+def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recipes/llama3-8b-dpo-8xh100.yaml validates and plans from a staged config.json alone with chat preference
     pairs; with `preference.reference=copy` every rank keeps the whole initial model in bf16 beside its
     shard of the policy, and the plan's weights count it (before, DPO did not exist; a planner without the
     copy's `frozen_bytes` would predict the policy's shard alone, 4 bytes x numel / 8)."""
+    hf_cache.stage(tmp_path, monkeypatch, config_only=True)
     pairs = tmp_path / "pairs.jsonl"
     rows = [
         {
@@ -107,16 +183,17 @@ def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, capsys: pytest.
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
     recipe = str(REPO / "recipes/llama3-8b-dpo-8xh100.yaml")
     data = [f"data.path={pairs}"]
-    assert main(["validate", recipe, *data]) == 0, capsys.readouterr().err
-    assert "llama3-8b-dpo-8xh100.yaml: ok" in capsys.readouterr().out
+    rc, out, err = _run(["validate", recipe, *data])
+    assert rc == 0 and "llama3-8b-dpo-8xh100.yaml: ok" in out, err
     pinned = [
         "strategies.checkpointing=selective",
         "strategies.optimizer_states=8bit",
         "strategies.sharding=zero3",
     ]
     copy = [*data, *pinned, "preference.reference=copy"]
-    assert main(["plan", recipe, *copy, "--gpu", "h100-80gb", "--world-size", "8", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    rc, out, err = _run(["plan", recipe, *copy, "--gpu", "h100-80gb", "--world-size", "8", "--json"])
+    assert rc == 0, err[-3000:]
+    doc = json.loads(out)
     numel = 8_030_261_248  # Llama-3.1-8B's parameters
     policy_shard = doc["model_states"]["weights"] - 2 * numel
     assert 0 < policy_shard <= 1.01 * 4 * numel / 8

@@ -22,35 +22,36 @@ from memtrain.errors import RecipeError, did_you_mean
 FIELD_ROLES = ("text", "messages", "prompt", "completion")  # the keys of data.fields
 
 
-def data_problems(cfg: DataConfig) -> list[str]:
+def data_problems(cfg: DataConfig, tokenizer: bool = True) -> list[str]:
     """Every problem of the `data:` section found without reading more than the first records (of each
-    source of a mixture)."""
+    source of a mixture); without `tokenizer` (a config-only model whose tokenizer is not there yet: shapes
+    only), the keys alone."""
     if cfg.mixture is not None:
         if cfg.eval.given:
             return [
                 "data.eval: a data.mixture holds out each source's data.eval_fraction; leave data.eval unset "
                 "(a separate eval set for a mixture is not supported yet)"
             ]
-        return mixture.problems(cfg, data_problems)
+        return mixture.problems(cfg, lambda entry: data_problems(entry, tokenizer))
     try:
         source = source_of(cfg)
     except RecipeError as exc:
         return exc.problems
     problems = _key_problems(cfg, source)
-    if problems or not source.tokenized:
+    if problems or not source.tokenized or not tokenizer:
         return problems
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        loaded = load_tokenizer(cfg.tokenizer)
     except RecipeError as exc:
         return exc.problems
-    if cfg.kind == "chat" and tokenizer.chat_template is None:
+    if cfg.kind == "chat" and loaded.chat_template is None:
         return [
             f"data.kind: chat renders conversations with the tokenizer's chat template, and data.tokenizer "
             f"{cfg.tokenizer!r} has none (use a tokenizer directory whose tokenizer_config.json or "
             "chat_template.jinja holds one)"
         ]
     try:
-        return source.problems(cfg, tokenizer) or _eval_problems(cfg, source, tokenizer)
+        return source.problems(cfg, loaded) or _eval_problems(cfg, source, loaded)
     except RecipeError as exc:
         return exc.problems
 

@@ -9,6 +9,10 @@ keeps: a replicated plan reads every tensor, an FSDP2 plan reads only this rank'
 the parameter's dtype, which is the plan's (bf16 for bf16-master, fp32 otherwise); a floating parameter
 stored as integers is refused, since the conversion would silently turn it into other values. Only safetensors are
 read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths a recipe names.
+
+Planning needs shapes, not weights: a directory (or a cached hub id) with its config.json alone is a
+`model.pretrained` for `memtrain plan` and `validate` (a what-if before a 16 GB download); `train` refuses
+it before anything is allocated (`check_directory`).
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ from torch import nn
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import read_json_object
 
+CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def resolve(value: str, key: str = "model.pretrained") -> Path:
-    """The directory `value` names: a local directory, or a hub id in the local Hugging Face cache
-    (nothing is downloaded). `RecipeError` naming `key` otherwise."""
+def resolve(value: str, key: str = "model.pretrained", *, fetch_config: bool = False) -> Path:
+    """The directory `value` names: a local directory, or a hub id in the local Hugging Face cache (its
+    config.json alone is enough for shapes). With `fetch_config` (reading the model's shapes: `plan`,
+    `validate`), a hub id the cache lacks has its config.json alone fetched when the hub is reachable
+    (`hf_hub_download`, which honours HF_HUB_OFFLINE); nothing else is ever downloaded. `RecipeError`
+    naming `key` otherwise."""
     path = Path(value)
     if path.is_dir():
         return path
@@ -41,19 +49,50 @@ def resolve(value: str, key: str = "model.pretrained") -> Path:
 
         return Path(snapshot_download(repo_id=value, local_files_only=True))
     except Exception:  # LocalEntryNotFoundError, or an offline cache miss of another kind
+        fetched = _fetch_config(value) if fetch_config else None
+        if fetched is not None:
+            return fetched
         raise RecipeError(
             [
                 f"{key}: {value!r} is not a local directory and not in the Hugging Face cache; download it "
-                f"first (huggingface-cli download {value}) or give its directory"
+                f"first (huggingface-cli download {value}; its config.json alone is enough for memtrain plan "
+                "and validate) or give its directory"
             ]
         ) from None
+
+
+def _fetch_config(repo_id: str) -> Path | None:
+    """The snapshot directory holding `repo_id`'s config.json fetched alone, or None (offline, no such
+    repository, no access)."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id, CONFIG_FILE)).parent
+    except Exception:  # OfflineModeIsEnabled, RepositoryNotFoundError, a network error, ...
+        return None
+
+
+def check_config(directory: Path) -> None:
+    """`RecipeError` naming model.pretrained unless `directory` has a config.json (all shapes need), and
+    whatever weights it holds (safetensors, or pickles it would refuse) are as `train` reads them: only a
+    directory without weight files at all is a config alone."""
+    if has_weights(directory) or any(directory.glob("*.bin")):
+        check_directory(directory)
+    elif not (directory / CONFIG_FILE).is_file():
+        raise RecipeError([f"model.pretrained: {directory} has no {CONFIG_FILE}"])
+
+
+def has_weights(directory: Path) -> bool:
+    """Whether `directory` names safetensors weights (a single file or an index); False for a directory
+    with its config.json alone, which plans and validates but does not train."""
+    return (directory / INDEX_FILE).is_file() or (directory / SINGLE_FILE).is_file()
 
 
 def check_directory(directory: Path) -> None:
     """`RecipeError` naming model.pretrained unless `directory` has a config and safetensors weights."""
     problems = []
-    if not (directory / "config.json").is_file():
-        problems.append(f"model.pretrained: {directory} has no config.json")
+    if not (directory / CONFIG_FILE).is_file():
+        problems.append(f"model.pretrained: {directory} has no {CONFIG_FILE}")
     try:
         found = weight_files(directory)
     except RecipeError as exc:
@@ -63,7 +102,7 @@ def check_directory(directory: Path) -> None:
         hint = (
             f" (found {', '.join(pickled)}: pickles are not loaded; convert to safetensors)"
             if pickled
-            else ""
+            else "; its config.json alone is enough for memtrain plan and validate, training needs the weights"
         )
         problems.append(
             f"model.pretrained: {directory} has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}){hint}"

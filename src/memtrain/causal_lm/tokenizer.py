@@ -108,6 +108,18 @@ class PretrainedTokenizer:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
 
+def absent(spec: str) -> bool:
+    """Whether `data.tokenizer` names a directory (or cached hub id) that holds no tokenizer files, such as
+    a config-only model directory: a tokenizer not downloaded yet, not a wrong one."""
+    if spec == "byte" or Path(spec).is_file():
+        return False
+    try:
+        path = Path(spec) if Path(spec).is_dir() else resolve(spec, "data.tokenizer")
+    except RecipeError:
+        return False
+    return not any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """`data.tokenizer`: "byte", a tokenizers JSON file, a tokenizer directory, or a hub id in the local cache
     (e.g. the `model.pretrained` one); `RecipeError` otherwise.

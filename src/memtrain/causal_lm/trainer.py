@@ -21,6 +21,7 @@ from torch import nn
 
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks, pretrained
+from memtrain.causal_lm import tokenizer as tokenizer_lib
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
@@ -61,12 +62,36 @@ def config_dict(recipe: CausalLMRecipe) -> tuple[dict[str, Any], str]:
     return read_json_object(m.config_path, "model.config_path"), "model.config_path"
 
 
-def pretrained_directory(recipe: CausalLMRecipe) -> Path:
-    """The checked model directory of `model.pretrained` (`RecipeError` naming the key otherwise)."""
+def pretrained_directory(recipe: CausalLMRecipe, weights: bool = False) -> Path:
+    """The checked model directory of `model.pretrained`: its config.json (shapes: what planning and
+    validation read, fetched alone for a hub id when it is not cached and the hub is reachable), and with
+    `weights` its safetensors too (`RecipeError` naming the key otherwise)."""
     assert recipe.model.pretrained is not None
-    directory = pretrained.resolve(recipe.model.pretrained)
-    pretrained.check_directory(directory)
+    directory = pretrained.resolve(recipe.model.pretrained, fetch_config=not weights)
+    if weights:
+        pretrained.check_directory(directory)
+    else:
+        pretrained.check_config(directory)
     return directory
+
+
+def weights_note(recipe: CausalLMRecipe) -> str:
+    """What `memtrain validate` adds to its line for a config-only `model.pretrained` ("" otherwise): it
+    plans and validates, and `train` refuses it until the weights are there."""
+    if not config_only(recipe):
+        return ""
+    unchecked = ", and data.tokenizer is not there: the data is not checked" if shapes_only(recipe) else ""
+    return f"; model.pretrained: config.json only, `train` needs its weights{unchecked}"
+
+
+def config_only(recipe: CausalLMRecipe) -> bool:
+    """Whether `model.pretrained` names a config.json without weights (plan and validate only)."""
+    if recipe.model.pretrained is None:
+        return False
+    try:
+        return not pretrained.has_weights(pretrained_directory(recipe))
+    except RecipeError:  # reported by `build_config`
+        return False
 
 
 def build_config(recipe: CausalLMRecipe) -> Any:
@@ -224,7 +249,8 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
         config, problems = build_config(recipe), []
     except RecipeError as exc:
         config, problems = None, exc.problems
-    data_problems = data_checks.data_problems(recipe.data)
+    with_tokenizer = not shapes_only(recipe)
+    data_problems = data_checks.data_problems(recipe.data, tokenizer=with_tokenizer)
     problems += data_problems
     if config is None:
         return problems
@@ -236,7 +262,9 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
             "(lower data.seq_len or raise the model config's max_position_embeddings / n_positions)"
         )
     vocab = getattr(config, "vocab_size", None)
-    data_ok = not any(p.startswith(("data.tokenizer", "data.source")) for p in data_problems)
+    data_ok = with_tokenizer and not any(
+        p.startswith(("data.tokenizer", "data.source")) for p in data_problems
+    )
     data_vocab = data_checks.vocabulary(recipe.data) if data_ok else None
     if isinstance(vocab, int) and data_vocab is not None and data_vocab.size > vocab:
         _, key = config_dict(recipe)
@@ -246,6 +274,14 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
             "would fail in the embedding"
         )
     return problems
+
+
+def shapes_only(recipe: CausalLMRecipe) -> bool:
+    """A config-only `model.pretrained` whose `data.tokenizer` is not there either (a hub id or directory
+    with no tokenizer files, e.g. the same config-only one): `plan` and `validate` take the shapes from
+    the config (its `vocab_size`) and check no data that needs the tokenizer; `train` refuses the missing
+    weights first."""
+    return config_only(recipe) and tokenizer_lib.absent(recipe.data.tokenizer)
 
 
 def _attention_problems(recipe: CausalLMRecipe, config: Any) -> list[str]:
@@ -336,6 +372,8 @@ class CausalLMTrainer(Trainer):
         return self._data
 
     def setup(self) -> None:
+        if self.recipe.model.pretrained is not None:  # a config.json alone plans, but trains nothing
+            pretrained_directory(self.recipe, weights=True)
         _ = self.data  # tokenize before the model and the tracker exist (what `host_data_bytes` counts)
         if self._plan is None:
             self.choose_plan()
@@ -375,7 +413,8 @@ class CausalLMTrainer(Trainer):
 
     def load_weights(self, model: nn.Module) -> None:
         if self.recipe.model.pretrained is not None:
-            pretrained.load_weights(model, pretrained_directory(self.recipe), skip=self.plan.adapters.owns)
+            directory = pretrained_directory(self.recipe, weights=True)
+            pretrained.load_weights(model, directory, skip=self.plan.adapters.owns)
 
     def build_model_clone(self, num_blocks: int) -> nn.Module:
         """The model with `num_blocks` blocks (per-layer lists cut to match), for the planner's traces."""

@@ -154,10 +154,11 @@ def _validated_model(recipe: Recipe, source: str, trainer: type[Trainer]) -> str
     if trainer is CausalLMTrainer:
         from transformers import AutoModelForCausalLM
 
-        from memtrain.causal_lm.trainer import build_config
+        from memtrain.causal_lm.trainer import build_config, weights_note
 
-        config = build_config(CausalLMRecipe.adopt(recipe))
-        described = config.model_type
+        causal = CausalLMRecipe.adopt(recipe)
+        config = build_config(causal)
+        described = config.model_type + weights_note(causal)
         problems = preflight.model_problems(recipe, lambda: AutoModelForCausalLM.from_config(config))
     else:
         from memtrain.distributed import shutdown

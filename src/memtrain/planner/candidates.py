@@ -14,6 +14,9 @@ knob offer their `search_variants` (`fraction`: `strategies.checkpointing_fracti
 `planner.checkpointing_fractions`); variants that recompute the same blocks as another candidate are
 dropped as duplicates. With one rank, `auto` sharding is `none`: every other layout shards nothing there.
 A loss that cannot run with a sharding (`chunked` on DeepSpeed ZeRO-3) leaves the grid for that sharding.
+A quantised base leaves out every sharding that shards weights (`Quantization.check_sharding`, which
+`pinned_plan` applies too). `planner.rules` builds this grid for `memtrain validate`: when the rules leave
+no candidate, validate names them.
 An optimizer step in backward is offered only where it is exact (one micro-step per step, no gradient
 clipping, no sharding, no loss scaling or master copy: `OptimizerStep.check_plan`); pinned, and exact
 nowhere, it is the user's error.
@@ -118,13 +121,10 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     candidates = []
     for precision in precisions:
         for sharding in shardings:
-            if quantization.name != "none" and not sharding.replicated:
-                reason = (
-                    f"strategies.sharding={sharding.name}",
-                    f"model.quantization={quantization.name} "
-                    "keeps the quantised base whole on every rank (use none or ddp)",
-                )
-                if reason not in excluded:
+            try:
+                quantization.check_sharding(sharding)
+            except Unsupported as exc:
+                if (reason := (f"strategies.sharding={sharding.name}", str(exc))) not in excluded:
                     excluded.append(reason)
                 continue
             try:

@@ -14,6 +14,7 @@ from memtrain.memory import format_bytes
 from memtrain.memory.footprint import COMPONENTS
 from memtrain.memory.headroom import MemoryBudget
 from memtrain.plan import Plan
+from memtrain.planner import rules
 from memtrain.planner.result import PlanResult, Scored
 from memtrain.recipe import Recipe
 
@@ -100,8 +101,23 @@ def explain_failure(
     budget: MemoryBudget,
     infeasible: tuple[Scored, ...],
     excluded: tuple[tuple[str, str], ...],
+    *,
+    ruled_out: bool = False,
 ) -> str:
-    """The `PlanError` message: nothing fits, the closest plans, and which recipe keys to change."""
+    """The `PlanError` message: nothing fits, the closest plans, and which recipe keys to change. When
+    the rules excluded every candidate (`ruled_out`: none was predicted), memory is not the cause: the
+    message leads with the exclusions and names their keys, without memory advice."""
+    if ruled_out and excluded:
+        first = "; ".join(rules.ruled_out(excluded))
+        return "\n".join(
+            [
+                f"no plan fits: the recipe's choices exclude every candidate (not memory): {first}",
+                _budget_line(budget),
+                *_excluded(excluded),
+                "",
+                "to make a plan run, change one of the excluded choices above (`memtrain validate` reports them)",
+            ]
+        )
     lines = ["no plan fits the memory budget", _budget_line(budget)]
     if infeasible:
         closest = sorted(infeasible, key=lambda s: (s.prediction.lower_bound, s.prediction.peak, s.order()))

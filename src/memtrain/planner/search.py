@@ -99,7 +99,9 @@ def search(
         raise untraceable
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
-        raise PlanError(explain_failure(recipe, target.budget, infeasible, tuple(excluded)))
+        raise PlanError(
+            explain_failure(recipe, target.budget, infeasible, tuple(excluded), ruled_out=not grid.candidates)
+        )
     chosen = ranked[0]
     return PlanResult(
         plan=chosen.plan,

@@ -50,6 +50,7 @@ from torch import nn
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
+from memtrain.strategies.sharding import Sharding
 
 # 4-bit (bitsandbytes/functional.py `quantize_4bit` and `QuantState`, backends/*/ops.py `quantize_4bit`):
 BNB_4BIT_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes quantize_4bit accepts
@@ -82,6 +83,17 @@ class Quantization(Strategy):
 
     def stand_in(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> None:
         """What the planner's fake-tensor trace runs in place of `apply` (nothing, without quantisation)."""
+
+    def check_sharding(self, sharding: Sharding) -> None:
+        """`Unsupported` when the base cannot be stored as `sharding` lays weights out: a quantised base is
+        kept whole on every rank, so only the replicated layouts (none, ddp) hold it. The one rule for the
+        planner's grid, a pinned plan and `memtrain validate`."""
+        if self.name != "none" and not sharding.replicated:
+            raise Unsupported(
+                f"model.quantization: {self.name} keeps the quantised base whole on every rank, and "
+                f"strategies.sharding {sharding.name} shards the weights; use strategies.sharding none or ddp "
+                "(or model.quantization: none)"
+            )
 
     def weight_bytes(
         self,

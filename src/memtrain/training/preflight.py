@@ -6,7 +6,8 @@ budget smaller than the model's own weights fails inside the first step with an 
 Each of these is known before step 1, so each becomes one line naming the recipe key to change.
 
 - `recipe_problems(recipe)`: the checks `memtrain train` makes before it builds the model that need no
-  model (the output directory, batch divisibility, a DeepSpeed JSON, quantisation without adapters);
+  model (the output directory, batch divisibility, a DeepSpeed JSON, quantisation without adapters, and
+  the planner's rules: choices that leave no plan able to run, whatever the memory, `planner.rules`);
   `memtrain validate` runs them too. They write nothing and create no directory.
 - `model_problems(recipe, build_model)`: for `memtrain validate`, with the model built on the meta
   device: `memory.budget` against the weights of a pinned plan (an open recipe is judged by the planner).
@@ -27,10 +28,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, RecipeError, Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.plan import Plan, is_open, per_rank_batch, pinned_plan, quantization_of
+from memtrain.planner import rules
 from memtrain.planner.result import PlanResult
 from memtrain.recipe import Recipe
 from memtrain.run import RunLayout
@@ -47,6 +48,7 @@ def recipe_problems(recipe: Recipe, skip: Set[str] = frozenset()) -> list[str]:
         ({"batch"}, _batch_problems),
         ({"model", "adapters"}, _quantization_problems),
         ({"strategies", "batch", "train"}, deepspeed_checks.recipe_problems),
+        ({"strategies", "batch", "train", "model", "adapters"}, rules.rule_problems),
     ]
     return [line for sections, check in checks if not sections & skip for line in check(recipe)]
 
@@ -115,7 +117,7 @@ def _problems_of(check: Callable[[], object]) -> list[str]:
 def model_problems(recipe: Recipe, build_model: Callable[[], nn.Module]) -> list[str]:
     """The checks that need the model, built on the meta device by `build_model` only when one applies:
     adapter targets that match no module, and `budget_problem` for the recipe's pinned plan on this
-    device (a plan this device cannot run is the planner's to report)."""
+    device (a plan this device cannot run is `planner.rules`' to report, in `recipe_problems`)."""
     targets = recipe.adapters.target_modules
     check_adapters = recipe.adapters.kind != "none" and not isinstance(targets, str)
     plan = _pinned_here(recipe) if recipe.memory.budget is not None and not is_open(recipe) else None
@@ -135,10 +137,8 @@ def model_problems(recipe: Recipe, build_model: Callable[[], nn.Module]) -> list
 
 def _pinned_here(recipe: Recipe) -> Plan | None:
     """The recipe's pinned plan on this device, or None when this device cannot run it."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        return pinned_plan(recipe, DistEnv(rank=0, world_size=world_size, local_rank=0, device=device))
+        return pinned_plan(recipe, rules.this_device())
     except MemtrainError:
         return None
 
