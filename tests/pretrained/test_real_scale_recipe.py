@@ -5,6 +5,7 @@ validation nor planning reads weights) and a small tokenizer with a chat templat
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,11 @@ def test_not_downloaded_says_how(
     assert f"huggingface-cli download {HUB_ID}" in capsys.readouterr().err
 
 
-@pytest.mark.usefixtures("staged_cache")
+@pytest.mark.usefixtures("staged_cache", "shared_traces")
 def test_qlora_on_one_24gb_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     """The 8B QLoRA what-if on a 24 GB GPU: weights are the 4-bit arithmetic (docs/STRATEGIES.md) and a
-    micro-batch and checkpointing that fit are chosen."""
+    micro-batch and checkpointing that fit are chosen; the README's sample of this plan is what the command
+    prints (the hole: nothing compared them, and the sample had drifted from the output)."""
     from memtrain.strategies.quantization import QUANTIZATION
 
     data = [f"data.path={REPO / 'data/tiny_chat.jsonl'}"]
@@ -78,6 +80,20 @@ def test_qlora_on_one_24gb_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["model_states"]["gradients"] == 4 * layers * lora, "only the adapters have gradients"
     assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
     assert doc["full_fine_tuning"]["weights"] > 4 * doc["model_states"]["weights"] / 2
+    assert main(["plan", recipe, *data, "--gpu", "rtx4090-24gb"]) == 0  # the traces are shared: no retrace
+    printed = capsys.readouterr().out.splitlines()
+    sample = readme_sample("memtrain plan recipes/llama3-8b-qlora-24gb.yaml")
+    assert sample[0].startswith("chosen: ") and len(sample) >= 5
+    assert [line for line in sample if line not in printed] == [], "regenerate the README's sample"
+
+
+def readme_sample(command: str) -> list[str]:
+    """The lines of the README's output block that follows the code block holding `command`."""
+    found = re.search(
+        re.escape(command) + r".*?\n```\n```\n(.*?)\n```", (REPO / "README.md").read_text(), re.S
+    )
+    assert found is not None, f"README.md has no output block after {command!r}"
+    return found.group(1).splitlines()
 
 
 @pytest.mark.usefixtures("staged_cache")
