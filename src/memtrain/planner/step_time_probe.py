@@ -10,9 +10,9 @@ of a new model is calibrated too (step_time_calibration.py fits the multipliers 
 What it runs: the trainer's own model and `loss` on its `micro_batch(rows)`, in fp32, in training mode
 (dropout on), with the recipe's adapters (only they get gradients), and an AdamW step with gradient
 clipping over what trains (the optimizer term). A model built with its parameters on the meta device (a
-`model.pretrained` model before its weights load) gets random values: the probe times kernels, not
-weights. A clone with `PROBE_BLOCKS` blocks stands for a deeper model when the trainer can build one, so
-the probe needs little memory; without a clone the whole model runs, and only when its fp32 weights and
+pretrained model before its weights load) gets random values: the probe times kernels, not weights. A
+clone with `PROBE_BLOCKS` blocks stands for a deeper model when the trainer can build one, so the probe
+needs little memory; without a clone the whole model runs, and only when its fp32 weights and
 gradients take at most `BUDGET_SHARE` of the usable budget (otherwise there is no probe, and nothing fails:
 the probe only ever makes a prediction better).
 """
@@ -97,9 +97,9 @@ def time_model(
 
 
 def _materialise(model: nn.Module, device: torch.device) -> None:
-    """Random values on `device` for the tensors `model` holds on the meta device (a `model.pretrained`
-    model before its weights load): the probe times the kernels, not the weights. Shared (tied) parameters
-    stay shared."""
+    """Random values on `device` for the tensors `model` holds on the meta device (a pretrained model
+    before its weights load): the probe times the kernels, not the weights. Shared (tied) parameters stay
+    shared."""
     made: dict[int, torch.Tensor] = {}
     for module in model.modules():
         named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
