@@ -108,6 +108,24 @@ def test_lora_saves_states_next_to_full_fine_tuning(tmp_path: Path) -> None:
     )
 
 
+def test_the_printed_plan_names_the_rank(tmp_path: Path) -> None:
+    """The hole: a strategy printed the values that differ from their defaults, unnamed, so the adapters of
+    rank 16 (the default) with dropout 0.05 printed as `lora(0.05)`, read as a rank."""
+    from memtrain.plan import adapters_of
+    from memtrain.planner import plan_here
+    from memtrain.planner.explain import describe
+
+    lora = {"kind": "lora", "r": 16, "alpha": 8, "dropout": 0.05}
+    recipe = tiny_recipe(tmp_path, adapters=lora)
+    result = plan_here(recipe, CausalLMTrainer(recipe).model_spec())
+    assert result.plan.describe().startswith("lora(r=16, alpha=8, dropout=0.05), fp32")  # the progress line
+    assert "more than lora(r=16, alpha=8, dropout=0.05))" in describe(result, "plan")
+    targeted = {"kind": "lora", "r": 4, "target_modules": ["q_proj", "v_proj"]}
+    assert adapters_of(tiny_recipe(tmp_path, adapters=targeted)).describe() == (
+        "lora(r=4, alpha=32, targets=q_proj+v_proj)"  # no dropout: not named
+    )
+
+
 def test_resume_is_bit_exact(tmp_path: Path) -> None:
     """A run resumed from its step-2 checkpoint ends with the same adapters and losses as the run that went
     through (the base stays frozen, the adapters and their optimizer states come back from the checkpoint)."""

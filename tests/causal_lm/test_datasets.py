@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memtrain.causal_lm import data as data_lib
-from memtrain.causal_lm import sft
+from memtrain.causal_lm import dataset_source, sft
 from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
@@ -171,6 +171,21 @@ def test_directory_glob_and_split(tmp_path: Path) -> None:
     assert len(data_lib.build_splits(DataConfig(**base, path=str(folder / "*.jsonl")), 256, 0).train) == 35
     with pytest.raises(RecipeError, match="data.split"):
         data_lib.build_splits(DataConfig(**base, path=str(folder), split="validation"), 256, 0)
+
+
+def test_no_progress_bars_without_a_terminal(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The hole: datasets' progress bars ("Generating train split", "memtrain: tokenizing") were drawn into
+    stderr when it is a log file, not a terminal (here: captured). A validate-style read of the first
+    records, a tokenization and a streamed read each go through datasets."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(30)))
+    base = {"source": "dataset", "path": str(path), "seq_len": 64, "packing": False, "eval_fraction": 0.0}
+    assert len(dataset_source.head(DataConfig(**base), 2)[0]) == 2
+    assert len(data_lib.build_splits(DataConfig(**base), 256, 0).train) == 30
+    streamed = data_lib.build_splits(DataConfig(**base, streaming=True), 256, 0).stream
+    assert streamed is not None and len(streamed.step_samples(0)[0]) == 1
+    err = capfd.readouterr().err
+    assert "examples/s" not in err and "%|" not in err and "\r" not in err, err
 
 
 def test_hub_id_is_read_from_the_local_cache_only(datasets_cache: Path) -> None:

@@ -17,13 +17,14 @@ import torch
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.memory.headroom import load_gpu
+from memtrain.plan import adapters_of
 from memtrain.planner import plan_here, plan_what_if, step_time_probe
 from memtrain.planner import step_time_calibration as stc
 from memtrain.planner.cost import UNCALIBRATED, CostModel, StepCost, calibrate
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.spec import ModelSpec
 
-from helpers import tiny_recipe
+from helpers import TINY_LLAMA, tiny_recipe
 
 TRUE_SCALE = (2.5, 1.6, 3.0, 0.7, 1.0, 1.0)  # a machine slower at matmuls and per micro-step, faster at Adam
 CPU = torch.device("cpu")
@@ -171,6 +172,26 @@ def test_a_probe_that_fails_is_skipped(tmp_path: Path, capsys: pytest.CaptureFix
     probe = ModelProbe(dataclasses.replace(spec_of(tiny_recipe(tmp_path)), loss=broken))
     assert step_time_probe.time_model(probe, CPU, 2**40) == []
     assert "step-time probe skipped (RuntimeError: CUDA out of memory)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("adapters", [{}, {"kind": "lora", "r": 4}], ids=["full", "lora"])
+def test_a_pretrained_model_and_its_lora_run_are_probed(
+    tmp_path: Path, adapters: dict[str, object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hole: a `model.pretrained` model is built with its parameters on the meta device, and the probe
+    moved it with `.to()` ("Cannot copy out of meta tensor"), so every first pretrained run, LoRA and
+    QLoRA included, planned without a probe. Eager attention: the trainer's own (meta) `build_model` is
+    the one the spec hands the planner, as for packed rows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA)).save_pretrained(tmp_path / "model")
+    model = {"config": None, "pretrained": str(tmp_path / "model"), "attn_implementation": "eager"}
+    recipe = tiny_recipe(tmp_path, model=model, adapters=adapters)
+    probe = ModelProbe(spec_of(recipe), adapters=adapters_of(recipe))
+    timed = step_time_probe.time_model(probe, CPU, 2**40)
+    assert [what for what, _, _ in timed] == ["probe, 1 rows", "probe, 4 rows", "probe, optimizer step"]
+    assert all(seconds > 0 for _, _, seconds in timed)
+    assert "probe skipped" not in capsys.readouterr().err
 
 
 def spec_of(recipe: CausalLMRecipe) -> ModelSpec:

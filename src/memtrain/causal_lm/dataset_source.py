@@ -8,6 +8,7 @@ Why tokenization goes through `Dataset.map`: its result is cached on disk under 
 data, the tokenizer's files and the recipe keys that shape the documents, so a dataset is tokenized
 once; on several ranks, rank 0 tokenizes first while the others wait at a barrier, and then read its
 cache. A streamed dataset (`data.streaming`) is read record by record instead (`causal_lm.streaming`).
+datasets' progress bars show only when stderr is a terminal (`quiet`): a log file would get every redraw.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import glob
 import hashlib
 import itertools
 import json
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,6 +52,24 @@ def offline() -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """datasets' progress bars off for the duration when stderr is not a terminal: in a log file each
+    redraw is a line of its own (the trainer's own bar shows only on a terminal too).
+    `HF_DATASETS_DISABLE_PROGRESS_BARS`, when set, decides instead."""
+    import datasets.utils
+
+    keep = sys.stderr.isatty() or "HF_DATASETS_DISABLE_PROGRESS_BARS" in os.environ
+    if keep or datasets.utils.are_progress_bars_disabled():
+        yield
+        return
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.utils.enable_progress_bars()
+
+
 def load(cfg: DataConfig, streaming: bool) -> Any:
     """The `data.split` of `data.path`: a `datasets.Dataset`, or an `IterableDataset` when streaming."""
     import datasets
@@ -56,7 +77,7 @@ def load(cfg: DataConfig, streaming: bool) -> Any:
     assert cfg.path is not None
     path = Path(cfg.path)
     try:
-        with offline():
+        with offline(), quiet():
             if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
                 return _from_disk(path, cfg.split, streaming)
             if path.is_file() or glob.has_magic(cfg.path):
@@ -210,14 +231,15 @@ def _tokenized(cfg: DataConfig, tokenizer: Tokenizer) -> Any:
     problems = column_problems(cfg, dataset.column_names)
     if problems:
         raise RecipeError(problems)
-    return dataset.map(
-        _BatchEncoder(RecordEncoder(cfg, tokenizer)),
-        batched=True,
-        with_indices=True,
-        remove_columns=dataset.column_names,
-        new_fingerprint=_fingerprint(dataset._fingerprint, cfg),
-        desc="memtrain: tokenizing",
-    )
+    with quiet():
+        return dataset.map(
+            _BatchEncoder(RecordEncoder(cfg, tokenizer)),
+            batched=True,
+            with_indices=True,
+            remove_columns=dataset.column_names,
+            new_fingerprint=_fingerprint(dataset._fingerprint, cfg),
+            desc="memtrain: tokenizing",
+        )
 
 
 class _BatchEncoder:

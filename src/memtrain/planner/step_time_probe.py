@@ -8,8 +8,11 @@ carry their models' factors (scripts/bench_step_time.py). The probe measures thi
 of a new model is calibrated too (step_time_calibration.py fits the multipliers to it).
 
 What it runs: the trainer's own model and `loss` on its `micro_batch(rows)`, in fp32, in training mode
-(dropout on), and an AdamW step with gradient clipping over its parameters (the optimizer term). A clone with `PROBE_BLOCKS` blocks stands for a deeper model when the trainer can build one,
-so the probe needs little memory; without a clone the whole model runs, and only when its fp32 weights and
+(dropout on), with the recipe's adapters (only they get gradients), and an AdamW step with gradient
+clipping over what trains (the optimizer term). A model built with its parameters on the meta device (a
+pretrained model before its weights load) gets random values: the probe times kernels, not weights. A
+clone with `PROBE_BLOCKS` blocks stands for a deeper model when the trainer can build one, so the probe
+needs little memory; without a clone the whole model runs, and only when its fp32 weights and
 gradients take at most `BUDGET_SHARE` of the usable budget (otherwise there is no probe, and nothing fails:
 the probe only ever makes a prediction better).
 """
@@ -68,7 +71,9 @@ def time_model(
             model = (
                 spec.build_clone(depth) if use_clone and spec.build_clone is not None else spec.build_model()
             )
+        _materialise(model, device)
         model.to(device=device, dtype=torch.float32).train()
+        probe.adapters.apply(model)  # the run's job: a frozen base, only the adapters stepped
         passes = [
             (
                 f"probe, {rows} rows",
@@ -89,6 +94,24 @@ def time_model(
         torch.random.set_rng_state(seed)  # the run's initialisation does not depend on whether it probed
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """Random values on `device` for the tensors `model` holds on the meta device (a pretrained model
+    before its weights load): the probe times the kernels, not the weights. Shared (tied) parameters stay
+    shared."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in named:
+            if not tensor.is_meta:
+                continue
+            if id(tensor) not in made and isinstance(tensor, nn.Parameter):
+                values = torch.empty(tensor.shape, device=device).normal_(0.0, 0.02)
+                made[id(tensor)] = nn.Parameter(values, tensor.requires_grad)
+            elif id(tensor) not in made:  # a buffer keeps its dtype (position ids, masks)
+                made[id(tensor)] = torch.zeros(tensor.shape, device=device, dtype=tensor.dtype)
+            setattr(module, name, made[id(tensor)])
 
 
 def _seconds(probe: ModelProbe, model: nn.Module, rows: int, device: torch.device) -> float:
@@ -126,6 +149,7 @@ def _predicted(
 ) -> StepCost:
     """The cost model's forward and backward of `rows` rows, or (`optimizer`) its fp32 AdamW step alone."""
     blocks = probe.spec.blocks(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     workload = Workload(
         numel=sum(p.numel() for p in model.parameters()),
         block_numel=sum(p.numel() for b in blocks for p in b.parameters()),
@@ -141,7 +165,8 @@ def _predicted(
         plan,
         micro_tokens=rows * probe.seq_len,
         micro_steps=1,
-        state_bytes=16 * workload.numel,  # fp32 weights, gradients and two AdamW moments
+        # fp32 weights; gradients and two AdamW moments of what trains
+        state_bytes=4 * workload.numel + 12 * sum(p.numel() for p in trained),
         offloaded_activation_bytes=0,
         device_type=device_type,
     )

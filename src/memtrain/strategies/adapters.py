@@ -122,6 +122,15 @@ class LoRA(Adapters):
     def owns(self, parameter_name: str) -> bool:
         return ".lora_" in parameter_name
 
+    def describe(self) -> str:
+        """Each option named, the rank and alpha always (the default `describe` lists the changed values
+        alone, so a dropout of 0.05 read as a rank): `lora(r=16, alpha=32, dropout=0.05)`."""
+        named = [f"r={self.r}", f"alpha={self.alpha:g}"]
+        named += [f"dropout={self.dropout:g}"] if self.dropout else []
+        targets = self.target_modules
+        named += [f"targets={'+'.join(targets)}"] if isinstance(targets, tuple) else []
+        return f"{self.name}({', '.join(named)})"
+
     def initialise(self, model: nn.Module) -> None:
         """Storage next to each adapted layer's weight (its device and dtype), then peft's LoRA init (A
         random, B zero: the adapted model starts as the base model)."""

@@ -31,12 +31,12 @@ the embedding is. DTensor parameters
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: at most ~128 MiB of temporaries (32 bytes per element)
@@ -44,8 +44,10 @@ _LOW_16_BITS_CLEARED = -(1 << 16)  # int32 mask 0xFFFF0000
 
 
 def local_tensor(t: Tensor) -> Tensor:
-    """The shard this rank stores: the local tensor of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The shard this rank stores: the local tensor of a DTensor, the tensor itself otherwise. Where
+    torch.distributed.tensor was never imported (seconds: nothing sharded), no tensor is a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if module is not None and isinstance(t, module.DTensor) else t
 
 
 def round_stochastic_(dst: Tensor, src: Tensor, generator: torch.Generator) -> None:

@@ -3,8 +3,8 @@
 Each strategy is a recipe name (`strategies.sharding`) with the recipe's sharding options as its fields
 (`sharding_backend`, `sharding_offload`, `gradient_reduction`, `comm_hook`, `deepspeed_config`). It builds
 the backend that does the work (`base.ShardingBackend`: none/ddp here, FSDP2, ZeroRedundancyOptimizer,
-DeepSpeed in their own modules) once the plan's facts the backend needs are known: precision,
-micro-batching and clipping.
+DeepSpeed in their own modules, imported when a plan first uses them: `zero_backend`) once the plan's
+facts the backend needs are known: precision, micro-batching and clipping.
 
 Two options may be left to the planner: `sharding_offload` (`auto` or a list) and `gradient_reduction`
 (`auto`). `choices()` turns such a strategy into the concrete ones its backend can run; a plan holds only
@@ -18,6 +18,7 @@ forward reads bf16 weights the backend gathered, instead of autocasting fp32 one
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -26,9 +27,6 @@ from memtrain.errors import Unsupported
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.registry import RecipeKey, Registry, Strategy, option
 from memtrain.strategies.sharding.base import DDPBackend, ShardingBackend, ShardingOptions
-from memtrain.strategies.sharding.deepspeed_backend import DeepSpeedBackend
-from memtrain.strategies.sharding.fsdp2 import FSDP2Backend
-from memtrain.strategies.sharding.zero1 import Zero1Backend
 
 OffloadName = Literal["none", "optimizer", "params"]
 OffloadChoice = Literal["none", "optimizer", "params", "auto"] | list[OffloadName]
@@ -194,7 +192,9 @@ class _Zero(Sharding):
     multi_rank: ClassVar[bool] = True
 
     def backend_class(self) -> type[ShardingBackend]:
-        return DeepSpeedBackend if self.backend == "deepspeed" else FSDP2Backend
+        if self.backend == "deepspeed":
+            return zero_backend("deepspeed_backend", "DeepSpeedBackend")
+        return zero_backend("fsdp2", "FSDP2Backend")
 
     def hands_bf16_weights(self, precision: Precision) -> bool:
         """bf16-mixed on FSDP2's zero2/zero3 mixed-precision policy, or on any DeepSpeed stage's bf16 mode."""
@@ -211,7 +211,9 @@ class Zero1(_Zero):
     parameter_gathers: ClassVar[tuple[int, int]] = (1, 0)  # the updated shards, once per step
 
     def backend_class(self) -> type[ShardingBackend]:
-        return DeepSpeedBackend if self.backend == "deepspeed" else Zero1Backend
+        if self.backend == "deepspeed":
+            return zero_backend("deepspeed_backend", "DeepSpeedBackend")
+        return zero_backend("zero1", "Zero1Backend")
 
     def hands_bf16_weights(self, precision: Precision) -> bool:
         return self.backend == "deepspeed" and super().hands_bf16_weights(precision)
@@ -235,6 +237,14 @@ class Zero3(_Zero):
     name: ClassVar[str] = "zero3"
     gradient_sync: ClassVar[str] = "reduce-scatter"
     parameter_gathers: ClassVar[tuple[int, int]] = (0, 2)  # forward, and again for backward
+
+
+def zero_backend(module: str, name: str) -> type[ShardingBackend]:
+    """The ZeRO backend class `name` of this package's `module`, imported when a plan first asks for it:
+    the FSDP2, ZeroRedundancyOptimizer and DeepSpeed modules import torch.distributed.fsdp, .optim and
+    .checkpoint (seconds), which `memtrain validate`, `--help` and a one-rank plan never use."""
+    backend: type[ShardingBackend] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return backend
 
 
 def make_sharding(name: str, **options: Any) -> ShardingBackend:

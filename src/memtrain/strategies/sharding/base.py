@@ -24,6 +24,7 @@ per-rank byte arithmetic of `sharding_bytes`; it follows what each backend reall
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,6 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import memtrain.strategies.sharding.ddp_hooks as ddp_hooks
@@ -204,8 +204,15 @@ class ShardingBackend:
             raise ckpt.CheckpointError(
                 f"{optimizer_file}: does not fit this run ({type(exc).__name__}: {exc})"
             ) from None
-        if not isinstance(optimizer, ZeroRedundancyOptimizer):  # zero1's states are this rank's share
+        if not is_zero_redundancy(optimizer):  # zero1's states are this rank's share
             check_optimizer_shapes(optimizer, optimizer_file)
+
+
+def is_zero_redundancy(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is torch's ZeroRedundancyOptimizer (zero1), without importing
+    torch.distributed.optim (seconds: it imports FSDP and dynamo) where nothing has: then it is not one."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def check_optimizer_shapes(optimizer: torch.optim.Optimizer, file: Path) -> None:

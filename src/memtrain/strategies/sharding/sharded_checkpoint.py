@@ -25,23 +25,14 @@ keeps its shards), so none/ddp checkpoints resume under zero3 and back.
 from __future__ import annotations
 
 import os
+import types
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 
 from memtrain import checkpoint as ckpt
-from memtrain.strategies.sharding import safe_readers
 
 Format = Literal["replicated", "dcp", "deepspeed"]
 FORMATS: tuple[Format, ...] = ("replicated", "dcp", "deepspeed")
@@ -93,10 +84,19 @@ def _detected(path: Path) -> Format:
     )
 
 
+def dcp() -> types.ModuleType:
+    """torch.distributed.checkpoint (with its `state_dict` helpers), imported when a sharded checkpoint is
+    written or read: it imports FSDP (seconds), which `memtrain validate` and replicated runs never use."""
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+
+    return torch.distributed.checkpoint
+
+
 def save_sharded(staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every rank writes its shards of model and optimizer into `staging/dcp` (collective)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(staging / DCP_DIR))
+    model_state, optim_state = dcp().state_dict.get_state_dict(model, optimizer)
+    dcp().save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(staging / DCP_DIR))
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -110,35 +110,45 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     if found == "replicated":
         _load_replicated(path, model, optimizer)
         return
+    from memtrain.strategies.sharding import safe_readers  # built on torch.distributed.checkpoint
+
     # The templates say what to read; get_state_dict gives the optimizer its (empty) states first.
-    model_state, optim_state = get_state_dict(model, optimizer)
+    helpers = dcp().state_dict
+    model_state, optim_state = helpers.get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     source = path / DCP_DIR
     try:
-        dcp.load(
+        dcp().load(
             state,
             storage_reader=safe_readers.SafeFileSystemReader.checked(source),
             planner=safe_readers.SafeLoadPlanner(source),
         )
-    except (Exception, CheckpointException) as exc:  # CheckpointException derives from BaseException
+    except (
+        Exception,
+        dcp().api.CheckpointException,
+    ) as exc:  # CheckpointException derives from BaseException
         failure = safe_readers.dcp_failure(exc)
         if isinstance(failure, ckpt.CheckpointError):
             raise failure from None
         raise ckpt.CheckpointError(
             f"{source}: cannot be loaded into this model ({ckpt.describe(failure)})"
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    helpers.set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def _load_replicated(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Full `model.pt` / `optimizer.pt` (keyed by parameter index) into a possibly sharded model."""
-    full = StateDictOptions(full_state_dict=True)
+    helpers = dcp().state_dict
+    full = helpers.StateDictOptions(full_state_dict=True)
     try:
-        set_model_state_dict(model, ckpt.load_tensor_file(path / "model.pt"), options=full)
+        helpers.set_model_state_dict(model, ckpt.load_tensor_file(path / "model.pt"), options=full)
     except (RuntimeError, KeyError) as exc:
         raise ckpt.CheckpointError(f"{path / 'model.pt'}: does not fit this model ({exc})") from None
     by_index = ckpt.load_tensor_file(path / "optimizer.pt")
-    set_optimizer_state_dict(model, optimizer, _keyed_by_name(by_index, model, optimizer), options=full)
+    by_name = _keyed_by_name(by_index, model, optimizer)
+    helpers.set_optimizer_state_dict(model, optimizer, by_name, options=full)
 
 
 def _keyed_by_name(
