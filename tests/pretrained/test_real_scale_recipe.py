@@ -217,3 +217,15 @@ def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, monkeypatch: py
     policy_shard = doc["model_states"]["weights"] - 2 * numel
     assert 0 < policy_shard <= 1.01 * 4 * numel / 8
     assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
+    # Time: the copy runs a forward of the whole model per pair that precomputed log-probabilities do not
+    # (2 FLOPs per parameter per token against the policy's 6: about a third more compute; the hole: the
+    # step-time prediction ignored the reference forward).
+    precomputed = [*data, *pinned, "preference.reference=precomputed"]
+    rc, out, err = _run(["plan", recipe, *precomputed, "--gpu", "h100-80gb", "--world-size", "8", "--json"])
+    assert rc == 0, err[-3000:]
+    alone = json.loads(out)
+    assert alone["model_states"]["weights"] < policy_shard + numel // 8
+    chosen = doc["candidates"][0]
+    shape = ("micro_batch_size", "accumulation_steps", "sharding", "checkpointing")
+    same = [c for c in alone["candidates"] if all(c[k] == chosen[k] for k in shape)]
+    assert 1.15 < chosen["predicted_step_seconds"] / same[0]["predicted_step_seconds"] < 1.5

@@ -279,8 +279,12 @@ class PreferenceTrainer(CausalLMTrainer):
         return table
 
     def model_spec(self) -> ModelSpec:
-        """The built-in hooks, with a reference copy's weights (`frozen_bytes`)."""
+        """The built-in hooks, with the reference's forward in every step (a copy or the adapter-free base:
+        `reference_forwards`) and a copy's weights (`frozen_bytes`)."""
         spec = super().model_spec()
+        if self.reference == "precomputed":
+            return spec
+        spec = dataclasses.replace(spec, reference_forwards=1)
         if self.reference != "copy":
             return spec
         with torch.device("meta"):

@@ -200,22 +200,22 @@ class CausalLMRecipe(Recipe):
         return problems + self._preference_problems()
 
     def _preference_problems(self) -> list[str]:
-        """What DPO cannot run: pairs packed or streamed, a loss that never holds the logits, a reference
-        that contradicts the adapters."""
+        """What DPO cannot run: pairs streamed, a loss that never holds the logits, a reference that
+        contradicts the adapters (pairs are never packed: data.packing is not read for them)."""
         if self.data.kind != "preference":
-            given = self.preference.model_fields_set
+            # Values, not the keys given: a saved recipe (recipe.json, a checkpoint's) holds every key.
+            defaults = PreferenceConfig()
+            changed = [
+                k
+                for k in PreferenceConfig.model_fields
+                if getattr(self.preference, k) != getattr(defaults, k)
+            ]
             return (
-                [
-                    f"preference: set data.kind: preference to train on pairs (or drop preference.{next(iter(sorted(given)))})"
-                ]
-                if given
+                [f"preference: set data.kind: preference to train on pairs (or drop preference.{changed[0]})"]
+                if changed
                 else []
             )
         problems = []
-        if self.data.packing and "packing" in self.data.model_fields_set:
-            problems.append(
-                "data.packing: preference pairs are never packed (one padded row each); set it to false"
-            )
         if self.data.streaming:
             problems.append("data.streaming: preference pairs are read whole; set it to false")
         if self.strategies.loss not in ("auto", "standard"):

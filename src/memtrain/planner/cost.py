@@ -115,6 +115,7 @@ class Workload:
     world_size: int
     head_numel: int = 0  # the output head's weight (a chunked loss recomputes its forward)
     trained_tensors: int = 0  # parameter tensors the optimizer steps
+    reference_forwards: int = 0  # forwards of a frozen copy of the model per row (a DPO reference)
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,9 @@ class CostModel:
         flops_per_token = 6 * w.numel + 12 * w.num_blocks * w.hidden * w.seq_len
         rate = s.matmul_flops[plan.precision.compute] * micro_tokens / (micro_tokens + s.half_speed_tokens)
         compute = tokens * flops_per_token / rate
+        compute += (
+            w.reference_forwards * tokens * (2 * w.numel + 4 * w.num_blocks * w.hidden * w.seq_len) / rate
+        )
         forward_of_blocks = tokens * (2 * w.block_numel + 4 * w.num_blocks * w.hidden * w.seq_len) / rate
         recomputed = plan.checkpointing.checkpointed(w.num_blocks)
         recomputed_share = sum(recomputed) / max(w.num_blocks, 1)

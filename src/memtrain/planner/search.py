@@ -136,6 +136,7 @@ class _Evaluation:
             hidden=probe.hidden_size,
             head_numel=probe.head_numel,
             trained_tensors=len(probe.shape.trainable.params),
+            reference_forwards=probe.spec.reference_forwards,
             seq_len=seq,
             rows_per_step=per_rank,
             world_size=target.world_size,

@@ -36,6 +36,8 @@ class ModelSpec:
     name: what to call the model in progress lines and errors.
     frozen_bytes: the forward's compute dtype -> bytes of frozen weights the trainer keeps beside the model
         on every rank (a DPO reference copy, `causal_lm.preference`): weights in every plan's prediction.
+    reference_forwards: forwards of a frozen copy of the model (no backward) each row also runs (a DPO
+        reference, the adapter-free base included): in the step-time prediction.
     trace_key: a value that determines everything the hooks above do in a trace: two specs with equal keys
         build the same model and clones, cut the same blocks, make the same micro-batches and compute the
         same loss. Set only where that holds (the built-in causal-LM trainer with its own hooks: its
@@ -51,4 +53,5 @@ class ModelSpec:
     host_bytes: Callable[[], int] = lambda: 0
     name: str = "model"
     frozen_bytes: Callable[[torch.dtype], int] = lambda _dtype: 0
+    reference_forwards: int = 0
     trace_key: Hashable | None = None

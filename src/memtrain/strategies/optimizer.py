@@ -26,6 +26,7 @@ None, tuples), so checkpoints need no conversion.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -145,7 +146,10 @@ class EightBitStates(OptimizerStates):
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.2, "cpu": 6.6}
 
     def check(self, facts: DeviceFacts) -> None:
-        _bitsandbytes(self.name)
+        """Installed (found, not imported: `validate` builds every candidate, and bitsandbytes costs seconds
+        to import; `build` imports it, with the same one line when that fails)."""
+        if importlib.util.find_spec("bitsandbytes") is None:
+            _bitsandbytes(self.name)
 
     def build(
         self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
