@@ -175,6 +175,39 @@ def test_pretrained_lora_run_both_exports(tmp_path: Path) -> None:
     assert _max_diff(_logits(AutoModelForCausalLM.from_pretrained(merged)), logits) <= TOLERANCE
 
 
+def test_bf16_mixed_base_is_read_stored_and_exported_in_bf16(tmp_path: Path) -> None:
+    """Under bf16-mixed a pretrained base is read straight into bf16 (frozen parameters in the compute dtype)
+    while the adapters, created on the meta device beside it, train in fp32; the merged export writes the
+    checkpoint's dtype (the base's bf16), the adapters-only export the adapters' fp32. The hole: the frozen
+    base was read, kept, checkpointed and exported in fp32, twice the bytes."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base_dir = tmp_path / "base"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA)).save_pretrained(base_dir)
+    recipe = tiny_recipe(
+        tmp_path,
+        model={"config": None, "pretrained": str(base_dir)},
+        adapters=LORA,
+        checkpoint={"at_end": True},
+        train={"steps": 2, "lr": 1e-2},
+        strategies={"precision": "bf16-mixed"},
+    )
+    trainer = CausalLMTrainer(recipe)
+    trainer.fit()
+    assert trainer.model is not None
+    dtypes = {name: p.dtype for name, p in trainer.model.named_parameters()}
+    assert {d for name, d in dtypes.items() if ".lora_" in name} == {torch.float32}
+    assert {d for name, d in dtypes.items() if ".lora_" not in name} == {torch.bfloat16}
+
+    merged = export_hf(tmp_path / "run", tmp_path / "merged")
+    written = [t for f in merged.glob("*.safetensors") for t in load_file(f).values()]
+    assert written and {t.dtype for t in written} == {torch.bfloat16}
+    adapters = export_hf(tmp_path / "run", tmp_path / "adapters", adapters_only=True)
+    tensors = load_file(adapters / "adapter_model.safetensors")
+    assert tensors and {t.dtype for t in tensors.values()} == {torch.float32}
+
+
 def test_adapters_only_on_a_plain_run_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plain: dict[str, Any] = {"checkpoint": {"at_end": True}, "train": {"steps": 1}}
     CausalLMTrainer(tiny_recipe(tmp_path, **plain)).fit()

@@ -54,6 +54,10 @@ def test_planned_peak_matches_the_tracker(tmp_path: Path, case: str) -> None:
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)
     measured = trainer.monitor.memory_reports[-1]
+    assert result.chosen is not None
+    if quantization == "nf4":  # frozen bytes alike: the tracker's weights are the parameters alone
+        assert measured.at_peak["weights"] == _stored_bytes(trainer.model, quant_states=False)
+        assert result.chosen.prediction.at_peak.weights == _stored_bytes(trainer.model, quant_states=True)
     assert abs(result.predicted.peak - measured.peak_bytes) / measured.peak_bytes < 0.02, (
         result.predicted,
         measured,
@@ -61,18 +65,30 @@ def test_planned_peak_matches_the_tracker(tmp_path: Path, case: str) -> None:
     assert all(torch.isfinite(torch.tensor(fitted.losses)))
 
 
-def test_quantised_weights_are_what_bitsandbytes_stores(tmp_path: Path) -> None:
-    """The plan's weight bytes: the 4-bit tensors with their quantisation state, the rest unchanged."""
-    trainer = CausalLMTrainer(_recipe(tmp_path, "nf4", {}))
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_quantised_weights_are_what_bitsandbytes_stores(tmp_path: Path, precision: str) -> None:
+    """The plan's weight bytes: the 4-bit tensors with their quantisation state, the rest unchanged; under
+    bf16-mixed the frozen embeddings, head and norms are stored in bf16 (the hole: they stayed fp32)."""
+    trainer = CausalLMTrainer(_recipe(tmp_path, "nf4", {"precision": precision}))
     result = trainer.choose_plan()
     trainer.setup()
     assert trainer.model is not None and result.chosen is not None
+    assert result.chosen.states.stored[0] == _stored_bytes(trainer.model, quant_states=True)
+    floating = {n: p.dtype for n, p in trainer.model.named_parameters() if p.is_floating_point()}
+    frozen = {dtype for n, dtype in floating.items() if ".lora_" not in n}
+    assert frozen == {torch.bfloat16 if precision == "bf16-mixed" else torch.float32}
+    assert {dtype for n, dtype in floating.items() if ".lora_" in n} == {torch.float32}
+
+
+def _stored_bytes(model: torch.nn.Module, quant_states: bool) -> int:
+    """Bytes of `model`'s parameters (what the tracker counts as weights), with `quant_states` the tensors of
+    their bitsandbytes quantisation states too (what the plan's weights count); each storage once."""
     stored = 0
     seen: set[int] = set()
-    for module in trainer.model.modules():
-        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False))
         state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if state is not None:
+        if state is not None and quant_states:
             tensors += [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
             nested = getattr(state, "state2", None)
             tensors += [t for t in vars(nested).values() if isinstance(t, torch.Tensor)] if nested else []
@@ -81,8 +97,7 @@ def test_quantised_weights_are_what_bitsandbytes_stores(tmp_path: Path) -> None:
             if key not in seen:
                 seen.add(key)
                 stored += tensor.untyped_storage().nbytes()
-    buffers = sum(b.numel() * b.element_size() for b in trainer.model.buffers())
-    assert result.chosen.states.stored[0] == stored - buffers
+    return stored
 
 
 def test_quantization_needs_adapters(tmp_path: Path) -> None:

@@ -39,6 +39,15 @@ TARGETS = {  # the what-if each recipe's comments plan it for (default: one H100
 # has nothing to do with where the config comes from: this test plans it with the standard loss.
 NARROWED = {"llama3-8b-8xh100.yaml": ["strategies.loss=standard"]}
 Outcome = tuple[int, str, str]  # exit code, stdout, stderr
+LLAMA_8B_LINEARS = [  # (out, in) of each block's linears: q, k, v, o, gate, up, down
+    (4096, 4096),
+    (1024, 4096),
+    (1024, 4096),
+    (4096, 4096),
+    (14336, 4096),
+    (14336, 4096),
+    (4096, 14336),
+]
 
 
 def _run(argv: list[str]) -> Outcome:
@@ -138,27 +147,24 @@ def test_eight_h100_shard_the_weights(config_alone: Callable[[str, str], Outcome
 
 
 def test_qlora_on_one_24gb_gpu(config_alone: Callable[[str, str], Outcome]) -> None:
-    """The 8B QLoRA what-if on a 24 GB GPU: weights are the 4-bit arithmetic (docs/STRATEGIES.md) and a
-    micro-batch and checkpointing that fit are chosen; the README's sample of this plan is what the command
-    prints (the hole: nothing compared them, and the sample had drifted from the output)."""
+    """The 8B QLoRA what-if on a 24 GB GPU: weights are the 4-bit arithmetic (docs/STRATEGIES.md) with the
+    frozen embeddings, head and norms in bf16, within 1% of QLoRA's published arithmetic (4.127 bits per
+    base weight, ../shared/REFERENCE.md) plus the adapters, and a micro-batch and checkpointing that fit are
+    chosen; the README's sample of this plan is what the command prints (the holes: nothing compared them,
+    and the sample had drifted from the output; under bf16-mixed the frozen parameters were kept in fp32,
+    7.42 GiB of weights instead of 5.47)."""
     from memtrain.strategies.quantization import QUANTIZATION
 
     doc = _plan(config_alone, "llama3-8b-qlora-24gb.yaml")
-    hidden, inter, layers, vocab, kv = 4096, 14336, 32, 128256, 1024
-    shapes = [
-        (hidden, hidden),
-        (kv, hidden),
-        (kv, hidden),
-        (hidden, hidden),
-        (inter, hidden),
-        (inter, hidden),
-    ]
-    shapes.append((hidden, inter))
-    linears = [rows * cols for rows, cols in shapes]
-    lora = sum(16 * (rows + cols) for rows, cols in shapes)  # rank 16
+    hidden, layers, vocab = 4096, 32, 128256
+    linears = [rows * cols for rows, cols in LLAMA_8B_LINEARS]
+    lora = _lora_numel()
     four_bit = QUANTIZATION.create("nf4").weight_bytes(linears * layers)
-    other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, head, norms: fp32 (bf16-mixed)
-    assert doc["model_states"]["weights"] == four_bit + 4 * other + 4 * layers * lora
+    other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, head, norms: frozen, bf16
+    weights = doc["model_states"]["weights"]
+    assert weights == four_bit + 2 * other + 4 * layers * lora
+    published = sum(linears) * layers * 4.127 / 8 + 2 * other + 4 * layers * lora  # QLoRA's, double quant
+    assert abs(weights - published) / published < 0.01, (weights / 2**30, published / 2**30)
     assert doc["model_states"]["gradients"] == 4 * layers * lora, "only the adapters have gradients"
     assert doc["full_fine_tuning"]["weights"] > 4 * doc["model_states"]["weights"] / 2
     rc, out, err = config_alone("plan-text", "llama3-8b-qlora-24gb.yaml")  # the traces are shared: no retrace
@@ -167,6 +173,11 @@ def test_qlora_on_one_24gb_gpu(config_alone: Callable[[str, str], Outcome]) -> N
     sample = readme_sample("memtrain plan recipes/llama3-8b-qlora-24gb.yaml")
     assert sample[0].startswith("chosen: ") and len(sample) >= 5
     assert [line for line in sample if line not in printed] == [], "regenerate the README's sample"
+
+
+def _lora_numel() -> int:
+    """A block's rank-16 LoRA parameters on every linear of Llama-3.1-8B."""
+    return sum(16 * (rows + cols) for rows, cols in LLAMA_8B_LINEARS)
 
 
 def readme_sample(command: str) -> list[str]:
@@ -179,9 +190,14 @@ def readme_sample(command: str) -> list[str]:
 
 
 def test_lora_on_eight_gpus(config_alone: Callable[[str, str], Outcome]) -> None:
+    """Each DDP rank keeps the frozen base in bf16 (≈15 GiB, as HF + peft load it) and the adapters in fp32
+    (the hole: a 30 GiB fp32 base per rank under bf16-mixed)."""
     doc = _plan(config_alone, "llama3-8b-lora-8gpu.yaml")
     full, kept = doc["full_fine_tuning"], doc["model_states"]
     assert sum(full.values()) > sum(kept.values()), "full fine-tuning would keep more than lora"
+    numel = 8_030_261_248  # Llama-3.1-8B's parameters
+    assert kept["weights"] == 2 * numel + 4 * 32 * _lora_numel()
+    assert 14.9 < kept["weights"] / 2**30 < 15.2, "about 15 GiB of bf16 base per rank"
 
 
 def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,8 @@ before memtrain's strategies exist. Here the model is built with its parameters 
 weights read from the safetensors files (single file or sharded index) straight into what each rank
 keeps: a replicated plan reads every tensor, an FSDP2 plan reads only this rank's rows of each parameter
 (`safe_open(...).get_slice`), so no rank ever holds more than its plan keeps. Each tensor is converted to
-the parameter's dtype, which is the plan's (bf16 for bf16-master, fp32 otherwise); a floating parameter
+the parameter's dtype, which is the plan's (bf16 for bf16-master, and for frozen parameters under
+bf16-mixed: `Precision.frozen_stored_dtype`; fp32 otherwise); a floating parameter
 stored as integers is refused, since the conversion would silently turn it into other values. Only safetensors are
 read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths a recipe names.
 

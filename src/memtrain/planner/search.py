@@ -40,6 +40,7 @@ from memtrain.planner.states import state_levels
 from memtrain.recipe import Recipe
 from memtrain.strategies.checkpointing import Checkpointing, FullCheckpointing, NoCheckpointing
 from memtrain.strategies.optimizer_step import OptimizerStep
+from memtrain.strategies.precision import Precision
 from memtrain.strategies.registry import DeviceFacts
 
 ACTIVATIONS = 3  # index of the activations component in a Vec
@@ -291,15 +292,25 @@ def _traces(
     """The fits `plan` is walked with; on a CUDA target attention is traced as its GPU's kernel runs it."""
     mode, device_type = plan.checkpointing, target.device_type
     capability = target.compute_capability if device_type == "cuda" else None
+    precision = _traced_precision(probe, plan)
     if _traced_as_itself(probe, mode, device_type):
-        return {mode: probe.trace(plan.precision, mode, rows, weights_dtype, plan.loss, capability)}
+        return {mode: probe.trace(precision, mode, rows, weights_dtype, plan.loss, capability)}
     traces = {
-        m: probe.trace(plan.precision, m, rows, weights_dtype, plan.loss, capability)
+        m: probe.trace(precision, m, rows, weights_dtype, plan.loss, capability)
         for m in mode.traced_modes(device_type)
     }
     if mode.offloads_activations and device_type == "cuda":
         traces[mode] = offload_trace(traces[NoCheckpointing()], traces[FullCheckpointing()])
     return traces
+
+
+def _traced_precision(probe: ModelProbe, plan: Plan) -> Precision:
+    """The precision `plan`'s model is traced in: frozen parameters as its sharding stores them
+    (`Sharding.as_stored`: an autocast copy of an fp32 frozen weight is what a matmul's backward keeps,
+    none of a bf16 one); a model without frozen parameters traces alike either way (one trace)."""
+    if probe.shape.trainable_numel == probe.shape.numel:
+        return plan.precision
+    return plan.sharding.as_stored(plan.precision)
 
 
 def _attention(probe: ModelProbe, plan: Plan, target: Target, rows: tuple[int, int]) -> str:

@@ -13,7 +13,10 @@ used through `.detach()`): torch's optimizers skip a parameter whose `.grad` is 
 gradient it never received at None. Their weights, DDP's bucket slots and a master-weight precision's fp32
 copies (made for every trainable parameter) stay. Sharded plans count them as trained: DeepSpeed's flat
 buffers hold every trainable parameter's gradient and states whatever the backward reaches, and the
-backends' per-rank arithmetic has no notion of an unreached parameter (over, never under).
+backends' per-rank arithmetic has no notion of an unreached parameter (over, never under). Frozen
+parameters weigh what the precision stores them in (`Precision.frozen_stored_dtype`: the compute dtype
+under mixed precision); the sharded plans' precision is `Sharding.as_stored`'s (their backends keep frozen
+weights at the stored dtype, and so does the trainer under them).
 """
 
 from __future__ import annotations
@@ -56,13 +59,12 @@ def quantised_levels(
     the trace: `Quantization.stand_in`)."""
     if quantization.name == "none":
         return fp
-    stored = torch.empty((), dtype=precision.stored_dtype).element_size()
     compute = torch.empty((), dtype=precision.autocast_dtype or precision.stored_dtype).element_size()
     return quantization.estimate(
         shape,
         fp,
         lambda p: p.name in linear_weights,
-        param_bytes=stored,
+        param_bytes=precision.frozen_stored_dtype.itemsize,  # the base is frozen
         compute_bytes=compute,
         rows=lambda p: dim0.get(p.name, 1),
     )
@@ -92,7 +94,8 @@ def state_levels(
         extra = optimizer_extra(reached, optimizer_states, foreach, master)
         fp = optimizer_states.estimate(reached, precision.estimate(reached, Footprint()))
         copies = (shape.trainable_numel - reached.trainable_numel) * 4 if master else 0
-        fp = fp.with_(optimizer_states=fp.optimizer_states + copies)
+        weights = precision.estimate(shape, Footprint()).weights  # `reached` counts unreached ones as frozen
+        fp = fp.with_(weights=weights, optimizer_states=fp.optimizer_states + copies)
         fp = quantised_levels(fp, shape, quantization or Quantization(), precision, linear_weights, dim0)
         backward_gradients = reached.trainable_numel * (2 if master else 4)
         return StateLevels(

@@ -132,8 +132,9 @@ class LoRA(Adapters):
         return f"{self.name}({', '.join(named)})"
 
     def initialise(self, model: nn.Module) -> None:
-        """Storage next to each adapted layer's weight (its device and dtype), then peft's LoRA init (A
-        random, B zero: the adapted model starts as the base model)."""
+        """Storage next to each adapted layer's weight (its device; the adapter's own dtype, which is the
+        trainable parameters' while the frozen base may be stored in the compute dtype), then peft's LoRA
+        init (A random, B zero: the adapted model starts as the base model)."""
         for module in model.modules():
             reset = getattr(module, "reset_lora_parameters", None)
             adapters: Any = getattr(module, "lora_A", None)
@@ -145,8 +146,7 @@ class LoRA(Adapters):
             for layer in (*adapters.values(), *lora_b.values()):
                 for key, parameter in list(layer._parameters.items()):
                     if parameter is not None and (parameter.is_meta or parameter.device != weight.device):
-                        dtype = weight.dtype if weight.is_floating_point() else torch.float32  # 4/8-bit base
-                        empty = torch.empty(parameter.shape, dtype=dtype, device=weight.device)
+                        empty = torch.empty(parameter.shape, dtype=parameter.dtype, device=weight.device)
                         layer._parameters[key] = nn.Parameter(empty, requires_grad=parameter.requires_grad)
             for adapter in list(adapters.keys()):
                 reset(adapter, True)

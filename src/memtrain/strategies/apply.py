@@ -3,7 +3,9 @@
 The order (as torchtitan's parallelize does it): adapters (LoRA layers added, the base frozen) ->
 precision module swaps (fp8's float8 linears) ->
 activation checkpointing (wraps the blocks' forwards) -> the loss (binds to the model; `chunked` defers the
-output head's forward to it) -> the precision's stored dtype -> [device ->
+output head's forward to it) -> the precision's stored dtype, frozen parameters in the compute dtype where
+the precision and the sharding keep them so (`Precision.frozen_stored_dtype`, `Sharding.as_stored`) ->
+[device ->
 sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
 plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
 around the trainer's `build_optimizer` (one per parameter, stepped in backward, under `optimizer_step:
@@ -33,6 +35,7 @@ from memtrain.strategies.loss import Loss
 from memtrain.strategies.optimizer_step import OptimizerStep
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
+from memtrain.strategies.sharding import SHARDING
 from memtrain.strategies.sharding.base import ShardingBackend
 
 OptimizerBuilder = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -100,6 +103,10 @@ def apply_strategies(
     dtype = weights_dtype or precision.stored_dtype
     if dtype != torch.float32:
         cast_floating(model, dtype)
+    if weights_dtype is None and sharding is not None and sharding.name in SHARDING:
+        precision = SHARDING.get(sharding.name).as_stored(precision)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    cast_floating(model, weights_dtype or precision.frozen_stored_dtype, frozen)
     if env is None:
         return Applied(model)
     assert sharding is not None and build_optimizer is not None
@@ -166,10 +173,14 @@ def _ties(model: nn.Module) -> dict[str, str]:
     return ties
 
 
-def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
-    """Floating parameters and buffers to `dtype`, in place (the same Parameter objects, as `Module.to`
-    keeps them; done through `.data` because fake tensors refuse `Module.to`'s parameter swap)."""
+def cast_floating(
+    model: nn.Module, dtype: torch.dtype, tensors: Iterable[torch.Tensor] | None = None
+) -> None:
+    """Floating parameters and buffers (or those of `tensors`) to `dtype`, in place (the same Parameter
+    objects, as `Module.to` keeps them; done through `.data` because fake tensors refuse `Module.to`'s
+    parameter swap)."""
+    chosen = (*model.parameters(), *model.buffers()) if tensors is None else tuple(tensors)
     with torch.no_grad():
-        for tensor in (*model.parameters(), *model.buffers()):
+        for tensor in chosen:
             if tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor.data = tensor.data.to(dtype)

@@ -10,15 +10,22 @@
 
 Precision changes numerics, so the planner only picks among the names a recipe allows. fp16-mixed
 skips steps whose gradients are not finite and lowers the loss scale; the trainer counts those skips.
+
+Frozen parameters (a LoRA/QLoRA base: embeddings, head, norms and unquantised linears; modules a trainer
+subclass freezes) are stored in the forward's compute dtype under the autocast precisions
+(`strategies.frozen_dtype: compute`, the default): a frozen weight has no update to protect, so it needs
+no fp32 copy, and autocast would cast it to the compute dtype for every matmul anyway (a copy the
+backward keeps). `frozen_dtype: fp32` keeps them in `stored_dtype` as the trainable ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -46,6 +53,30 @@ class Precision(Strategy):
     compute: ClassVar[str] = "fp32"
     needs_bf16: ClassVar[bool] = False
     preserves_numerics: ClassVar[bool] = True  # trains numerically like fp32 (what `auto` may choose)
+    frozen_dtype: str = option(
+        "compute",
+        recipe_key="frozen_dtype",
+        recipe_type=Literal["compute", "fp32"],
+        doc="Frozen parameters under bf16-mixed/fp16-mixed/fp8: compute (stored in the forward's dtype) or fp32.",
+        changes_trajectory=True,
+    )
+
+    @property
+    def frozen_stored_dtype(self) -> torch.dtype:
+        """The dtype frozen parameters are stored in: the forward's compute dtype under autocast unless
+        `frozen_dtype` is fp32; otherwise `stored_dtype`, as the trainable ones."""
+        if self.frozen_dtype == "compute" and self.autocast_dtype is not None:
+            return self.autocast_dtype
+        return self.stored_dtype
+
+    def describe(self) -> str:
+        """`Strategy.describe`, naming `frozen_dtype` where it changes the bytes (`bf16-mixed(frozen=fp32)`)
+        rather than a bare `fp32`, and not at all where frozen parameters are stored like the others."""
+        plain = Strategy.describe(dataclasses.replace(self, frozen_dtype="compute"))
+        if self.frozen_stored_dtype != self.stored_dtype or self.autocast_dtype is None:
+            return plain
+        inner = [plain[len(self.name) + 1 : -1]] if plain != self.name else []
+        return f"{self.name}({', '.join([*inner, 'frozen=fp32'])})"
 
     def check(self, facts: DeviceFacts) -> None:
         if self.needs_bf16 and facts.device_type == "cuda" and not facts.bf16:
@@ -85,21 +116,23 @@ class Precision(Strategy):
     def estimate(self, shape: ModelShape, footprint: Footprint) -> Footprint:
         """The most bytes each model-state component reaches in a step, by precision.
 
-        Every parameter is stored at `stored_dtype`; only trainable ones get gradients. With master
-        weights (bf16-master) the gradients peak at 4 B per trainable parameter when the bf16 gradients
-        become fp32 master gradients for the optimizer step, and the fp32 master copy (4 B per trainable
-        parameter) is added to the optimizer states (the optimizer-state strategy adds its moments on top).
-        Autocast precisions keep fp32 weights and gradients (autocast casts per op: activations).
+        Trainable parameters are stored at `stored_dtype`, frozen ones at `frozen_stored_dtype`; only
+        trainable ones get gradients. With master weights (bf16-master) the gradients peak at 4 B per
+        trainable parameter when the bf16 gradients become fp32 master gradients for the optimizer step,
+        and the fp32 master copy (4 B per trainable parameter) is added to the optimizer states (the
+        optimizer-state strategy adds its moments on top).
+        Autocast precisions keep fp32 trainable weights and gradients (autocast casts per op: activations).
         """
-        stored = torch.empty((), dtype=self.stored_dtype).element_size()
+        stored = self.stored_dtype.itemsize
         trainable = shape.trainable_numel
+        weights = stored * trainable + self.frozen_stored_dtype.itemsize * (shape.numel - trainable)
         if self.master_weights:
             return footprint.with_(
-                weights=stored * shape.numel,
+                weights=weights,
                 gradients=4 * trainable,
                 optimizer_states=footprint.optimizer_states + 4 * trainable,
             )
-        return footprint.with_(weights=stored * shape.numel, gradients=stored * trainable)
+        return footprint.with_(weights=weights, gradients=stored * trainable)
 
 
 PRECISION: Registry[Precision] = Registry(

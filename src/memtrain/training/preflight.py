@@ -173,14 +173,15 @@ def checkpoint_bytes(plan: Plan, shape: ModelShape, planned: PlanResult | None) 
         weights, _, states = chosen.states.stored
         return (weights + states) * (1 if plan.sharding.replicated else plan.world_size)
     saved = shape if plan.quantization.name == "none" else shape.trainable
-    fp = plan.optimizer_states.estimate(saved, plan.precision.estimate(saved, Footprint()))
+    stored = plan.sharding.as_stored(plan.precision)  # frozen parameters in the dtype the run keeps them
+    fp = plan.optimizer_states.estimate(saved, stored.estimate(saved, Footprint()))
     return fp.weights + fp.optimizer_states
 
 
 def weight_bytes(plan: Plan, shape: ModelShape) -> int:
     """The weights one rank holds in `plan` (its share when the plan shards them)."""
-    element = torch.empty((), dtype=plan.precision.stored_dtype).element_size()
-    return shape.numel * element // (1 if plan.sharding.replicated else plan.world_size)
+    weights = plan.sharding.as_stored(plan.precision).estimate(shape, Footprint()).weights
+    return weights // (1 if plan.sharding.replicated else plan.world_size)
 
 
 def budget_problem(recipe: Recipe, plan: Plan, shape: ModelShape) -> str | None:

@@ -11,8 +11,9 @@ Two options may be left to the planner: `sharding_offload` (`auto` or a list) an
 concrete ones (a pinned plan's `gradient_reduction: auto` is the backend's own behaviour).
 
 Facts the planner reads: `replicated` (every rank holds every state, so a trace's gradients are this
-rank's), `multi_rank` (offered by `auto` on several ranks) and `hands_bf16_weights(precision)` (the
-forward reads bf16 weights the backend gathered, instead of autocasting fp32 ones).
+rank's), `multi_rank` (offered by `auto` on several ranks), `hands_bf16_weights(precision)` (the
+forward reads bf16 weights the backend gathered, instead of autocasting fp32 ones) and `as_stored(precision)`
+(whether frozen parameters keep the precision's `frozen_dtype`).
 """
 
 from __future__ import annotations
@@ -157,6 +158,16 @@ class Sharding(Strategy):
 
     def hands_bf16_weights(self, precision: Precision) -> bool:
         return False
+
+    @classmethod
+    def as_stored(cls, precision: Precision) -> Precision:
+        """`precision` as this layout stores the weights: frozen parameters in the compute dtype
+        (`frozen_dtype: compute`) where every rank keeps the model as built (none, ddp); the sharded
+        layouts' backends lay frozen weights out with the rest, at the precision's stored dtype, as their
+        per-rank arithmetic counts them."""
+        if cls.replicated or precision.frozen_dtype == "fp32":
+            return precision
+        return dataclasses.replace(precision, frozen_dtype="fp32")
 
 
 SHARDING: Registry[Sharding] = Registry(
