@@ -173,7 +173,7 @@ def checkpoint_bytes(plan: Plan, shape: ModelShape, planned: PlanResult | None) 
         weights, _, states = chosen.states.stored
         return (weights + states) * (1 if plan.sharding.replicated else plan.world_size)
     saved = shape if plan.quantization.name == "none" else shape.trainable
-    fp = plan.optimizer_states.estimate(saved, plan.precision.estimate(saved, Footprint()))
+    fp = plan.update_states.estimate(saved, plan.precision.estimate(saved, Footprint()))
     return fp.weights + fp.optimizer_states
 
 
