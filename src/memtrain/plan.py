@@ -215,7 +215,7 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     facts = DeviceFacts.of(env.device, env.world_size)
     for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states, optimizer):
         strategy.check(facts)
-    optimizer.check_with(optimizer_states, sharding)
+    optimizer.check_with(optimizer_states, sharding, optimizer_step.in_backward)
     sharding.check_with(env, precision)
     quantization.check_sharding(sharding)
     loss.check_sharding(sharding)

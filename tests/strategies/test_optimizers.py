@@ -145,6 +145,8 @@ def test_where_an_optimizer_cannot_run_the_keys_are_named() -> None:
         lion.check_with(OPTIMIZER_STATES.create("bf16"), none)
     with pytest.raises(Unsupported, match="strategies.optimizer_states: 4bit .*strategies.sharding=zero1"):
         OPTIMIZERS.create("adamw").check_with(OPTIMIZER_STATES.create("4bit"), SHARDING.create("zero1"))
+    with pytest.raises(Unsupported, match="strategies.optimizer_step: in_backward .*optimizer.name galore"):
+        OPTIMIZERS.create("galore").check_with(fp32, none, in_backward=True)
     lion.check_with(fp32, SHARDING.create("zero3"))  # elementwise: FSDP2's row shards step as they are
     adafactor.check_with(fp32, SHARDING.create("zero1"))  # whole tensors per rank
 

@@ -181,7 +181,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                         update,
                                     )
                                     for update in _updates_with(
-                                        recipe, updates, optimizer, sharding, excluded
+                                        recipe, updates, optimizer, sharding, step, excluded
                                     )
                                 ]
     if refused and _pinned(s.optimizer_step) and not candidates:
@@ -220,16 +220,18 @@ def _updates_with(
     updates: Sequence[Optimizer],
     states: OptimizerStates,
     sharding: Sharding,
+    step: OptimizerStep,
     excluded: list[tuple[str, str]],
 ) -> list[Optimizer]:
-    """The optimizers that can run with this state format and sharding (when the recipe pins all three and
-    they cannot, the user's error)."""
+    """The optimizers that can run with this state format, sharding and optimizer step (when the recipe
+    pins them all and they cannot, the user's error)."""
     s = recipe.strategies
-    pinned = _pinned(recipe.optimizer.name) and _pinned(s.optimizer_states) and _pinned(s.sharding)
+    choices = (recipe.optimizer.name, s.optimizer_states, s.sharding, s.optimizer_step)
+    pinned = all(_pinned(choice) for choice in choices)
     kept = []
     for update in updates:
         try:
-            update.check_with(states, sharding)
+            update.check_with(states, sharding, step.in_backward)
             kept.append(update)
         except Unsupported as exc:
             if pinned:

@@ -48,17 +48,25 @@ class Optimizer(Strategy):
     """`adamw`: the update rule of `strategies.optimizer_states` (AdamW in every storage format).
 
     `states(stored)` is what the step keeps, with the facts the planner reads; `whole_matrices`: the states
-    need every matrix unsharded (no FSDP2 zero2/zero3)."""
+    need every matrix unsharded (no FSDP2 zero2/zero3); `steps_in_backward`: one parameter group fits all
+    (what `optimizer_step: in_backward` checkpoints)."""
 
     kind: ClassVar[str] = "optimizer"
     name: ClassVar[str] = "adamw"
     whole_matrices: ClassVar[bool] = False
+    steps_in_backward: ClassVar[bool] = True
 
     def states(self, stored: OptimizerStates) -> OptimizerStates:
         return stored
 
-    def check_with(self, stored: OptimizerStates, sharding: Sharding) -> None:
+    def check_with(self, stored: OptimizerStates, sharding: Sharding, in_backward: bool = False) -> None:
         """`Unsupported`, naming the keys, when this optimizer cannot run with these choices."""
+        if in_backward and not self.steps_in_backward:
+            raise Unsupported(
+                f"strategies.optimizer_step: in_backward saves one parameter group for every parameter; "
+                f"optimizer.name {self.name} keeps two (matrices projected, vectors not): use "
+                "strategies.optimizer_step=standard or another optimizer.name"
+            )
         if stored.name == "4bit" and sharding.name not in ("none", "ddp"):
             raise Unsupported(
                 f"strategies.optimizer_states: 4bit states are tensor subclasses that strategies.sharding="
@@ -240,6 +248,7 @@ class GaLoreOptimizer(Optimizer):
 
     name: ClassVar[str] = "galore"
     whole_matrices: ClassVar[bool] = True
+    steps_in_backward: ClassVar[bool] = False
     rank: int = option(
         128, recipe_key="galore_rank", doc="galore: the projection's rank.", changes_trajectory=True, gt=0
     )
