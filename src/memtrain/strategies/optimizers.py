@@ -23,6 +23,10 @@ Where one cannot run, `check_with` names the keys: the other optimizers keep the
 flat fp32 partition (no matrix left to factor or project, and it runs only Adam-family optimizers
 untested), and FSDP2's zero2/zero3 shard every matrix by rows, which Adafactor's column statistics and
 GaLore's projection need whole.
+
+The state bytes are exact (tests/strategies/test_optimizers.py, against the tracker); the step's
+temporaries (`per_tensor_temporaries`, ...) and `relative_step_cost` of these states are read off their
+update rules, not measured as AdamW's are.
 """
 
 from __future__ import annotations
@@ -181,9 +185,6 @@ class GaLoreStates(OptimizerStates):
     rank: int = 128
     update_proj_gap: int = 200
     scale: float = 0.25
-
-    def check(self, facts: DeviceFacts) -> None:
-        _galore_module()
 
     def build(
         self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
