@@ -241,6 +241,7 @@ HAND_WRITTEN = {  # recipe class -> section -> the hand-written classes its gene
         "model": [("recipe.py", "ModelSection")],
         "strategies": [("recipe.py", "_StrategiesSection")],
         "adapters": [("recipe.py", "_AdaptersSection")],
+        "optimizer": [("recipe.py", "_OptimizerSection")],
     },
     CausalLMRecipe: {
         "model": [("recipe.py", "ModelSection"), ("causal_lm/recipe.py", "CausalLMModelSection")],

@@ -29,6 +29,7 @@ from memtrain.strategies.loss import LOSS, Loss
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
 from memtrain.strategies.optimizer_step import OPTIMIZER_STEP, OptimizerStep
+from memtrain.strategies.optimizers import OPTIMIZERS, Optimizer
 from memtrain.strategies.precision import PRECISION, Precision
 from memtrain.strategies.quantization import QUANTIZATION, Quantization
 from memtrain.strategies.registry import DeviceFacts, Strategy
@@ -36,7 +37,7 @@ from memtrain.strategies.sharding import SHARDING, Sharding
 from memtrain.strategies.sharding.base import ShardingBackend
 
 OPTIONAL_KINDS = ("quantization", "adapters")  # change the recipe's model: "none" unless it asks
-LATER_KINDS = ("loss", "optimizer_step")  # plans written before these kinds existed ran their defaults
+LATER_KINDS = ("loss", "optimizer_step", "optimizer")  # plans written before these kinds ran their defaults
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ class Plan:
     quantization: Quantization = dataclasses.field(default_factory=Quantization)
     loss: Loss = dataclasses.field(default_factory=Loss)
     optimizer_step: OptimizerStep = dataclasses.field(default_factory=OptimizerStep)
+    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+
+    @property
+    def update_states(self) -> OptimizerStates:
+        """What the optimizer keeps, with the facts the memory and step-time models read: the
+        `optimizer_states` format for AdamW, the optimizer's own states otherwise."""
+        return self.optimizer.states(self.optimizer_states)
 
     def strategies(self) -> dict[str, Strategy]:
         return {kind: getattr(self, kind) for kind in REGISTRIES}
@@ -104,6 +112,7 @@ class Plan:
             f"{s['micro_batching'].describe()}"
             + (f", loss {s['loss'].describe()}" if s["loss"].name != "standard" else "")
             + (f", step {s['optimizer_step'].describe()}" if s["optimizer_step"].name != "standard" else "")
+            + (f", optimizer {s['optimizer'].describe()}" if s["optimizer"].name != "adamw" else "")
         )
 
     def summary(self) -> dict[str, Any]:
@@ -131,6 +140,7 @@ def is_open(recipe: Recipe) -> bool:
         or any(not isinstance(c, str) or c == "auto" for c in choices)
         or not isinstance(offload, str)
         or offload == "auto"
+        or not isinstance(recipe.optimizer.name, str)
     )
 
 
@@ -155,6 +165,11 @@ def per_rank_batch(recipe: Recipe, world_size: int) -> int:
 def recipe_strategy(recipe: Recipe, kind: str, name: str) -> Strategy:
     """Strategy `name` of `kind` with its options from the recipe's `strategies:` section."""
     return REGISTRIES[kind].create(name, recipe.strategies.model_dump())
+
+
+def optimizer_of(recipe: Recipe, name: str) -> Optimizer:
+    """Optimizer `name` with its options from the recipe's `optimizer:` section."""
+    return OPTIMIZERS.create(name, recipe.optimizer.model_dump())
 
 
 def micro_batching(recipe: Recipe, rows: int, size: int) -> MicroBatching:
@@ -195,10 +210,12 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     sharding = SHARDING.create(str(s.sharding), s.model_dump())
     loss = LOSS.create(str(s.loss), s.model_dump())
     optimizer_step = OPTIMIZER_STEP.create(str(s.optimizer_step), s.model_dump())
+    optimizer = optimizer_of(recipe, str(recipe.optimizer.name))
     adapters, quantization = adapters_of(recipe), quantization_of(recipe)
     facts = DeviceFacts.of(env.device, env.world_size)
-    for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states):
+    for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states, optimizer):
         strategy.check(facts)
+    optimizer.check_with(optimizer_states, sharding, optimizer_step.in_backward)
     sharding.check_with(env, precision)
     quantization.check_sharding(sharding)
     loss.check_sharding(sharding)
@@ -222,4 +239,5 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
         quantization,
         loss,
         optimizer_step,
+        optimizer,
     )

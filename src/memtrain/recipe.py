@@ -320,6 +320,33 @@ class _StrategiesSection(RecipeSection):
         return value
 
 
+class _OptimizerSection(RecipeSection):
+    """`optimizer:` — which optimizer trains (`name`: one registered name, or a list the planner chooses
+    among; never `auto`, since the optimizer changes the training) and its options, generated from the
+    optimizer registry into `OptimizerConfig`. Its hyper-parameters stay under `train:` (lr, betas, eps,
+    weight_decay)."""
+
+    if TYPE_CHECKING:  # the generated keys
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    @field_validator("name", check_fields=False)
+    @classmethod
+    def _registered(cls, value: StrategyChoice) -> StrategyChoice:
+        names = [value] if isinstance(value, str) else value
+        if not names:
+            raise PydanticCustomError("registered_name", "an empty list allows nothing; give a name")
+        if "auto" in names:
+            raise PydanticCustomError(
+                "registered_name",
+                "auto would let the planner change the training; list the optimizers it may choose "
+                "among (e.g. [adamw, adafactor])",
+            )
+        for name in names:
+            _registered_name("optimizer", name)
+        return value
+
+
 class _AdaptersSection(RecipeSection):
     """`adapters:` — parameter-efficient fine-tuning: adapters on a frozen base (the planner plans within
     them). `kind` and its options are generated from the adapters registry into `AdaptersConfig`."""
@@ -405,10 +432,12 @@ if TYPE_CHECKING:
     ModelConfig = ModelSection
     StrategiesConfig = _StrategiesSection
     AdaptersConfig = _AdaptersSection
+    OptimizerConfig = _OptimizerSection
 else:
     ModelConfig = strategy_keys_section("ModelConfig", ModelSection, "model")
     StrategiesConfig = strategy_keys_section("StrategiesConfig", _StrategiesSection, "strategies")
     AdaptersConfig = strategy_keys_section("AdaptersConfig", _AdaptersSection, "adapters")
+    OptimizerConfig = strategy_keys_section("OptimizerConfig", _OptimizerSection, "optimizer")
 
 LaterChecks = Callable[["Recipe", set[str]], list[str]]
 R = TypeVar("R", bound="Recipe")
@@ -427,6 +456,7 @@ class Recipe(RecipeSection):
     model: ModelConfig = ModelConfig()
     batch: BatchConfig = BatchConfig()
     train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     output: OutputConfig = OutputConfig()
     memory: MemoryConfig = MemoryConfig()

@@ -161,6 +161,7 @@ def test_plan_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         "precision",
         "checkpointing",
         "loss",
+        "optimizer",
         "optimizer_states",
         "optimizer_step",
         "sharding",

@@ -39,6 +39,7 @@ class ParamInfo:
     numel: int
     block: int | None  # index of the transformer block holding it; None for embeddings, head, norms
     trainable: bool = True  # requires_grad: only trainable parameters get gradients and optimizer states
+    dims: tuple[int, ...] = ()  # the tensor's shape; () when unknown (then taken as one dimension of numel)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,9 @@ A loss that cannot run with a sharding (`chunked` on DeepSpeed ZeRO-3) leaves th
 A quantised base leaves out every sharding that shards weights (`Quantization.check_sharding`, which
 `pinned_plan` applies too). `planner.rules` builds this grid for `memtrain validate`: when the rules leave
 no candidate, validate names them.
+The optimizers are the ones `optimizer.name` lists (never more: the optimizer changes the training), each
+with the state formats and shardings it can run with (`Optimizer.check_with`; the others are excluded
+with the reason).
 An optimizer step in backward is offered only where it is exact (one micro-step per step, no gradient
 clipping, no sharding, no loss scaling or master copy: `OptimizerStep.check_plan`); pinned, and exact
 nowhere, it is the user's error.
@@ -44,6 +47,7 @@ from memtrain.plan import (
     Plan,
     adapters_of,
     micro_batching,
+    optimizer_of,
     per_rank_batch,
     quantization_of,
     recipe_strategy,
@@ -53,8 +57,9 @@ from memtrain.strategies.catalog import REGISTRIES
 from memtrain.strategies.checkpointing import Checkpointing
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.micro_batching import MicroBatching
-from memtrain.strategies.optimizer import PagedEightBitStates
+from memtrain.strategies.optimizer import OptimizerStates, PagedEightBitStates
 from memtrain.strategies.optimizer_step import OptimizerStep
+from memtrain.strategies.optimizers import Optimizer
 from memtrain.strategies.precision import PRECISION, Precision
 from memtrain.strategies.registry import DeviceFacts
 from memtrain.strategies.sharding import SHARDING, Sharding
@@ -89,6 +94,10 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     modes = allowed("checkpointing", REGISTRIES["checkpointing"].names())
     losses = allowed("loss", REGISTRIES["loss"].names())
     steps = allowed("optimizer_step", REGISTRIES["optimizer_step"].names())
+    name = recipe.optimizer.name
+    updates = _allowed(
+        "optimizer.name", name, [optimizer_of(recipe, n) for n in _names(name)], facts, excluded
+    )
     refused: list[Unsupported] = []
     multi_rank = tuple(cls.name for cls in SHARDING if cls.multi_rank) if world_size > 1 else ("none",)
     shardings = _allowed(
@@ -157,7 +166,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                 continue
                             batching = micro_batching(recipe, per_rank, size)
                             for step in _exact_steps(steps, batching, recipe, sharding, precision, refused):
-                                candidates.append(
+                                candidates += [
                                     Plan(
                                         precision,
                                         mode,
@@ -169,8 +178,12 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                         quantization,
                                         loss,
                                         step,
+                                        update,
                                     )
-                                )
+                                    for update in _updates_with(
+                                        recipe, updates, optimizer, sharding, step, excluded
+                                    )
+                                ]
     if refused and _pinned(s.optimizer_step) and not candidates:
         raise refused[0]
     for refusal in refused:
@@ -200,6 +213,40 @@ def _exact_steps(
             if all(str(exc) != str(r) for r in refused):
                 refused.append(exc)
     return kept
+
+
+def _updates_with(
+    recipe: Recipe,
+    updates: Sequence[Optimizer],
+    states: OptimizerStates,
+    sharding: Sharding,
+    step: OptimizerStep,
+    excluded: list[tuple[str, str]],
+) -> list[Optimizer]:
+    """The optimizers that can run with this state format, sharding and optimizer step (when the recipe
+    pins them all and they cannot, the user's error)."""
+    s = recipe.strategies
+    choices = (recipe.optimizer.name, s.optimizer_states, s.sharding, s.optimizer_step)
+    pinned = all(_pinned(choice) for choice in choices)
+    kept = []
+    for update in updates:
+        try:
+            update.check_with(states, sharding, step.in_backward)
+            kept.append(update)
+        except Unsupported as exc:
+            if pinned:
+                raise
+            reason = (
+                f"optimizer.name={update.name} with {states.name} states, sharding {sharding.name}",
+                str(exc),
+            )
+            if reason not in excluded:
+                excluded.append(reason)
+    return kept
+
+
+def _names(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _sharding_choices(

@@ -217,7 +217,7 @@ class CostModel:
         recompute = forward_of_blocks * recomputed_share * share + calls * s.checkpoint_call_s
         if plan.loss.recomputes_head:
             recompute += tokens * 2 * w.head_numel / rate
-        factor = plan.optimizer_states.relative_step_cost.get(device_type, 1.0)
+        factor = plan.update_states.relative_step_cost.get(device_type, 1.0)
         optimizer = 2 * state_bytes / s.memory_bandwidth * factor
         if plan.optimizer_step.in_backward:
             optimizer += w.trained_tensors * s.tensor_step_s

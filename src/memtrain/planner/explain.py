@@ -181,6 +181,11 @@ def suggestions(
         out.append(
             f"strategies.optimizer_states=auto (now {s.optimizer_states}): bf16 or 8-bit optimizer states"
         )
+    if isinstance(recipe.optimizer.name, str) and recipe.optimizer.name == "adamw":
+        out.append(
+            "optimizer.name: list lion, adafactor or galore beside adamw (fewer state bytes; a different "
+            "training, so the planner takes one only when you list it)"
+        )
     if s.sharding != "auto":
         out.append(f"strategies.sharding=auto (now {s.sharding}): shard states over ranks (zero1/2/3)")
     if s.precision != "auto" and "bf16-master" not in s.precision:
@@ -207,7 +212,8 @@ TABLE_COLUMNS = (  # (header, plan.summary() key) of the strategy columns, in th
     ("precision", "precision"),
     ("checkpointing", "checkpointing"),
     ("loss", "loss"),
-    ("optimizer", "optimizer_states"),
+    ("optimizer", "optimizer"),
+    ("states", "optimizer_states"),
     ("step", "optimizer_step"),
     ("sharding", "sharding"),
 )
@@ -252,7 +258,8 @@ def _label(plan: Plan) -> str:
     fields = plan.summary()
     return (
         f"precision={fields['precision']} checkpointing={fields['checkpointing']} loss={fields['loss']} "
-        f"optimizer_states={fields['optimizer_states']} optimizer_step={fields['optimizer_step']} "
+        + (f"optimizer={fields['optimizer']} " if plan.optimizer.name != "adamw" else "")
+        + f"optimizer_states={fields['optimizer_states']} optimizer_step={fields['optimizer_step']} "
         f"sharding={fields['sharding']} "
         f"micro_batch={fields['micro_batch_size']} x {fields['accumulation_steps']} accumulation"
     )

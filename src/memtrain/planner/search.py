@@ -153,7 +153,7 @@ class _Evaluation:
         if target.host_bytes is not None and levels.host > target.host_bytes:
             raise HostMemoryExceeded(
                 f"strategies.sharding_offload: {plan.sharding.describe()} with optimizer_states="
-                f"{plan.optimizer_states.describe()} keeps {levels.host / 2**30:.2f} GiB per rank in host memory, "
+                f"{plan.update_states.describe()} keeps {levels.host / 2**30:.2f} GiB per rank in host memory, "
                 f"more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of the --gpu profile)"
             )
         offloaded = 0
@@ -172,7 +172,7 @@ class _Evaluation:
                 micro_steps > 1,
                 replicated,
                 weights,
-                plan.optimizer_states if in_backward else None,
+                plan.update_states if in_backward else None,
             )
             if key not in self.walks:
                 modes = (
@@ -183,7 +183,7 @@ class _Evaluation:
                 if in_backward:
                     foreach = target.device_type == "cuda"
                     added = in_backward_memory.in_flight(
-                        probe.shape, plan.precision, plan.optimizer_states, foreach
+                        probe.shape, plan.precision, plan.update_states, foreach
                     )
                     traces = in_backward_memory.traces(traces, added, tokens)
                 self.walks[key] = step_walk(traces, modes, tokens, micro_steps, replicated)
@@ -224,7 +224,7 @@ class _Evaluation:
         levels = state_levels(
             full,
             precision=plan.precision,
-            optimizer_states=plan.optimizer_states,
+            optimizer_states=plan.update_states,
             backend=plan.sharding.build(plan.precision, plan.micro_batch_size, plan.accumulation_steps),
             replicated=plan.sharding.replicated,
             world_size=self.target.world_size,
@@ -237,7 +237,7 @@ class _Evaluation:
     def _levels(self, plan: Plan, micro_steps: int) -> StateLevels:
         key = (
             plan.precision,
-            plan.optimizer_states,
+            plan.update_states,
             plan.sharding,
             micro_steps > 1,
             plan.quantization,
@@ -248,7 +248,7 @@ class _Evaluation:
             self.states[key] = state_levels(
                 self.probe.shape,
                 precision=plan.precision,
-                optimizer_states=plan.optimizer_states,
+                optimizer_states=plan.update_states,
                 backend=backend,
                 replicated=plan.sharding.replicated,
                 world_size=self.target.world_size,
@@ -261,7 +261,7 @@ class _Evaluation:
             )
             if plan.optimizer_step.in_backward:
                 self.states[key] = in_backward_memory.levels(
-                    self.states[key], self.probe.shape, plan.optimizer_states
+                    self.states[key], self.probe.shape, plan.update_states
                 )
             self.states[key] = _with_frozen(self.states[key], self.probe.spec.frozen_bytes, plan)
         return self.states[key]

@@ -37,13 +37,21 @@ from memtrain.strategies.sharding.state_bytes import OptimizerCost
 
 def optimizer_cost(shape: ModelShape, optimizer_states: OptimizerStates) -> OptimizerCost:
     """The optimizer-state strategy's `estimate` as the per-element / per-tensor cost the sharding
-    backends divide (over the trainable parameters)."""
+    backends divide (over the trainable parameters); tensor by tensor for states whose size follows the
+    tensors' shapes (`shape_dependent`), which zero1 partitions whole."""
     trainable = shape.trainable
     total = optimizer_states.estimate(shape, Footprint()).optimizer_states
     per_tensor = optimizer_states.per_tensor_step_bytes
+    by_tensor: tuple[int, ...] = ()
+    if optimizer_states.shape_dependent:
+        by_tensor = tuple(
+            optimizer_states.estimate(ModelShape((p,), 0), Footprint()).optimizer_states
+            for p in trainable.params
+        )
     return OptimizerCost(
         per_element=(total - per_tensor * len(trainable.params)) / max(trainable.numel, 1),
         per_tensor=per_tensor,
+        by_tensor=by_tensor,
     )
 
 

@@ -44,7 +44,8 @@ def model_shape(model: nn.Module, blocks: list[nn.Module]) -> ModelShape:
         for p in block.parameters():
             owner.setdefault(id(p), index)
     params = tuple(
-        ParamInfo(name, p.numel(), owner.get(id(p)), p.requires_grad) for name, p in model.named_parameters()
+        ParamInfo(name, p.numel(), owner.get(id(p)), p.requires_grad, tuple(p.shape))
+        for name, p in model.named_parameters()
     )
     return ModelShape(params=params, num_blocks=len(blocks))
 

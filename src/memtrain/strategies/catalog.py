@@ -17,6 +17,7 @@ from memtrain.strategies.loss import LOSS
 from memtrain.strategies.micro_batching import MICRO_BATCHING
 from memtrain.strategies.optimizer import OPTIMIZER_STATES
 from memtrain.strategies.optimizer_step import OPTIMIZER_STEP
+from memtrain.strategies.optimizers import OPTIMIZERS
 from memtrain.strategies.precision import PRECISION
 from memtrain.strategies.quantization import QUANTIZATION
 from memtrain.strategies.registry import Registry
@@ -28,6 +29,7 @@ REGISTRIES: dict[str, Registry[Any]] = {
     "precision": PRECISION,
     "checkpointing": CHECKPOINTING,
     "loss": LOSS,
+    "optimizer": OPTIMIZERS,
     "optimizer_states": OPTIMIZER_STATES,
     "optimizer_step": OPTIMIZER_STEP,
     "sharding": SHARDING,
@@ -35,7 +37,8 @@ REGISTRIES: dict[str, Registry[Any]] = {
 }
 
 # Kinds a recipe chooses by name under `strategies:` (micro-batching comes from `batch:`, adapters from
-# `adapters:`: they change the model, so the planner never chooses them).
+# `adapters:`: they change the model, so the planner never chooses them; the optimizer from
+# `optimizer.name`, among the names listed there only).
 RECIPE_KINDS = ("precision", "checkpointing", "loss", "optimizer_states", "optimizer_step", "sharding")
 
 

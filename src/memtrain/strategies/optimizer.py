@@ -14,6 +14,9 @@ the cheapest to shrink without touching the forward pass. Names:
 - `paged-8bit`: the same in CUDA unified memory (`PagedAdamW8bit`), so the driver can evict states to
   host RAM under pressure instead of failing. Same bytes as `8bit` (an upper bound for what is
   resident; the states do not show in torch's allocator statistics).
+- `4bit`: torchao's `AdamW4bit` (stepped eagerly, `fourbit_adamw.py`): blockwise 4-bit moments (0.5 + 0.5
+  bytes) plus one fp32 scale per 128 elements per moment and a 64-byte code map per state tensor; tensors
+  under 4096 elements (or not whole blocks) keep moments in the parameter dtype; a 4-byte `step` each.
 
 `estimate` is the arithmetic the planner uses (checked to the byte by the tests against
 `measured_state_bytes` after a real step); the bitsandbytes constants below were read from
@@ -37,6 +40,7 @@ from torch.optim.optimizer import ParamsT
 
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
+from memtrain.memory.ledger import storages_of
 from memtrain.strategies.lowbit_adamw import BF16StateAdamW, local_tensor
 from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy
 
@@ -44,6 +48,9 @@ BNB_MIN_8BIT_SIZE = 4096  # tensors with fewer elements keep fp32 states (passed
 BNB_BLOCK_SIZE = 256  # elements per fp32 absmax, hard-coded in bitsandbytes' init_state
 BNB_QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned dynamic maps, 256 fp32 entries each
 STEP_TENSOR_BYTES = 4  # torch AdamW's per-parameter 0-dim float32 `step`
+AO_MIN_4BIT_SIZE = 4096  # torchao's low-bit AdamW: smaller tensors keep states in the parameter dtype
+AO_BLOCK_SIZE = 128  # AdamW4bit's default elements per fp32 scale
+AO_QMAP_BYTES = 16 * 4  # each 4-bit state's own 16-entry fp32 code map
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,9 @@ class OptimizerStates(Strategy):
     Facts the planner reads: `per_tensor_temporaries` / `foreach_temporaries` (fp32 copies of the largest
     tensor, or of all parameters, that the step holds: measured with the tracker, tests in
     tests/planner/test_memory_model.py), `per_tensor_carried` (copies of one tensor a per-tensor step still
-    holds during the next tensor's: torch AdamW's `denom`, a loop variable) and `relative_step_cost` (seconds per byte streamed relative to
-    fp32 AdamW, per device class; measured on this CPU, estimated for CUDA).
+    holds during the next tensor's: torch AdamW's `denom`, a loop variable), `relative_step_cost` (seconds per byte streamed relative to
+    fp32 AdamW, per device class; measured on this CPU, estimated for CUDA) and `shape_dependent` (the
+    states' bytes follow each tensor's shape: the sharding arithmetic takes them tensor by tensor).
     """
 
     kind: ClassVar[str] = "optimizer_states"
@@ -64,6 +72,7 @@ class OptimizerStates(Strategy):
     foreach_temporaries: ClassVar[int | None] = 1  # None: no multi-tensor path
     per_tensor_step_bytes: ClassVar[int] = STEP_TENSOR_BYTES  # the 0-dim `step` tensor per parameter tensor
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.0, "cpu": 1.0}
+    shape_dependent: ClassVar[bool] = False  # bytes follow each tensor's shape, not only its size
 
     def build(
         self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
@@ -93,7 +102,7 @@ OPTIMIZER_STATES: Registry[OptimizerStates] = Registry(
         "strategies",
         "optimizer_states",
         "fp32",
-        "How AdamW's two moments are stored: fp32, bf16, 8bit or paged-8bit (bitsandbytes).",
+        "How AdamW's two moments are stored: fp32, bf16, 8bit or paged-8bit (bitsandbytes), 4bit (torchao).",
         changes_trajectory=True,
     ),
 )
@@ -190,10 +199,58 @@ class PagedEightBitStates(EightBitStates):
         return _bitsandbytes(self.name).optim.PagedAdamW8bit
 
 
+@OPTIMIZER_STATES.register
+@dataclass(frozen=True)
+class FourBitStates(OptimizerStates):
+    """torchao's `AdamW4bit`, stepped eagerly (`fourbit_adamw.EagerAdamW4bit`): blockwise 4-bit moments."""
+
+    name: ClassVar[str] = "4bit"
+    per_tensor_temporaries: ClassVar[int] = 8
+    per_tensor_carried: ClassVar[int] = 0
+    foreach_temporaries: ClassVar[int | None] = None
+    per_tensor_step_bytes: ClassVar[int] = STEP_TENSOR_BYTES
+    relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 2.0, "cpu": 8.0}
+
+    def check(self, facts: DeviceFacts) -> None:
+        _fourbit_module()
+
+    def build(
+        self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> torch.optim.Optimizer:
+        optimizer: torch.optim.Optimizer = _fourbit_module().EagerAdamW4bit(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        return optimizer
+
+    def state_bytes(self, shape: ModelShape, param_bytes: int) -> int:
+        return sum(_ao_tensor_bytes(p.numel, param_bytes) for p in shape.params)
+
+
+def _ao_tensor_bytes(numel: int, param_bytes: int) -> int:
+    """One parameter's two moments and its `step`: 4-bit codes, an fp32 scale per block and a 16-entry fp32
+    map each when the tensor has at least 4096 elements and whole blocks (torchao's `_new_buffer`)."""
+    if numel >= AO_MIN_4BIT_SIZE and numel % AO_BLOCK_SIZE == 0:
+        moment = numel // 2 + numel // AO_BLOCK_SIZE * 4 + AO_QMAP_BYTES
+    else:
+        moment = numel * param_bytes
+    return 2 * moment + STEP_TENSOR_BYTES
+
+
+def _fourbit_module() -> ModuleType:
+    try:
+        return importlib.import_module("memtrain.strategies.fourbit_adamw")
+    except ImportError as exc:
+        raise Unsupported(
+            f"strategies.optimizer_states: 4bit needs torchao, which cannot be imported ({exc}); "
+            "pip install 'memtrain[fp8]', or use 8bit, bf16 or fp32"
+        ) from None
+
+
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the distinct storages behind the tensors in `optimizer.state` (this rank's shards).
 
-    Storages are counted once however many entries share them (bitsandbytes' quantisation maps).
+    Storages are counted once however many entries share them (bitsandbytes' quantisation maps); a
+    wrapper subclass (torchao's 4-bit states) counts the storages of its inner tensors.
     """
     seen: set[tuple[torch.device, int]] = set()
     total = 0
@@ -201,11 +258,11 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for value in state.values():
             if not isinstance(value, torch.Tensor):
                 continue
-            storage = local_tensor(value).untyped_storage()
-            key = (storage.device, storage.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
+            for storage in storages_of(local_tensor(value)):  # through torchao's 4-bit subclass
+                key = (storage.device, storage.data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
     return total
 
 

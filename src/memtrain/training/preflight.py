@@ -174,7 +174,7 @@ def checkpoint_bytes(plan: Plan, shape: ModelShape, planned: PlanResult | None) 
         return (weights + states) * (1 if plan.sharding.replicated else plan.world_size)
     saved = shape if plan.quantization.name == "none" else shape.trainable
     stored = plan.sharding.as_stored(plan.precision)  # frozen parameters in the dtype the run keeps them
-    fp = plan.optimizer_states.estimate(saved, stored.estimate(saved, Footprint()))
+    fp = plan.update_states.estimate(saved, stored.estimate(saved, Footprint()))
     return fp.weights + fp.optimizer_states
 
 

@@ -214,6 +214,8 @@ def _switchable_recipes(recipe: Recipe, plan: Plan) -> Iterator[Recipe]:
             "optimizer_step": plan.optimizer_step.name,  # its optimizer is built: one per parameter or not
         }
     )
+    optimizer = recipe.optimizer.model_copy(update={"name": plan.optimizer.name})  # it changes the training
+    recipe = recipe.model_copy(update={"optimizer": optimizer})
     micro: Any = plan.micro_batching
     if not isinstance(micro, TokenBudget):
         batch = recipe.batch.model_copy(update={"micro_size": "auto"})

@@ -112,11 +112,11 @@ class Trainer:
         raise NotImplementedError("subclass Trainer and implement build_model()")
 
     def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        """AdamW with `train:` settings over the trainable parameters, its states stored as the plan's
-        `optimizer_states` says."""
+        """The plan's optimizer (`optimizer.name`; AdamW's states as `optimizer_states` says) with `train:`
+        settings over the trainable parameters."""
         t = self.recipe.train
-        return self.plan.optimizer_states.build(
-            params, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+        return self.plan.optimizer.build(
+            params, self.plan.optimizer_states, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
         )
 
     def step_batch(self, step: int) -> Batch:

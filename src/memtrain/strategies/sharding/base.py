@@ -217,15 +217,27 @@ def is_zero_redundancy(optimizer: torch.optim.Optimizer) -> bool:
 
 def check_optimizer_shapes(optimizer: torch.optim.Optimizer, file: Path) -> None:
     """Another model's optimizer.pt loads without complaint (same number of tensors) and would fail, or
-    broadcast silently, in the first step: each state tensor must have its parameter's shape."""
+    broadcast silently, in the first step: each state tensor must have its parameter's shape, or (factored
+    and projected states: Adafactor's (rows, 1) and (1, cols), GaLore's (rows, rank) and its projection)
+    its number of dimensions with none larger than the parameter's."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             for name, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and not _fits(value.shape, param.shape)
+                ):
                     raise ckpt.CheckpointError(
                         f"{file}: optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
                         f"shape {tuple(param.shape)} (written for another model)"
                     )
+
+
+def _fits(state: torch.Size, param: torch.Size) -> bool:
+    return state == param or (
+        len(state) == len(param) and all(s <= p for s, p in zip(state, param, strict=True))
+    )
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -39,7 +39,7 @@ DEEPSPEED_BUCKET_DEFAULT = 500_000_000  # reduce/allgather bucket elements (Deep
 DEEPSPEED_PREFETCH_DEFAULT = 50_000_000  # stage3_prefetch_bucket_size
 USER_KEY = "strategies.deepspeed_config"
 FORBIDDEN_SECTIONS = {
-    "optimizer": "memtrain builds the optimizer from train: (and strategies.optimizer_states)",
+    "optimizer": "memtrain builds the optimizer from optimizer.name and train: (and strategies.optimizer_states)",
     "scheduler": "memtrain sets the learning rate every step from train: (schedule, lr, warmup_steps, min_lr_ratio)",
 }
 SECTIONS = (

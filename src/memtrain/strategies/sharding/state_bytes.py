@@ -68,13 +68,23 @@ def dtypes(precision: str) -> DTypes:
 
 @dataclass(frozen=True)
 class OptimizerCost:
-    """What the optimizer keeps per parameter element and per parameter tensor (AdamW: 8 and 4)."""
+    """What the optimizer keeps per parameter element and per parameter tensor (AdamW: 8 and 4), or, for
+    states whose size follows each tensor's shape (Adafactor's factors, GaLore's projections),
+    `by_tensor`: the exact bytes of each trainable tensor, in the model's order."""
 
     per_element: float = 8.0
     per_tensor: int = STEP_BYTES
+    by_tensor: tuple[int, ...] = ()
 
     def bytes(self, numel: int, tensors: int) -> int:
         return int(math.ceil(self.per_element * numel)) + self.per_tensor * tensors
+
+    def of_tensors(self, indices: Iterable[int], numels: list[int]) -> int:
+        """The states of the trainable tensors at `indices` (whole tensors: zero1's partitions)."""
+        chosen = list(indices)
+        if self.by_tensor:
+            return sum(self.by_tensor[i] for i in chosen)
+        return self.bytes(sum(numels[i] for i in chosen), len(chosen))
 
 
 ADAMW = OptimizerCost()  # torch AdamW over fp32 parameters: two fp32 moments and a 0-dim fp32 step
@@ -150,7 +160,7 @@ def zero1_bytes(
     parts = zero_redundancy_partition((p.numel for p in trainable), world_size)
 
     def states(r: int) -> int:
-        return optimizer.bytes(sum(trainable[i].numel for i in parts[r]), len(parts[r]))
+        return optimizer.of_tensors(parts[r], [p.numel for p in trainable])
 
     mine = states(rank) if rank is not None else max(states(r) for r in range(world_size))
     return StateBytes(
