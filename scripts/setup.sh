@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${MEMTRAIN_VENV:-.venv}"
 TORCH_SPEC="${MEMTRAIN_TORCH_SPEC:-torch==2.13.0}"
-EXTRAS="${MEMTRAIN_EXTRAS:-dev,bnb,fp8}"
+EXTRAS="${MEMTRAIN_EXTRAS:-dev,bnb,fp8,galore}"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
