@@ -362,6 +362,7 @@ class PreferenceTrainer(CausalLMTrainer):
             return logps_of(inner, batch)
 
 
-def trainer_for(recipe: CausalLMRecipe) -> type[CausalLMTrainer]:
-    """The built-in trainer for `recipe`'s data: this module's for preference pairs (`memtrain` commands)."""
-    return PreferenceTrainer if recipe.data.kind == "preference" else CausalLMTrainer
+def trainer_for(recipe: CausalLMRecipe, trainer: type[CausalLMTrainer]) -> type[CausalLMTrainer]:
+    """The class `recipe`'s data trains with: this module's for preference pairs, else `trainer` (the one the
+    command resolved, which a harness may have replaced: not this module's import of it)."""
+    return PreferenceTrainer if recipe.data.kind == "preference" else trainer

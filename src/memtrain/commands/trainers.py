@@ -62,7 +62,7 @@ def for_recipe(trainer: type[Trainer], recipe: Recipe) -> type[Trainer]:
     if trainer is CausalLMTrainer and isinstance(recipe, CausalLMRecipe):
         from memtrain.causal_lm.preference import trainer_for
 
-        return trainer_for(recipe)
+        return trainer_for(recipe, trainer)
     return trainer
 
 

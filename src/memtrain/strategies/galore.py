@@ -18,7 +18,7 @@ head) goes to a group with `rank`, the others (norms, biases) to plain AdamW; ga
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from galore_torch import GaLoreAdamW
@@ -50,7 +50,10 @@ def galore_groups(
 
 
 class TrackedGaLoreAdamW(GaLoreAdamW):  # type: ignore[misc]
-    """galore-torch's AdamW whose projection matrices are optimizer-state tensors (module doc)."""
+    """galore-torch's AdamW whose projection matrices are optimizer-state tensors (module doc); its moments
+    have the projected shape (`factored_states`, for a resume's shape check)."""
+
+    factored_states: ClassVar[bool] = True
 
     def __init__(self, params: Any, **defaults: Any) -> None:
         super().__init__(params, no_deprecation_warning=True, **defaults)

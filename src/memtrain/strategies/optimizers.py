@@ -136,11 +136,18 @@ class AdafactorStates(OptimizerStates):
     def build(
         self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
     ) -> torch.optim.Optimizer:
-        return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay)
+        return FactoredAdafactor(params, lr=lr, weight_decay=weight_decay)
 
     def state_bytes(self, shape: ModelShape, param_bytes: int) -> int:
         factored = sum(_adafactor_elements(p) for p in shape.params)
         return factored * param_bytes + STEP_TENSOR_BYTES * len(shape.params)
+
+
+class FactoredAdafactor(torch.optim.Adafactor):
+    """torch's Adafactor, saying its second moment is factored (a row and a column state per matrix, not the
+    parameter's shape): what a resume's shape check of its optimizer.pt allows."""
+
+    factored_states: ClassVar[bool] = True
 
 
 def _adafactor_elements(p: ParamInfo) -> int:

@@ -217,17 +217,15 @@ def is_zero_redundancy(optimizer: torch.optim.Optimizer) -> bool:
 
 def check_optimizer_shapes(optimizer: torch.optim.Optimizer, file: Path) -> None:
     """Another model's optimizer.pt loads without complaint (same number of tensors) and would fail, or
-    broadcast silently, in the first step: each state tensor must have its parameter's shape, or (factored
-    and projected states: Adafactor's (rows, 1) and (1, cols), GaLore's (rows, rank) and its projection)
-    its number of dimensions with none larger than the parameter's."""
+    broadcast silently, in the first step: each state tensor must have its parameter's shape, or, for an
+    optimizer that says its states are factored or projected (`factored_states`: Adafactor's (rows, 1) and
+    (1, cols), GaLore's (rows, rank) and its projection), its number of dimensions with none larger than
+    the parameter's."""
+    fits = _fits if getattr(optimizer, "factored_states", False) else torch.Size.__eq__
     for group in optimizer.param_groups:
         for param in group["params"]:
             for name, value in optimizer.state.get(param, {}).items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim() > 0
-                    and not _fits(value.shape, param.shape)
-                ):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and not fits(value.shape, param.shape):
                     raise ckpt.CheckpointError(
                         f"{file}: optimizer state {name!r} has shape {tuple(value.shape)} for a parameter of "
                         f"shape {tuple(param.shape)} (written for another model)"
