@@ -225,7 +225,7 @@ EOF
       fi
     fi
   }
-  bench estimator_accuracy 85 estimator_accuracy.py --time-budget 65 -- --model tiny --seq-len 32 --plans 3
+  bench estimator_accuracy 85 estimator_accuracy.py --time-budget 65 -- --model tiny --seq-len 32 --plans 1
   bench loss 45 bench_loss.py --device cuda --vocab 32768 131072 -- --vocab 4096
   bench fit_budget 200 bench_fit_budget.py --time-budget 170 -- --cpu-smoke --model tiny --seq-len 64 --budgets 24 --steps 2
   bench vs_peers 75 bench_vs_peers.py --quick --reps 1 --steps 20 --no-track -- --model tiny --reps 1 --steps 3 --tools hand,memtrain --no-track

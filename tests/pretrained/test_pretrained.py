@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
 
+import hf_cache
 from helpers import TINY_LLAMA, run_two_ranks, tiny_recipe, tiny_recipe_dict
 
 MARKED = 0.123  # embedding row 7 of the saved model: a random init would not have it
@@ -105,8 +106,7 @@ def test_bad_directory_is_caught_by_validate(
 def test_hub_id_not_in_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    hf_cache.use_cache(monkeypatch, tmp_path / "hf")  # offline: huggingface_hub read the variables at import
     raw = tiny_recipe_dict(tmp_path, model={"config": None, "pretrained": "nobody/no-such-model"})
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from memtrain.cli import main
+from memtrain.planner import model_probe
 
 import hf_cache
 from helpers import REPO, TINY_LLAMA, tiny_recipe_dict
@@ -62,7 +63,8 @@ def config_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     """`memtrain <command> recipes/NAME` with the model's config.json alone (each plan run once)."""
     tmp = tmp_path_factory.mktemp("config-alone")
     done: dict[tuple[str, str], Outcome] = {}
-    with pytest.MonkeyPatch.context() as patch:
+    # One plan's traces serve another plan of the same job (the text and the --json of one recipe).
+    with pytest.MonkeyPatch.context() as patch, model_probe.shared_traces():
         hf_cache.stage(tmp, patch, config_only=True)
 
         def run(command: str, name: str) -> Outcome:
