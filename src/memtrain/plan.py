@@ -55,10 +55,16 @@ class Plan:
     optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
 
     @property
+    def stepped_states(self) -> OptimizerStates:
+        """AdamW's state format as this precision steps it: `optimizer_states`, or bf16-true's own
+        (`Precision.update_states`); what the trainer builds the optimizer with."""
+        return self.precision.update_states(self.optimizer_states, self.optimizer.name)
+
+    @property
     def update_states(self) -> OptimizerStates:
         """What the optimizer keeps, with the facts the memory and step-time models read: the
-        `optimizer_states` format for AdamW, the optimizer's own states otherwise."""
-        return self.optimizer.states(self.optimizer_states)
+        `stepped_states` format for AdamW, the optimizer's own states otherwise."""
+        return self.optimizer.states(self.stepped_states)
 
     def strategies(self) -> dict[str, Strategy]:
         return {kind: getattr(self, kind) for kind in REGISTRIES}
@@ -216,6 +222,7 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states, optimizer):
         strategy.check(facts)
     optimizer.check_with(optimizer_states, sharding, optimizer_step.in_backward)
+    precision.update_states(optimizer_states, optimizer.name)  # what bf16-true cannot step is refused
     sharding.check_with(env, precision)
     quantization.check_sharding(sharding)
     loss.check_sharding(sharding)

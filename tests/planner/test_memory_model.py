@@ -77,18 +77,23 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     ("precision", "states"),
-    [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "8bit"), ("bf16-master", "fp32"), ("bf16-master", "8bit")],
+    [
+        ("fp32", "fp32"),
+        ("fp32", "bf16"),
+        ("fp32", "8bit"),
+        ("bf16-master", "fp32"),
+        ("bf16-master", "8bit"),
+        ("bf16-true", "fp32"),  # the stochastic-rounding AdamW's fp32 copies of bf16 parameter and gradient
+    ],
 )
 def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str, layout: str) -> None:
     """The optimizer step as the trainer runs it (master hand-over, clipping, step) on a model whose largest
     tensors dominate, so that the per-tensor temporaries are visible."""
     stored = PRECISION.create(precision).stored_dtype
     model = LAYOUTS[layout]().to(stored)
+    stepped = PRECISION.create(precision).update_states(OPTIMIZER_STATES.create(states))
     optimizer = PRECISION.create(precision).build_optimizer(
-        model,
-        lambda ps: OPTIMIZER_STATES.create(states).build(
-            ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
-        ),
+        model, lambda ps: stepped.build(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     )
     tracker = MemoryTracker(model, optimizer)
     with tracker:
@@ -111,7 +116,7 @@ def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str, la
     levels = state_levels(
         model_shape(model, []),
         precision=PRECISION.create(precision),
-        optimizer_states=OPTIMIZER_STATES.create(states),
+        optimizer_states=stepped,
         backend=make_sharding("none"),
         replicated=True,
         world_size=1,

@@ -65,6 +65,12 @@ PLAN = DeepSpeedPlan(
             "strategies.precision",
             marks=NEEDS_DEEPSPEED,
         ),
+        pytest.param(
+            "zero2",
+            {"precision": "bf16-true", "backend": "deepspeed"},
+            "strategies.precision",
+            marks=NEEDS_DEEPSPEED,
+        ),
     ],
 )
 def test_unsupported_combinations_name_the_key(name: str, options: dict[str, Any], key: str) -> None:

@@ -34,7 +34,7 @@ def fp32_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return _losses(tmp_path_factory.mktemp("fp32"), "fp32")
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-master"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-master", "bf16-true"])
 def test_bf16_tracks_fp32(tmp_path: Path, precision: str, fp32_losses: list[float]) -> None:
     losses = _losses(tmp_path, precision)
     assert losses[-1] < 0.85 * losses[0], "it must learn"

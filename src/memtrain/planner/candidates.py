@@ -18,8 +18,8 @@ A quantised base leaves out every sharding that shards weights (`Quantization.ch
 `pinned_plan` applies too). `planner.rules` builds this grid for `memtrain validate`: when the rules leave
 no candidate, validate names them.
 The optimizers are the ones `optimizer.name` lists (never more: the optimizer changes the training), each
-with the state formats and shardings it can run with (`Optimizer.check_with`; the others are excluded
-with the reason).
+with the state formats and shardings it can run with (`Optimizer.check_with`) and under the precision
+(`Precision.update_states`: bf16-true steps AdamW only); the others are excluded with the reason.
 An optimizer step in backward is offered only where it is exact (one micro-step per step, no gradient
 clipping, no sharding, no loss scaling or master copy: `OptimizerStep.check_plan`); pinned, and exact
 nowhere, it is the user's error.
@@ -181,7 +181,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                         update,
                                     )
                                     for update in _updates_with(
-                                        recipe, updates, optimizer, sharding, step, excluded
+                                        recipe, updates, optimizer, sharding, step, precision, excluded
                                     )
                                 ]
     if refused and _pinned(s.optimizer_step) and not candidates:
@@ -221,23 +221,26 @@ def _updates_with(
     states: OptimizerStates,
     sharding: Sharding,
     step: OptimizerStep,
+    precision: Precision,
     excluded: list[tuple[str, str]],
 ) -> list[Optimizer]:
-    """The optimizers that can run with this state format, sharding and optimizer step (when the recipe
-    pins them all and they cannot, the user's error)."""
+    """The optimizers that can run with this state format, sharding, optimizer step and precision (when
+    the recipe pins them all and they cannot, the user's error)."""
     s = recipe.strategies
-    choices = (recipe.optimizer.name, s.optimizer_states, s.sharding, s.optimizer_step)
+    choices = (recipe.optimizer.name, s.optimizer_states, s.sharding, s.optimizer_step, s.precision)
     pinned = all(_pinned(choice) for choice in choices)
     kept = []
     for update in updates:
         try:
             update.check_with(states, sharding, step.in_backward)
+            precision.update_states(states, update.name)
             kept.append(update)
         except Unsupported as exc:
             if pinned:
                 raise
             reason = (
-                f"optimizer.name={update.name} with {states.name} states, sharding {sharding.name}",
+                f"optimizer.name={update.name} with {states.name} states, sharding {sharding.name}, "
+                f"precision {precision.name}",
                 str(exc),
             )
             if reason not in excluded:

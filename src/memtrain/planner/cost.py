@@ -236,7 +236,7 @@ class CostModel:
         if w.world_size <= 1:
             return 0.0
         ring = (w.world_size - 1) / w.world_size
-        grad_bytes = w.numel * (2 if plan.precision.master_weights else 4)
+        grad_bytes = w.numel * plan.precision.stored_dtype.itemsize
         gather_bytes = w.numel * (4 if plan.precision.compute == "fp32" else 2)
         reduce = {"all-reduce": 2 * ring * grad_bytes, "reduce-scatter": ring * grad_bytes}.get(
             sharding.gradient_sync, 0.0

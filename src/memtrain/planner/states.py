@@ -105,7 +105,7 @@ def state_levels(
         weights = precision.estimate(shape, Footprint()).weights  # `reached` counts unreached ones as frozen
         fp = fp.with_(weights=weights, optimizer_states=fp.optimizer_states + copies)
         fp = quantised_levels(fp, shape, quantization or Quantization(), precision, linear_weights, dim0)
-        backward_gradients = reached.trainable_numel * (2 if master else 4)
+        backward_gradients = reached.trainable_numel * precision.stored_dtype.itemsize
         return StateLevels(
             weights=fp.weights,
             optimizer_states=fp.optimizer_states,

@@ -20,8 +20,12 @@ parameter index): enabling bf16 states does not consume the global RNG (data ord
 resumed run rounds exactly as an uninterrupted one with nothing extra to checkpoint, and
 data-parallel replicas round identically.
 
-Parameters are rounded back to their own dtype by an ordinary (nearest) copy: fp32 master weights
-for bf16 parameters are the precision strategy's business, not the optimizer's.
+Parameters are rounded back to their own dtype by an ordinary (nearest) copy, except in
+`StochasticBF16AdamW` (`strategies.precision: bf16-true`): there the bf16 parameters have no fp32 master
+copy, and an update below half a bf16 ulp of the weight (lr 1e-4 against a weight of 0.1 is 1/40 of an
+ulp) would be rounded away every step. The parameter is written with the same stochastic rounding as the
+moments, from the same generator: unbiased, so the weight moves by the update on average, and as
+reproducible as the moments (a resume continues bit for bit, with nothing more in the checkpoint).
 
 Large tensors are processed in flat chunks of `chunk_numel` elements, so the temporaries (fp32 copies,
 the denominator, the rounding noise: at most 32 bytes per chunk element) stay bounded however large
@@ -67,7 +71,8 @@ class BF16StateAdamW(torch.optim.Optimizer):
 
     `step` is kept as a Python int per parameter (no tensor bytes). `state_dtype=torch.float32` exists
     to prove the update rule against torch's AdamW; `stochastic_rounding=False` (round to nearest)
-    exists to show why the default is stochastic.
+    exists to show why the default is stochastic. `stochastic_params`: bf16 parameters are written with
+    stochastic rounding too (`StochasticBF16AdamW`).
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
         state_dtype: torch.dtype = torch.bfloat16,
         stochastic_rounding: bool = True,
         chunk_numel: int = CHUNK_NUMEL,
+        stochastic_params: bool = False,
     ) -> None:
         if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0; got {lr}, {eps}, {weight_decay}")
@@ -94,6 +100,7 @@ class BF16StateAdamW(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self.stochastic_rounding = stochastic_rounding
         self.chunk_numel = chunk_numel
+        self.stochastic_params = stochastic_params
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -169,7 +176,10 @@ class BF16StateAdamW(torch.optim.Optimizer):
         denom = (v32.sqrt() / bias_correction2_sqrt).add_(group["eps"])
         p32.addcdiv_(m32, denom, value=-step_size)
         if p32 is not param:
-            param.copy_(p32)
+            if self.stochastic_params and param.dtype == torch.bfloat16:
+                round_stochastic_(param, p32, generator)
+            else:
+                param.copy_(p32)
         for stored, exact in ((exp_avg, m32), (exp_avg_sq, v32)):
             if exact is stored:
                 continue
@@ -177,6 +187,26 @@ class BF16StateAdamW(torch.optim.Optimizer):
                 round_stochastic_(stored, exact, generator)
             else:
                 stored.copy_(exact)
+
+
+class StochasticBF16AdamW(BF16StateAdamW):
+    """`BF16StateAdamW` whose bf16 parameters are written with stochastic rounding (`bf16-true`: no master
+    copy). A class of its own, so that zero1's ZeroRedundancyOptimizer, which rebuilds the optimizer from
+    its class and param groups, rebuilds this one."""
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        chunk_numel: int = CHUNK_NUMEL,
+    ) -> None:
+        super().__init__(
+            params, lr, betas, eps, weight_decay, chunk_numel=chunk_numel, stochastic_params=True
+        )
 
 
 def _chunks(tensors: list[Tensor], chunk_numel: int) -> Iterator[tuple[Tensor, ...]]:

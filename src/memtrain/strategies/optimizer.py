@@ -8,6 +8,9 @@ the cheapest to shrink without touching the forward pass. Names:
   0-dim float32 `step` tensor per parameter tensor (on the CPU unless fused/capturable).
 - `bf16`: `BF16StateAdamW` (lowbit_adamw.py): torch's update rule in fp32, moments stored in bf16
   with stochastic rounding, whatever the parameter dtype; `step` is a Python int.
+- under `strategies.precision: bf16-true`, `fp32` and `bf16` both become `StochasticBF16States`
+  (`bf16-sr`, not a recipe name): the bf16 states' AdamW that also writes the bf16 parameters with
+  stochastic rounding (`Precision.update_states`); 2 + 2 bytes, no `step` tensor.
 - `8bit`: bitsandbytes `AdamW8bit`: blockwise-quantised uint8 moments (1 + 1 bytes) plus one fp32
   absmax per 256 elements per moment; tensors under `BNB_MIN_8BIT_SIZE` elements keep fp32 moments
   whatever the parameter dtype; the two 256-entry fp32 quantisation maps are shared by all tensors.
@@ -41,7 +44,7 @@ from torch.optim.optimizer import ParamsT
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.memory.ledger import storages_of
-from memtrain.strategies.lowbit_adamw import BF16StateAdamW, local_tensor
+from memtrain.strategies.lowbit_adamw import BF16StateAdamW, StochasticBF16AdamW, local_tensor
 from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy
 
 BNB_MIN_8BIT_SIZE = 4096  # tensors with fewer elements keep fp32 states (passed to bitsandbytes by `build`)
@@ -128,6 +131,24 @@ class BF16States(OptimizerStates):
 
     def state_bytes(self, shape: ModelShape, param_bytes: int) -> int:
         return 2 * shape.numel * 2
+
+
+@dataclass(frozen=True)
+class StochasticBF16States(BF16States):
+    """`StochasticBF16AdamW` (`bf16-true`'s states, not registered): bf16 moments, and the bf16 parameters
+    written with stochastic rounding. Over bf16 parameters the step's fp32 copies of the parameter and of
+    its gradient are temporaries too (8 fp32 copies of the tensor in all: parameter, gradient, moments,
+    denominator, and the rounding's noise, sum and result); the rounding of the parameter costs one
+    more pass than `bf16`'s step (estimated from the update rule, not measured)."""
+
+    name: ClassVar[str] = "bf16-sr"
+    per_tensor_temporaries: ClassVar[int] = 8
+    relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.8, "cpu": 3.8}
+
+    def build(
+        self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> torch.optim.Optimizer:
+        return StochasticBF16AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def _own_override_manager(name: str) -> Any:

@@ -5,8 +5,18 @@
 | fp32        | 4 / 4                     | -           | fp32                                                |
 | bf16-mixed  | 4 / 4                     | -           | bf16 autocast                                       |
 | bf16-master | 2 / 2                     | 4 (fp32, kept by the optimizer) | bf16                            |
+| bf16-true   | 2 / 2                     | - (updates stochastically rounded) | bf16                         |
 | fp16-mixed  | 4 / 4                     | -           | fp16 autocast, dynamic loss scaling (GradScaler)    |
 | fp8         | 4 / 4                     | -           | torchao float8 for the blocks' linears, bf16 elsewhere |
+
+bf16-true (Lightning's name; torchtune trains so by default) keeps no fp32 copy at all: AdamW's moments
+are bf16 too (2 + 2 + 4 = 8 bytes per parameter instead of bf16-master's 12 and fp32's 16). What the fp32
+master copy does for bf16-master, stochastic rounding of the parameter write does here (`update_states`:
+`StochasticBF16AdamW`), so updates below bf16's resolution move the weights on average instead of being
+lost. It trains with AdamW only, its moments in bf16 (`optimizer_states` fp32 or bf16, the same bytes
+over bf16 parameters); the other optimizers and state formats would round the update to nearest and are
+refused, as DeepSpeed is (its bf16 mode keeps fp32 masters: bf16-mixed). FSDP2 shards the bf16
+parameters as they are (no mixed-precision policy: gathers and reductions in bf16).
 
 Precision changes numerics, so the planner only picks among the names a recipe allows. fp16-mixed
 skips steps whose gradients are not finite and lowers the loss scale; the trainer counts those skips.
@@ -33,6 +43,7 @@ from torch import nn
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.strategies.master_weights import MasterWeightOptimizer
+from memtrain.strategies.optimizer import OptimizerStates, StochasticBF16States
 from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 
 
@@ -102,6 +113,12 @@ class Precision(Strategy):
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         return None
 
+    def update_states(self, stored: OptimizerStates, optimizer: str = "adamw") -> OptimizerStates:
+        """The states AdamW steps with under this precision: `stored` (`strategies.optimizer_states`) as
+        it is, except under bf16-true. `Unsupported`, naming the key, when `optimizer` (`optimizer.name`)
+        or `stored` cannot train under this precision."""
+        return stored
+
     @contextlib.contextmanager
     def autocast(self, device: torch.device) -> Iterator[None]:
         """The context the forward pass and the loss run in."""
@@ -142,7 +159,8 @@ PRECISION: Registry[Precision] = Registry(
         "strategies",
         "precision",
         "fp32",
-        "The dtypes of weights, compute and gradients (fp32, bf16-mixed, bf16-master, fp16-mixed, fp8).",
+        "The dtypes of weights, compute and gradients (fp32, bf16-mixed, bf16-master, bf16-true, fp16-mixed, "
+        "fp8).",
         changes_trajectory=True,
     ),
 )
@@ -171,6 +189,34 @@ class BF16Master(Precision):
     compute: ClassVar[str] = "bf16"
     needs_bf16: ClassVar[bool] = True
     preserves_numerics: ClassVar[bool] = False
+
+
+@PRECISION.register
+@dataclass(frozen=True)
+class BF16True(Precision):
+    """bf16 parameters, gradients and AdamW moments, no fp32 copy; the update is written to the bf16
+    weights with stochastic rounding (`StochasticBF16AdamW`)."""
+
+    name: ClassVar[str] = "bf16-true"
+    stored_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    compute: ClassVar[str] = "bf16"
+    needs_bf16: ClassVar[bool] = True
+    preserves_numerics: ClassVar[bool] = False
+
+    def update_states(self, stored: OptimizerStates, optimizer: str = "adamw") -> OptimizerStates:
+        if optimizer != "adamw":
+            raise Unsupported(
+                f"optimizer.name: {optimizer} under strategies.precision=bf16-true would round its updates of "
+                "the bf16 weights to nearest and lose the small ones (only adamw rounds them stochastically "
+                "here); use optimizer.name=adamw, or strategies.precision=bf16-master or bf16-mixed"
+            )
+        if stored.name not in ("fp32", "bf16"):
+            raise Unsupported(
+                f"strategies.optimizer_states: {stored.name} under strategies.precision=bf16-true would round "
+                "the updates of the bf16 weights to nearest; use optimizer_states fp32 or bf16 (both keep bf16 "
+                f"moments here, 4 bytes per parameter), or strategies.precision=bf16-master with {stored.name}"
+            )
+        return StochasticBF16States()
 
 
 @PRECISION.register

@@ -116,7 +116,7 @@ class Trainer:
         settings over the trainable parameters."""
         t = self.recipe.train
         return self.plan.optimizer.build(
-            params, self.plan.optimizer_states, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+            params, self.plan.stepped_states, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
         )
 
     def step_batch(self, step: int) -> Batch:

@@ -18,8 +18,8 @@ so the trainer reaches it through three hooks and stays one loop:
 
 Precision: `bf16-mixed` is DeepSpeed's bf16 mode (bf16 model parameters, fp32 master partitions in
 the optimizer); the trainer's autocast stays on. fp16-mixed is refused (DeepSpeed's loss scaler and
-the trainer's GradScaler would both scale), bf16-master is refused (DeepSpeed's bf16 already keeps
-fp32 masters), fp8 is refused.
+the trainer's GradScaler would both scale), bf16-master and bf16-true are refused (DeepSpeed's bf16
+already keeps fp32 masters), fp8 is refused.
 
 Checkpoints: DeepSpeed's own `save_checkpoint` / `load_checkpoint` into `<staging>/deepspeed/`, plus a
 small `sharding.json` (world size, stage): DeepSpeed partitions do not reshard, so a different world
@@ -69,6 +69,8 @@ TAG = "state"
 REFUSED_PRECISIONS = {
     "fp16-mixed": "DeepSpeed's fp16 loss scaler and memtrain's GradScaler would both scale; use bf16-mixed",
     "bf16-master": "DeepSpeed's bf16 mode already keeps fp32 master weights; use bf16-mixed",
+    "bf16-true": "DeepSpeed's bf16 mode keeps fp32 master weights (that is bf16-mixed here); use bf16-mixed, "
+    "or strategies.sharding_backend=fsdp2",
     "fp8": "fp8 is not wired into DeepSpeed here; use bf16-mixed or strategies.sharding_backend=fsdp2",
 }
 

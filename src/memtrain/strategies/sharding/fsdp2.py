@@ -16,8 +16,10 @@ sharded parameters stay fp32 (they are the master weights the optimizer updates)
 bf16 copies gathered in bf16 (half the all-gather bytes); gradients are reduce-scattered and kept in
 fp32. Unlike the autocast reference (fp32 parameters cast per matmul), the embeddings, norm weights
 and residual stream are bf16 here, so bf16-mixed numerics differ from `none` at bf16 resolution.
-bf16-master (fp32 masters are what FSDP2's bf16-mixed already keeps) and fp16-mixed (GradScaler
-over sharded gradients) are refused with the alternative named.
+bf16-true shards its bf16 parameters as they are (no policy: gathers, gradients and reductions in bf16;
+its optimizer rounds each rank's shard stochastically). bf16-master (fp32 masters are what FSDP2's
+bf16-mixed already keeps) and fp16-mixed (GradScaler over sharded gradients) are refused with the
+alternative named.
 
 Accumulation (`gradient_reduction`): `per_step` (the default) switches reduction off on non-final
 micro-steps (`set_requires_gradient_sync(False)`), so each rank accumulates an unsharded fp32 gradient

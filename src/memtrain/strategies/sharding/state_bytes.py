@@ -58,8 +58,9 @@ class DTypes:
 
 
 def dtypes(precision: str) -> DTypes:
-    """bf16-master stores bf16; the autocast precisions store fp32 and (under FSDP2) gather bf16."""
-    if precision == "bf16-master":
+    """bf16-master and bf16-true store bf16; the autocast precisions store fp32 and (under FSDP2) gather
+    bf16."""
+    if precision in ("bf16-master", "bf16-true"):
         return DTypes(param=2, grad=2, compute=2)
     if precision in ("bf16-mixed", "fp16-mixed", "fp8"):
         return DTypes(param=4, grad=4, compute=2)
@@ -251,7 +252,7 @@ def fsdp2_bytes(
     # zero3 re-gathers the block in backward and prefetches the next one: two blocks at once.
     prefetch = 2 * largest_block if reshard_after_forward else 0
     unsharded = accumulation_steps > 1 and not reduce_every_micro_step
-    copies = shape.trainable_numel * 4 if unsharded else 0  # fp32 unsharded accumulated grads
+    copies = shape.trainable_numel * kinds.grad if unsharded else 0  # unsharded accumulated grads
     if offload:
         return StateBytes(
             gathered=gathered,
