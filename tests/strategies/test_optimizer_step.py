@@ -4,7 +4,9 @@ memory, predicted by the planner, chosen when only it fits, refused where it wou
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +221,36 @@ def test_a_step_half_done_in_backward_cannot_be_redone() -> None:
         optimizer.check_redoable(0)  # an out-of-memory error now would step some parameters twice
     assert optimizer.finish_step() > 0
     optimizer.check_redoable(1)
+
+
+def test_a_clipped_step_measures_first_and_skips_a_non_finite_norm() -> None:
+    """The norm pass moves nothing and keeps no gradient; a non-finite norm is known before any parameter
+    steps, so the step is skipped (unclipped, `in_backward` has stepped some parameters by the time a
+    non-finite gradient appears) and nothing is left to redo; a finite one scales each step's gradient
+    by `clip_grad_norm_`'s factor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = InBackwardOptimizer(model.parameters(), lambda params: torch.optim.SGD(params, lr=1.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.begin_norm_pass()
+    (model(torch.ones(2, 4)).sum() * math.inf).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    optimizer.check_redoable(0)  # nothing stepped: an out-of-memory error could redo the step
+    assert not optimizer.begin_update_pass(1.0)
+    assert not math.isfinite(optimizer.finish_step())
+
+    reference = copy.deepcopy(model)
+    reference(torch.ones(2, 4)).sum().backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    optimizer.begin_norm_pass()
+    model(torch.ones(2, 4)).sum().backward()
+    assert optimizer.begin_update_pass(0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    assert optimizer.finish_step() == pytest.approx(norm, rel=1e-6) and norm > 0.1
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
 
 
 def test_pinned_with_accumulation_names_the_keys(tmp_path: Path) -> None:
