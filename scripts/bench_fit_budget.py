@@ -10,9 +10,9 @@ better speed". Two modes measure it:
   counted bytes), at budgets of 20-100% of the unconstrained peak (fit_kit/cpu_mode.py). Tools: HF
   Trainer `auto_find_batch_size` with and without gradient checkpointing, the "expert" HF configuration
   (checkpointing + 8-bit AdamW + bf16), an accelerate loop with `find_executable_batch_size` with and
-  without checkpointing, and memtrain `strategies: auto` (also without gradient clipping, which lets it
-  step the optimizer inside backward); the same model, data, seed and global batch,
-  each tool in its own process. Metrics, each found by the same bisection for every tool:
+  without checkpointing, and memtrain `strategies: auto`; every tool clips gradients at 1.0 (memtrain's
+  step in backward clips with two passes; `--tools memtrain-noclip` adds the same job without clipping);
+  the same model, data, seed and global batch, each tool in its own process. Metrics, each found by the same bisection for every tool:
   (a) the largest model (width and depth scaled together, fixed sequence length) that trains at all;
   (b) tokens/s at the fixed global batch with the largest micro-batch that fits (median and spread over
       --reps timed runs), each tool's own search reported beside it;
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench_vs_peers import write_report
 from fit_kit import cpu_report, cuda_mode
-from fit_kit.cpu_setup import BASES, TOOLS, CpuSetup
+from fit_kit.cpu_setup import BASES, DEFAULT_TOOLS, TOOLS, CpuSetup
 
 CPU_BUDGETS = {"full": "20,40,60,80,100", "quick": "20,60,100"}
 
@@ -64,7 +64,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reps", type=int, default=None, help="--cpu: rounds of timed runs (3, quick 2)")
     p.add_argument(
-        "--tools", default=",".join(TOOLS), help="--cpu: comma-separated subset of " + ",".join(TOOLS)
+        "--tools",
+        default=",".join(DEFAULT_TOOLS),
+        help="--cpu: comma-separated subset of " + ",".join(TOOLS) + " (default: all that clip)",
     )
     p.add_argument("--threads", type=int, default=1, help="--cpu: torch threads per worker (default 1)")
     p.add_argument(

@@ -3,7 +3,7 @@
 its keys, and `plan`'s / `train`'s "no plan fits" leads with it.
 
 The hole: `memtrain validate` never built the grid, so a recipe whose choices exclude every candidate
-(QLoRA with `sharding: [zero3]`, `in_backward` with gradient clipping, ...) validated ok, and `train`
+(QLoRA with `sharding: [zero3]`, `in_backward` with an fp32 master copy, ...) validated ok, and `train`
 stopped with "no plan fits the memory budget" and eight memory tips, the real cause on line 4. A pinned
 quantised base with a sharding that shards weights passed `pinned_plan` too (FSDP2 refused it only
 after the weights were loaded).
@@ -70,9 +70,9 @@ CPU_RULES: dict[str, tuple[int, dict[str, dict[str, Any]], str]] = {
         {"strategies": {"sharding": ["zero3"], "sharding_offload": ["params"]}},
         "strategies.sharding_offload=params",
     ),
-    "in_backward-with-gradient-clipping": (
+    "in_backward-with-a-master-copy": (
         1,
-        {"strategies": {"optimizer_step": ["in_backward"]}, "train": {"grad_clip": 1.0}},
+        {"strategies": {"optimizer_step": ["in_backward"], "precision": ["bf16-master"]}},
         "strategies.optimizer_step=in_backward",
     ),
     "every-listed-option-refused-by-the-device": (

@@ -1,8 +1,12 @@
 """`strategies.optimizer_step: in_backward`: the same training as a standard step, without the gradients'
-memory, predicted by the planner, chosen when only it fits, refused where it would not be exact."""
+memory, predicted by the planner, chosen when only it fits, refused where it would not be exact; with
+`train.grad_clip`, two passes (norm, then update) that clip exactly as the standard step does."""
 
 from __future__ import annotations
 
+import copy
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import PlanError, Unsupported
 from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.search import search
+from memtrain.run import RunLayout
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer_step import InBackward, InBackwardOptimizer, OptimizerStep
 from memtrain.strategies.precision import PRECISION
@@ -71,11 +76,55 @@ def test_same_parameters_as_a_standard_step(tmp_path: Path) -> None:
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("states", ["fp32", "8bit"])
-def test_peak_falls_by_the_gradients_and_is_predicted(tmp_path: Path, states: str) -> None:
+def grad_norms(trainer: CausalLMTrainer) -> list[float]:
+    rows = RunLayout(trainer.run_dir).metrics_file.read_text(encoding="utf-8").splitlines()
+    return [json.loads(row)["grad_norm"] for row in rows]
+
+
+def test_clipped_in_backward_is_the_standard_clipped_step(tmp_path: Path) -> None:
+    """The hole: `in_backward` refused `train.grad_clip` (the global norm is unknown when the first
+    parameter steps). Now a norm pass, then an update pass with `clip_grad_norm_`'s factor: the losses,
+    gradient norms and parameters of 3 steps equal the standard clipped step's, with a clip that bites every
+    step and attention dropout on (the update pass must replay the norm pass's random numbers)."""
+    dropout = {"config": {**TINY_LLAMA, "attention_dropout": 0.2}}
+    sections: dict[str, dict[str, Any]] = {
+        "model": dropout,
+        "batch": {"global_size": 4, "micro_size": 4},
+        "train": {"grad_clip": 0.05},
+        "output": {"loggers": ["jsonl"]},
+    }
+    standard = CausalLMTrainer(recipe_for(tmp_path / "a", "standard", **sections))
+    clipped = CausalLMTrainer(recipe_for(tmp_path / "b", "in_backward", **sections))
+    losses = [trainer.fit().losses for trainer in (standard, clipped)]
+    assert isinstance(clipped.optimizer, InBackwardOptimizer)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    norms = [grad_norms(trainer) for trainer in (standard, clipped)]
+    assert min(norms[0]) > 10 * 0.05, norms  # the clip scales every step's update
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-5, atol=0)
+    for a, b in zip(parameters(standard), parameters(clipped), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    unclipped = CausalLMTrainer(recipe_for(tmp_path / "c", "standard", **{**sections, "train": {}}))
+    unclipped.fit()
+    assert any(  # the clip changed training, so the equality above is the clip's
+        not torch.allclose(a, b, atol=1e-4)
+        for a, b in zip(parameters(standard), parameters(unclipped), strict=True)
+    )
+
+
+@pytest.mark.parametrize(("states", "clip"), [("fp32", None), ("8bit", None), ("fp32", 0.05)])
+def test_peak_falls_by_the_gradients_and_is_predicted(
+    tmp_path: Path, states: str, clip: float | None
+) -> None:
+    """With `train.grad_clip` (the two passes) the peak is that of one unclipped step in backward (the
+    norm pass holds one gradient and no step temporaries) and the prediction holds."""
+
     def run(step: str) -> CausalLMTrainer:
         recipe = recipe_for(
-            tmp_path / step, step, memory={"track": True}, strategies={"optimizer_states": states}
+            tmp_path / step,
+            step,
+            memory={"track": True},
+            strategies={"optimizer_states": states},
+            train={"grad_clip": clip},
         )
         return trained(recipe)
 
@@ -113,10 +162,21 @@ def test_planner_takes_in_backward_only_where_it_fits_and_is_exact(tmp_path: Pat
     assert tight.plan.optimizer_step == InBackward(), tight.plan.describe()
     assert all(s.plan.optimizer_step.in_backward for s in tight.ranked)
 
-    clipped = recipe_for(tmp_path, "auto", train={"grad_clip": 1.0})
-    result = search(clipped, probe_of(clipped), cpu_target(2**50), torch.device("cpu"))
-    assert all(s.plan.optimizer_step == OptimizerStep() for s in (*result.ranked, *result.infeasible))
-    assert any("train.grad_clip: null" in why for _, why in result.excluded), result.excluded
+    # clipping: two passes a step, so with memory to spare the standard step ranks first; when only
+    # the step in backward fits, the planner takes it
+    clipped = recipe_for(tmp_path, "auto", train={"grad_clip": 1.0}, strategies={"optimizer_states": "auto"})
+    clipped_probe = probe_of(clipped)
+    result = search(clipped, clipped_probe, cpu_target(2**50), torch.device("cpu"))
+    assert result.plan.optimizer_step == OptimizerStep(), result.plan.describe()
+    standard_cost = {s.plan: s.cost for s in result.ranked if not s.plan.optimizer_step.in_backward}
+    twice = [s for s in result.ranked if s.plan.optimizer_step.in_backward]
+    assert twice, "the step in backward is a candidate with clipping"
+    for scored in twice:  # a second forward and backward: twice the compute of the same plan
+        alone = standard_cost[scored.plan.replace(optimizer_step=OptimizerStep())]
+        assert scored.cost.compute == pytest.approx(2 * alone.compute, rel=1e-9)
+        assert scored.cost.total > alone.total
+    tight = search(clipped, clipped_probe, cpu_target(standard - 1), torch.device("cpu"))
+    assert tight.plan.optimizer_step == InBackward(), tight.plan.describe()
 
     accumulating = recipe_for(tmp_path, "auto", batch={"global_size": 4, "micro_size": "auto"})
     result = search(accumulating, probe_of(accumulating), cpu_target(2**50), torch.device("cpu"))
@@ -163,16 +223,42 @@ def test_a_step_half_done_in_backward_cannot_be_redone() -> None:
     optimizer.check_redoable(1)
 
 
-def test_pinned_with_clipping_or_accumulation_names_the_keys(tmp_path: Path) -> None:
-    clipped = recipe_for(tmp_path, "in_backward", batch={"micro_size": 1}, train={"grad_clip": 1.0})
-    with pytest.raises(Unsupported, match="set train.grad_clip: null or strategies.optimizer_step: standard"):
-        CausalLMTrainer(clipped).choose_plan()
-    accumulating = recipe_for(tmp_path, "in_backward", batch={"global_size": 4, "micro_size": 2})
+def test_a_clipped_step_measures_first_and_skips_a_non_finite_norm() -> None:
+    """The norm pass moves nothing and keeps no gradient; a non-finite norm is known before any parameter
+    steps, so the step is skipped (unclipped, `in_backward` has stepped some parameters by the time a
+    non-finite gradient appears) and nothing is left to redo; a finite one scales each step's gradient
+    by `clip_grad_norm_`'s factor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = InBackwardOptimizer(model.parameters(), lambda params: torch.optim.SGD(params, lr=1.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.begin_norm_pass()
+    (model(torch.ones(2, 4)).sum() * math.inf).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    optimizer.check_redoable(0)  # nothing stepped: an out-of-memory error could redo the step
+    assert not optimizer.begin_update_pass(1.0)
+    assert not math.isfinite(optimizer.finish_step())
+
+    reference = copy.deepcopy(model)
+    reference(torch.ones(2, 4)).sum().backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    optimizer.begin_norm_pass()
+    model(torch.ones(2, 4)).sum().backward()
+    assert optimizer.begin_update_pass(0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    assert optimizer.finish_step() == pytest.approx(norm, rel=1e-6) and norm > 0.1
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
+
+
+def test_pinned_with_accumulation_names_the_keys(tmp_path: Path) -> None:
+    accumulating = recipe_for(
+        tmp_path, "in_backward", batch={"global_size": 4, "micro_size": 2}, train={"grad_clip": 1.0}
+    )
     with pytest.raises(Unsupported, match="accumulates 2 micro-steps: set batch.micro_size"):
         CausalLMTrainer(accumulating).choose_plan()
-    planned = recipe_for(tmp_path, "in_backward", train={"grad_clip": 1.0})  # micro_size auto: planned
-    with pytest.raises(Unsupported, match="train.grad_clip: null"):
-        CausalLMTrainer(planned).choose_plan()
 
 
 REFUSALS = [  # (batching, sharding, precision, what the error must say)

@@ -15,7 +15,9 @@ each a count (FLOPs, bytes) divided by a rate:
   the state format's `relative_step_cost` (dequantising 8-bit states costs more than fp32 AdamW); stepped
   in backward (`optimizer_step: in_backward`), the same bytes plus a fixed cost per parameter tensor (one
   small optimizer step each, where the standard step runs torch's multi-tensor kernels), so with memory to
-  spare the standard step ranks first;
+  spare the standard step ranks first; with `train.grad_clip` it runs forward and backward twice (a norm
+  pass, then the update pass: `OptimizerStep.passes`), so compute, recompute and the micro-steps count
+  twice and the planner takes it only when memory needs it;
 - communication: the sharding's `gradient_sync` (all-reduce or reduce-scatter), once per step or, with
   `gradient_reduction=per_micro_step`, once per micro-step (`Sharding.reductions_per_step`), and
   `parameter_gathers` (per step, per micro-step) over the interconnect, partly hidden behind compute;
@@ -116,6 +118,7 @@ class Workload:
     head_numel: int = 0  # the output head's weight (a chunked loss recomputes its forward)
     trained_tensors: int = 0  # parameter tensors the optimizer steps
     reference_forwards: int = 0  # forwards of a frozen copy of the model per row (a DPO reference)
+    grad_clip: float | None = None  # train.grad_clip (clipping in backward runs a step's passes twice)
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,15 @@ class CostModel:
             passes = micro_steps if plan.sharding.offload == "params" else 1
             offload += 2 * host_bytes * passes / s.host_link * (1 - OFFLOAD_OVERLAP)
             offload += 2 * host_bytes / s.host_step_bandwidth
-        raw = StepCost(compute, recompute, micro_steps * s.micro_step_s, optimizer, communication, offload)
+        passes = plan.optimizer_step.passes(w.grad_clip)  # clipped in backward: a norm pass first
+        raw = StepCost(
+            passes * compute,
+            passes * recompute,
+            passes * micro_steps * s.micro_step_s,
+            optimizer,
+            communication,
+            offload,
+        )
         scaled = [t * k for t, k in zip(raw.terms(), self.scale, strict=True)]
         return StepCost.from_terms(scaled, self.scale, self.model)
 

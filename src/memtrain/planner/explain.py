@@ -191,12 +191,10 @@ def suggestions(
     if s.precision != "auto" and "bf16-master" not in s.precision:
         out.append("strategies.precision: allow bf16-master (bf16 weights and gradients, fp32 master copy)")
     if s.optimizer_step != "auto" and "in_backward" not in s.optimizer_step:
-        clip = (
-            f", with train.grad_clip: null (now {recipe.train.grad_clip})" if recipe.train.grad_clip else ""
-        )
+        clip = ", and with train.grad_clip two passes a step" if recipe.train.grad_clip else ""
         out.append(
             "strategies.optimizer_step: allow in_backward (each parameter stepped in backward, its gradient "
-            f"freed: no gradient memory; one micro-step per step, sharding none){clip}"
+            f"freed: no gradient memory; one micro-step per step, sharding none{clip})"
         )
     if recipe.sequence_length_key is not None:
         key = recipe.sequence_length_key

@@ -138,6 +138,7 @@ class _Evaluation:
             head_numel=probe.head_numel,
             trained_tensors=len(probe.shape.trainable.params),
             reference_forwards=probe.spec.reference_forwards,
+            grad_clip=recipe.train.grad_clip,
             seq_len=seq,
             rows_per_step=per_rank,
             world_size=target.world_size,

@@ -55,7 +55,7 @@ from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state
+from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state, two_pass
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
 from memtrain.training.results import FitResult, StepTotals, check_token_count, seed_everything, summary_of
 
@@ -383,7 +383,7 @@ class Trainer:
         lr = lr_at(step, self.recipe.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        totals = self.accumulate_gradients(step)
+        totals = two_pass.accumulate(self, step)  # twice when clipping with the step in backward
         empty = not totals.global_tokens  # on every rank: the count is all-reduced
         grad_norm, skipped = self._skip_empty_step(step) if empty else self.optimizer_step()
         loss = math.nan if empty else float(all_reduce_sum(totals.loss_sum, self.env)) / totals.global_tokens
