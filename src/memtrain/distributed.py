@@ -9,15 +9,20 @@ dead peer ends the run with an error instead of a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from memtrain.launcher_watchdog import under_launcher, watch_launcher
+from memtrain.mesh import DIMS, MeshShape
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=float(os.environ.get("MEMTRAIN_COLLECTIVE_TIMEOUT_MIN", "10")))
 
@@ -29,6 +34,8 @@ class DistEnv:
     local_rank: int
     device: torch.device
     group_before: bool = False  # a process group existed before memtrain started (the caller's: kept)
+    mesh: MeshShape | None = None  # how the ranks are arranged (None: one data-parallel dimension)
+    device_mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)  # `with_device_mesh`
 
     @property
     def is_main(self) -> bool:
@@ -37,6 +44,23 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def shape(self) -> MeshShape:
+        """The arrangement of the ranks (`memtrain.mesh`)."""
+        return self.mesh or MeshShape.flat(self.world_size)
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank this process is: which rows of a step's global batch it reads."""
+        return self.shape.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.shape.dp_size
+
+    def with_mesh(self, mesh: MeshShape) -> DistEnv:
+        return dataclasses.replace(self, mesh=mesh)
 
 
 def init_distributed() -> DistEnv:
@@ -80,6 +104,29 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store:
     store.set_timeout(COLLECTIVE_TIMEOUT)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"memtrain/attempt_{attempt}", store)
+
+
+def with_device_mesh(env: DistEnv) -> DistEnv:
+    """`env` holding the run's `DeviceMesh` (one named dimension per degree, `memtrain.mesh.DIMS`, size-1
+    ones too), built once when a model's strategies are applied and handed to every strategy that needs it
+    (`DistEnv.device_mesh`). Needs the process group (or the single rank's own one)."""
+    if env.device_mesh is not None:
+        return env
+    from torch.distributed.device_mesh import init_device_mesh
+
+    built = init_device_mesh(env.device.type, env.shape.degrees, mesh_dim_names=DIMS)
+    return dataclasses.replace(env, device_mesh=built)
+
+
+def data_parallel_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum over the data-parallel ranks of a value every rank holds for its share of the rows (token counts,
+    loss sums): the world's sum over the ranks that hold the same rows' values (tensor and pipeline ranks of
+    one data-parallel rank), divided by how many hold each."""
+    total = all_reduce_sum(value, env)
+    copies = env.shape.batch_copies
+    if copies == 1:
+        return total
+    return total // copies if not total.is_floating_point() else total / copies
 
 
 def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:

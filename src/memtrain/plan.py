@@ -21,6 +21,7 @@ from typing import Any
 
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
+from memtrain.mesh import DIMS, MeshShape, resolve
 from memtrain.recipe import Recipe
 from memtrain.strategies.adapters import ADAPTERS, Adapters
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
@@ -53,6 +54,16 @@ class Plan:
     loss: Loss = dataclasses.field(default_factory=Loss)
     optimizer_step: OptimizerStep = dataclasses.field(default_factory=OptimizerStep)
     optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+    mesh: MeshShape | None = None  # how the ranks are arranged (None: one data-parallel dimension)
+
+    def __post_init__(self) -> None:
+        if self.mesh is not None and self.mesh.is_flat:  # one data-parallel dimension: the plan of old
+            object.__setattr__(self, "mesh", None)
+
+    @property
+    def shape(self) -> MeshShape:
+        """The arrangement of the ranks (`memtrain.mesh`)."""
+        return self.mesh or MeshShape.flat(self.world_size)
 
     @property
     def stepped_states(self) -> OptimizerStates:
@@ -89,7 +100,9 @@ class Plan:
         return self.sharding.build(self.precision, self.micro_batch_size, self.accumulation_steps, grad_clip)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{kind: s.to_dict() for kind, s in self.strategies().items()}, "world_size": self.world_size}
+        kinds = {kind: s.to_dict() for kind, s in self.strategies().items()}
+        mesh = {} if self.mesh is None or self.mesh.is_flat else {"mesh": self.mesh.to_dict()}
+        return {**kinds, "world_size": self.world_size, **mesh}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -100,8 +113,9 @@ class Plan:
                 for kind, registry in REGISTRIES.items()
                 if kind in data or kind not in (*OPTIONAL_KINDS, *LATER_KINDS)
             }  # plans written before these kinds existed
-            return cls(**kinds, world_size=int(data["world_size"]))
-        except (KeyError, TypeError, AttributeError, Unsupported) as exc:
+            mesh = MeshShape.from_dict(data["mesh"]) if "mesh" in data else None
+            return cls(**kinds, world_size=int(data["world_size"]), mesh=mesh)
+        except (KeyError, TypeError, ValueError, AttributeError, Unsupported) as exc:
             raise ValueError(f"not a memtrain plan ({type(exc).__name__}: {exc})") from None
 
     def digest(self) -> str:
@@ -119,6 +133,7 @@ class Plan:
             + (f", loss {s['loss'].describe()}" if s["loss"].name != "standard" else "")
             + (f", step {s['optimizer_step'].describe()}" if s["optimizer_step"].name != "standard" else "")
             + (f", optimizer {s['optimizer'].describe()}" if s["optimizer"].name != "adamw" else "")
+            + (f", mesh {self.mesh.describe()}" if self.mesh is not None and not self.mesh.is_flat else "")
         )
 
     def summary(self) -> dict[str, Any]:
@@ -150,8 +165,48 @@ def is_open(recipe: Recipe) -> bool:
     )
 
 
+def mesh_of(recipe: Recipe, world_size: int) -> MeshShape:
+    """The recipe's mesh (`strategies.mesh`) over `world_size` ranks; `RecipeError` naming the key when the
+    degrees cannot arrange them."""
+    config = recipe.strategies.mesh
+    degrees = {dim: getattr(config, dim) for dim in DIMS}
+    try:
+        return resolve(degrees, world_size, config.sequence_parallel)
+    except ValueError as exc:
+        raise RecipeError([str(exc)]) from None
+
+
+def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
+    """What this version cannot run of a resolved mesh on `device_type`, one line each naming the key."""
+    problems = []
+    if mesh.cp > 1:
+        where = (
+            "torch has no context-parallel sharding rule for the CPU attention kernel"
+            if device_type != "cuda"
+            else "this version plans context parallelism but does not apply it yet"
+        )
+        problems.append(f"strategies.mesh.cp: {mesh.cp} ranks of context parallelism: {where}; set it to 1")
+    if mesh.pp > 1:
+        problems.append(
+            f"strategies.mesh.pp: {mesh.pp} pipeline stages: this version does not split the model into stages "
+            "yet; set it to 1 (and shard with strategies.sharding=zero3 or strategies.mesh.tp)"
+        )
+    return problems
+
+
+def arranged(env: DistEnv, recipe: Recipe) -> DistEnv:
+    """`env` with the recipe's mesh over its ranks; `RecipeError` naming the key when the degrees cannot
+    arrange them or this version cannot run the mesh here (`mesh_problems`)."""
+    mesh = mesh_of(recipe, env.world_size)
+    problems = mesh_problems(mesh, env.device.type)
+    if problems:
+        raise RecipeError(problems)
+    return env.with_mesh(mesh)
+
+
 def per_rank_batch(recipe: Recipe, world_size: int) -> int:
-    """Sequences per rank per step; `RecipeError` when the global batch does not divide."""
+    """Sequences per data-parallel rank per step (`world_size`: the data-parallel ranks); `RecipeError`
+    when the global batch does not divide."""
     global_size = recipe.batch.global_size
     if global_size % world_size:
         raise RecipeError(
@@ -218,7 +273,7 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     optimizer_step = OPTIMIZER_STEP.create(str(s.optimizer_step), s.model_dump())
     optimizer = optimizer_of(recipe, str(recipe.optimizer.name))
     adapters, quantization = adapters_of(recipe), quantization_of(recipe)
-    facts = DeviceFacts.of(env.device, env.world_size)
+    facts = DeviceFacts.of(env.device, env.world_size, env.mesh)
     for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states, optimizer):
         strategy.check(facts)
     optimizer.check_with(optimizer_states, sharding, optimizer_step.in_backward)
@@ -226,7 +281,7 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     sharding.check_with(env, precision)
     quantization.check_sharding(sharding)
     loss.check_sharding(sharding)
-    rows = per_rank_batch(recipe, env.world_size)
+    rows = per_rank_batch(recipe, env.dp_size)
     size = rows if recipe.batch.micro_size == "auto" else int(recipe.batch.micro_size)
     batching = micro_batching(recipe, rows, size)
     optimizer_step.check_plan(
@@ -247,4 +302,5 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
         loss,
         optimizer_step,
         optimizer,
+        env.mesh,
     )

@@ -283,10 +283,36 @@ class OutputConfig(RecipeSection):
         return [_registered_in(LOGGERS, name) for name in value]
 
 
+Degree = int | Literal["auto"]
+
+
+class MeshConfig(RecipeSection):
+    """`strategies.mesh:` — the degree of each kind of parallelism (`memtrain.mesh`); their product is the
+    world size. The default is 1-D data parallelism over every rank."""
+
+    dp_replicate: Degree = Field(default=1, description="HSDP replicas (outer, between nodes); zero2/zero3.")
+    dp_shard: Degree = Field(default="auto", description="Data-parallel shard group (FSDP); auto: the rest.")
+    tp: Degree = Field(default=1, description="Tensor-parallel degree (innermost: within a node).")
+    pp: Degree = Field(default=1, description="Pipeline stages (outermost).")
+    cp: Degree = Field(default=1, description="Context-parallel degree (CUDA only).")
+    sequence_parallel: bool = Field(
+        default=True, description="Under tp > 1, also shard norms and dropout along the sequence."
+    )
+
+    @field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp")
+    @classmethod
+    def _positive(cls, value: Degree) -> Degree:
+        if isinstance(value, int) and value < 1:
+            raise PydanticCustomError("degree", "a degree is at least 1 (or auto)")
+        return value
+
+
 class _StrategiesSection(RecipeSection):
     """`strategies:` — each strategy kind takes `auto`, a name from its registry
     (`memtrain.strategies.catalog`), or a list of allowed names; the other keys are the strategies'
     options. Every key is generated from the registries' declarations into `StrategiesConfig`."""
+
+    mesh: MeshConfig = MeshConfig()
 
     if TYPE_CHECKING:  # the generated keys
 

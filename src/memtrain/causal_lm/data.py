@@ -271,11 +271,20 @@ def collate(samples: list[Sample] | list[torch.Tensor], sample_ids: list[int]) -
     return batch
 
 
-def trim_padding(batch: Batch) -> Batch:
-    """Drop trailing columns that are padding in every row (exact for right-padded causal batches)."""
+def trim_padding(batch: Batch, multiple: int = 1) -> Batch:
+    """Drop trailing columns that are padding in every row (exact for right-padded causal batches), keeping
+    a multiple of `multiple` columns (padding added where the batch is narrower: sequence parallelism
+    splits the columns evenly)."""
     labels = batch["labels"]
     real = (labels != IGNORE_INDEX).any(dim=0).nonzero()
-    keep = int(real.max()) + 1 if len(real) else 1
-    if keep == labels.shape[1]:
+    keep = -(-(int(real.max()) + 1 if len(real) else 1) // multiple) * multiple
+    width = labels.shape[1]
+    if keep == width:
         return batch
-    return {k: (v[:, :keep] if v.dim() == 2 else v) for k, v in batch.items()}
+    if keep < width:
+        return {k: (v[:, :keep] if v.dim() == 2 else v) for k, v in batch.items()}
+    pad = {"input_ids": PAD_ID, "labels": IGNORE_INDEX}
+    return {
+        k: torch.nn.functional.pad(v, (0, keep - width), value=pad.get(k, 0)) if v.dim() == 2 else v
+        for k, v in batch.items()
+    }

@@ -308,9 +308,14 @@ class PreferenceTrainer(CausalLMTrainer):
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values()) + sum(t.nbytes for t in self._reference_logps.values())
 
+    def tensor_parallel_plan(self, model: nn.Module) -> None:
+        """None: the preference loss reads log-probabilities from whole logits, which tensor parallelism
+        shards by vocabulary (tp > 1 is refused before step 1)."""
+        return None
+
     def step_batch(self, step: int) -> Batch:
         share = self.per_rank_batch_size
-        indices = self.sampler.indices(step)[self.env.rank * share : (self.env.rank + 1) * share]
+        indices = self.sampler.indices(step)[self.env.dp_rank * share : (self.env.dp_rank + 1) * share]
         return collate_pairs(
             [self.pairs.train[i] for i in indices], indices, self._reference_logps.get("train")
         )
@@ -318,7 +323,7 @@ class PreferenceTrainer(CausalLMTrainer):
     def eval_batches(self) -> Iterable[Batch]:
         """This rank's share of the held-out pairs, `train.eval_batches` step batches at most."""
         pairs, size = self.pairs.eval, self.recipe.batch.global_size
-        world, rank, share = self.env.world_size, self.env.rank, self.per_rank_batch_size
+        world, rank, share = self.env.dp_size, self.env.dp_rank, self.per_rank_batch_size
         for start in range(0, min(len(pairs), size * self.recipe.train.eval_batches), size):
             mine = list(range(start, min(start + size, len(pairs))))[rank::world][:share]
             if mine:

@@ -23,6 +23,7 @@ from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks, pretrained
 from memtrain.causal_lm import tokenizer as tokenizer_lib
 from memtrain.causal_lm.recipe import CausalLMRecipe
+from memtrain.causal_lm.tensor_parallel import causal_lm_plan, tensor_parallel_problems
 from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import ModelSpec
@@ -255,6 +256,13 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
     if config is None:
         return problems
     problems += _attention_problems(recipe, config)
+    tp = recipe.strategies.mesh.tp
+    problems += tensor_parallel_problems(config, tp) if isinstance(tp, int) else []
+    if recipe.data.kind == "preference" and tp != 1:
+        problems.append(
+            "strategies.mesh.tp: preference training reads log-probabilities from whole logits, which tensor "
+            "parallelism shards by vocabulary; set strategies.mesh.tp: 1"
+        )
     limit = max_positions(config)
     if limit is not None and recipe.data.seq_len > limit:
         problems.append(
@@ -535,9 +543,16 @@ class CausalLMTrainer(Trainer):
         model, data = self.recipe.model.model_dump_json(), self.recipe.data.model_dump_json()
         return (type(self.model_config), config, model, data)
 
+    def tensor_parallel_plan(self, model: nn.Module) -> dict[str, Any] | None:
+        """transformers' plan for the family's blocks with memtrain's sequence, embedding and head parts."""
+        problems = tensor_parallel_problems(self.model_config, self.env.shape.tp)
+        if problems:
+            raise Unsupported(problems[0])
+        return causal_lm_plan(model, self.env.shape.sequence_parallel)
+
     def step_batch(self, step: int) -> Batch:
         share = self.per_rank_batch_size
-        mine = slice(self.env.rank * share, (self.env.rank + 1) * share)
+        mine = slice(self.env.dp_rank * share, (self.env.dp_rank + 1) * share)
         if self.data.stream is not None:
             samples, ids = self.data.stream.step_samples(step)
             return data_lib.collate(samples[mine], ids[mine])
@@ -545,7 +560,9 @@ class CausalLMTrainer(Trainer):
         return data_lib.collate([self.train_samples[i] for i in indices], indices)
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
-        return [data_lib.trim_padding(mb) for mb in super().split_batch(batch, micro_size)]
+        shape = self.env.shape  # sequence parallel splits every micro-batch's columns evenly over tp ranks
+        columns = shape.tp if shape.tp > 1 and shape.sequence_parallel else 1
+        return [data_lib.trim_padding(mb, columns) for mb in super().split_batch(batch, micro_size)]
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         # Packed rows: position ids that restart per document make transformers mask attention across them.
@@ -564,7 +581,7 @@ class CausalLMTrainer(Trainer):
     def eval_batches(self) -> Iterable[Batch]:
         """This rank's share of the held-out samples, `train.eval_batches` step batches at most."""
         share = self.per_rank_batch_size
-        world, rank = self.env.world_size, self.env.rank
+        world, rank = self.env.dp_size, self.env.dp_rank
         size = self.recipe.batch.global_size
         for start in range(0, min(len(self.eval_samples), size * self.recipe.train.eval_batches), size):
             rows = list(range(start, min(start + size, len(self.eval_samples))))

@@ -123,7 +123,22 @@ def recipe_problems(recipe: Recipe, trainer: type[Trainer], skip: Set[str] = fro
     writing anything: the trainer's own recipe part (`Trainer.recipe_problems`: the built-in trainer's
     model config and data), then the run's own checks (`training.preflight.recipe_problems`). Sections
     named in `skip` failed validation and stand at their defaults, so they are not checked."""
-    return trainer.recipe_problems(recipe, skip) + preflight.recipe_problems(recipe, skip)
+    return (
+        trainer.recipe_problems(recipe, skip)
+        + _tensor_parallel_problems(recipe, trainer)
+        + preflight.recipe_problems(recipe, skip)
+    )
+
+
+def _tensor_parallel_problems(recipe: Recipe, trainer: type[Trainer]) -> list[str]:
+    """A trainer without a tensor-parallel plan (`Trainer.tensor_parallel_plan` not overridden) and tp > 1."""
+    tp = recipe.strategies.mesh.tp
+    if tp == 1 or trainer.tensor_parallel_plan is not Trainer.tensor_parallel_plan:
+        return []
+    return [
+        f"strategies.mesh.tp: {trainer.__name__} has no tensor-parallel plan (override "
+        "Trainer.tensor_parallel_plan(model)); set strategies.mesh.tp: 1"
+    ]
 
 
 def load_checked_recipe(path: str | Path, overrides: list[str], trainer: type[Trainer]) -> Recipe:

@@ -21,6 +21,7 @@ import torch
 
 from memtrain.distributed import DistEnv
 from memtrain.errors import PlanError, RecipeError, did_you_mean
+from memtrain.mesh import MeshShape
 from memtrain.yamlfile import read_yaml
 
 CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parents[3] / "configs")
@@ -71,6 +72,11 @@ class Target:
     what_if: bool = False  # described by a GPU profile or a size, not present in this process
     host_bytes: int | None = None  # host memory per rank that offloaded states may use (None: not checked)
     compute_capability: tuple[int, int] | None = None  # a CUDA GPU's (which attention kernels it runs)
+    mesh: MeshShape | None = None  # how the ranks are arranged (None: one data-parallel dimension)
+
+    @property
+    def shape(self) -> MeshShape:
+        return self.mesh or MeshShape.flat(self.world_size)
 
 
 def load_gpu(name: str) -> GpuProfile:
@@ -194,7 +200,14 @@ def measured_target(
     if host is not None and env.distributed:
         host = _min_over_ranks(host, env)
     return Target(
-        device, env.world_size, budget, bf16=bf16, fp8=fp8, host_bytes=host, compute_capability=capability
+        device,
+        env.world_size,
+        budget,
+        bf16=bf16,
+        fp8=fp8,
+        host_bytes=host,
+        compute_capability=capability,
+        mesh=env.mesh,
     )
 
 

@@ -25,7 +25,8 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return [t.untyped_storage()]
     if hasattr(t, "__tensor_flatten__"):
         inner_names, _ = t.__tensor_flatten__()
-        return [st for name in inner_names for st in storages_of(getattr(t, name))]
+        inner = (getattr(t, name) for name in inner_names)  # tensors (a placement may name its mesh too)
+        return [st for value in inner if isinstance(value, torch.Tensor) for st in storages_of(value)]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):  # sparse, nested and functional tensors have no storage

@@ -40,7 +40,7 @@ from memtrain.distributed import DistEnv, broadcast_object
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
 from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
-from memtrain.plan import Plan, adapters_of, is_open, pinned_plan, quantization_of
+from memtrain.plan import Plan, adapters_of, is_open, mesh_of, pinned_plan, quantization_of
 from memtrain.planner.memory_model import Prediction
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored
@@ -175,7 +175,11 @@ def plan_here(
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     here = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
     budget = int(recipe.memory.budget) if recipe.memory.budget is not None else None
-    target = replace(measured_target(here, budget, recipe.planner.safety_fraction), world_size=world_size)
+    target = replace(
+        measured_target(here, budget, recipe.planner.safety_fraction),
+        world_size=world_size,
+        mesh=mesh_of(recipe, world_size),
+    )
     probe = _probe(recipe, spec, progress)
     return search(recipe, probe, target, device, cost=local_cost_model(device, probe, target.budget.usable))
 
@@ -195,6 +199,7 @@ def plan_what_if(
     target = what_if_target(
         world_size, gpu, memory_bytes, recipe.planner.safety_fraction, host_memory_bytes=host_memory_bytes
     )
+    target = replace(target, mesh=mesh_of(recipe, world_size))
     return search(
         recipe,
         _probe(recipe, spec, progress),

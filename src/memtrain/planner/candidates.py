@@ -77,7 +77,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     s = recipe.strategies
     excluded: list[tuple[str, str]] = []
     world_size = facts.world_size
-    env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device)
+    env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, mesh=facts.mesh)
 
     def allowed(kind: str, auto: Sequence[str]) -> list[Any]:
         value = getattr(s, kind)
@@ -99,7 +99,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
         "optimizer.name", name, [optimizer_of(recipe, n) for n in _names(name)], facts, excluded
     )
     refused: list[Unsupported] = []
-    multi_rank = tuple(cls.name for cls in SHARDING if cls.multi_rank) if world_size > 1 else ("none",)
+    multi_rank = tuple(cls.name for cls in SHARDING if cls.multi_rank) if env.dp_size > 1 else ("none",)
     shardings = _allowed(
         "strategies.sharding",
         s.sharding,
@@ -118,7 +118,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
         check=lambda _strategy: None,
     )
     shardings = _sharding_choices(recipe, shardings, facts, excluded)
-    per_rank = per_rank_batch(recipe, world_size)
+    per_rank = per_rank_batch(recipe, env.dp_size)
     micro = recipe.batch.micro_size
     if recipe.batch.micro_tokens is not None:
         sizes = [per_rank]
@@ -179,6 +179,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                         loss,
                                         step,
                                         update,
+                                        facts.mesh,
                                     )
                                     for update in _updates_with(
                                         recipe, updates, optimizer, sharding, step, precision, excluded

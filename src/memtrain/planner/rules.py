@@ -20,7 +20,7 @@ import torch
 
 from memtrain.distributed import DistEnv
 from memtrain.errors import RecipeError, Unsupported
-from memtrain.plan import is_open, pinned_plan
+from memtrain.plan import is_open, mesh_of, pinned_plan
 from memtrain.planner.candidates import build_grid
 from memtrain.recipe import Recipe
 from memtrain.strategies.registry import DeviceFacts
@@ -40,11 +40,12 @@ def rule_problems(recipe: Recipe, facts: DeviceFacts | None = None) -> list[str]
     what-if GPU; then a pinned recipe is judged as the planner's grid judges it). Batch problems (a
     global batch the ranks do not divide) are `preflight`'s own lines, not repeated here."""
     here = this_device() if facts is None else None
-    if here is not None:
-        facts = DeviceFacts.of(here.device, here.world_size)
-    assert facts is not None
-    device = here.device if here is not None else torch.device(facts.device_type)
     try:
+        if here is not None:
+            here = here.with_mesh(mesh_of(recipe, here.world_size))
+            facts = DeviceFacts.of(here.device, here.world_size, here.mesh)
+        assert facts is not None
+        device = here.device if here is not None else torch.device(facts.device_type)
         if here is not None and not is_open(recipe):
             pinned_plan(recipe, here)
             return []

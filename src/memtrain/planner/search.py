@@ -69,7 +69,12 @@ def search(
     `correction` adjusts every candidate's prediction before ranking (a run that measured more than its
     plan predicted re-plans with it: memtrain.training.replan)."""
     facts = DeviceFacts(
-        target.device_type, target.world_size, bf16=target.bf16, fp8=target.fp8, what_if=target.what_if
+        target.device_type,
+        target.world_size,
+        bf16=target.bf16,
+        fp8=target.fp8,
+        what_if=target.what_if,
+        mesh=target.mesh,
     )
     grid = build_grid(recipe, facts, device, probe.num_blocks)
     evaluation = _Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
@@ -126,7 +131,7 @@ class _Evaluation:
         seq = probe.seq_len
         sizes = sorted({-(-c.micro_batching.tokens(seq) // seq) for c in grid.candidates}) or [1]
         self.rows = (sizes[0], sizes[-1])  # the traced micro-batch sizes: the ends of the range
-        per_rank = per_rank_batch(recipe, target.world_size)
+        per_rank = per_rank_batch(recipe, target.shape.dp_size)
         self.fixed = probe.buffer_bytes + probe.step_data_bytes(per_rank)
         if target.device_type == "cpu":
             self.fixed += probe.spec.host_bytes()
@@ -141,7 +146,7 @@ class _Evaluation:
             grad_clip=recipe.train.grad_clip,
             seq_len=seq,
             rows_per_step=per_rank,
-            world_size=target.world_size,
+            world_size=target.shape.dp_size,
         )
         self.walks: dict[tuple[Any, ...], StepWalk] = {}
         self.states: dict[tuple[Any, ...], StateLevels] = {}
@@ -228,7 +233,7 @@ class _Evaluation:
             optimizer_states=plan.update_states,
             backend=plan.sharding.build(plan.precision, plan.micro_batch_size, plan.accumulation_steps),
             replicated=plan.sharding.replicated,
-            world_size=self.target.world_size,
+            world_size=self.target.shape.state_ranks(plan.sharding.name),
             dim0=self.probe.dim0,
             fixed_bytes=0,
             foreach=False,

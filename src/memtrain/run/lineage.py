@@ -89,6 +89,7 @@ RUN_FREE_KEYS = (
     "output",
     "memory",
     "planner",
+    "strategies.mesh",
 )
 """The free keys outside the strategies; those of the strategies are declared with them (`all_free_keys`)."""
 

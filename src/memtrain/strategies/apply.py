@@ -1,7 +1,8 @@
 """`apply_strategies`: the one place a plan's strategies are applied to a model, in one fixed order.
 
 The order (as torchtitan's parallelize does it): adapters (LoRA layers added, the base frozen) ->
-precision module swaps (fp8's float8 linears) ->
+precision module swaps (fp8's float8 linears) -> [on a mesh: the `DeviceMesh`, built once -> tensor and
+sequence parallel (the trainer's plan, `tensor_parallel`)] ->
 activation checkpointing (wraps the blocks' forwards) -> the loss (binds to the model; `chunked` defers the
 output head's forward to it) -> the precision's stored dtype, frozen parameters in the compute dtype where
 the precision and the sharding keep them so (`Precision.frozen_stored_dtype`, `Sharding.as_stored`) ->
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memtrain.distributed import DistEnv
+from memtrain.distributed import DistEnv, with_device_mesh
 from memtrain.errors import Unsupported
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
@@ -36,7 +37,8 @@ from memtrain.strategies.optimizer_step import OptimizerStep
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 from memtrain.strategies.sharding import SHARDING
-from memtrain.strategies.sharding.base import ShardingBackend
+from memtrain.strategies.sharding.base import ShardingBackend, ensure_process_group
+from memtrain.strategies.tensor_parallel import PlanHook, apply_tensor_parallel
 
 OptimizerBuilder = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LoadWeights = Callable[[nn.Module], None]
@@ -66,6 +68,7 @@ def apply_strategies(
     quantization: Quantization | None = None,
     loss: Loss | None = None,
     optimizer_step: OptimizerStep | None = None,
+    tensor_parallel: PlanHook | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
@@ -75,7 +78,8 @@ def apply_strategies(
     A model whose parameters are on the meta device (pretrained weights not read yet) is materialised on
     the device and filled by `load_weights` where its plan keeps the weights: before a replicating
     backend wraps it, or, for a backend that shards meta models (FSDP2), after sharding, so that each
-    rank reads only its shards."""
+    rank reads only its shards. On a mesh with tp > 1, `tensor_parallel(model)` is the trainer's plan for
+    splitting it."""
     adapters = adapters or Adapters()
     quantization = quantization or Quantization()
     if quantization.name != "none":  # after the weights are loaded (it reads them), before the adapters
@@ -97,6 +101,13 @@ def apply_strategies(
             setattr(model, f"is_loaded_in_{quantization.bits}bit", True)  # peft's quantised LoRA layers
     adapters.apply(model)
     precision.swap_modules(model, blocks)
+    if env is not None and not env.shape.is_flat:  # the mesh, built once for every strategy that needs it
+        ensure_process_group(env)
+        env = with_device_mesh(env)
+    if env is not None and env.shape.tp > 1:
+        if not any(p.is_meta for p in model.parameters()):
+            model.to(env.device)
+        apply_tensor_parallel(model, tensor_parallel, env)
     checkpointing.apply(model, blocks)
     head_name = output_head(model)
     (loss or Loss()).apply(model, None if head_name is None else model.get_submodule(head_name))

@@ -43,8 +43,9 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain.errors import Unsupported
 from memtrain.strategies.fused_cross_entropy import fused_linear_cross_entropy
-from memtrain.strategies.registry import RecipeKey, Registry, Strategy, option
+from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 from memtrain.strategies.sharding import Sharding
+from memtrain.strategies.tensor_parallel import check_loss, whole_value
 
 BINDING = "memtrain_loss"  # the model attribute `apply` sets
 
@@ -60,6 +61,9 @@ class Loss(Strategy):
     name: ClassVar[str] = "standard"
     recomputes_head: ClassVar[bool] = False
     applies_bare_head: ClassVar[bool] = False
+
+    def check(self, facts: DeviceFacts) -> None:
+        check_loss(self.name, facts.shape.tp)
 
     def check_sharding(self, sharding: Sharding) -> None:
         """`Unsupported` when this loss cannot run with `sharding`."""
@@ -166,12 +170,16 @@ class BoundLoss:
     def __call__(self, output: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
         """The fp32 sum of the per-token losses over `labels` (`ignore_index` skipped). `output`: the
         model's `logits` (the hidden states under `chunked`), [..., vocab or hidden]."""
-        if self.head is None:
-            return F.cross_entropy(
-                output.float().reshape(-1, output.shape[-1]),
-                labels.reshape(-1),
-                ignore_index=ignore_index,
-                reduction="sum",
+        if (
+            self.head is None
+        ):  # logits split by vocabulary (tensor parallel): a replicated DTensor, made local
+            return whole_value(
+                F.cross_entropy(
+                    output.float().reshape(-1, output.shape[-1]),
+                    labels.reshape(-1),
+                    ignore_index=ignore_index,
+                    reduction="sum",
+                )
             )
         assert isinstance(self.strategy, Chunked)
         return self.strategy.head_loss(output, self.head, labels, ignore_index)

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from memtrain.errors import Unsupported, did_you_mean
+from memtrain.mesh import MeshShape
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,20 @@ class DeviceFacts:
     bf16: bool = True
     fp8: bool = False
     what_if: bool = False
+    mesh: MeshShape | None = None  # how the ranks are arranged (None: one data-parallel dimension)
+
+    @property
+    def shape(self) -> MeshShape:
+        return self.mesh or MeshShape.flat(self.world_size)
 
     @classmethod
-    def of(cls, device: torch.device, world_size: int = 1) -> DeviceFacts:
+    def of(cls, device: torch.device, world_size: int = 1, mesh: MeshShape | None = None) -> DeviceFacts:
         """The facts of a device present in this process."""
         if device.type != "cuda":
-            return cls(device.type, world_size, bf16=True, fp8=False)
+            return cls(device.type, world_size, bf16=True, fp8=False, mesh=mesh)
         capability = torch.cuda.get_device_capability(device)
-        return cls("cuda", world_size, bf16=torch.cuda.is_bf16_supported(), fp8=capability >= (8, 9))
+        bf16 = torch.cuda.is_bf16_supported()
+        return cls("cuda", world_size, bf16=bf16, fp8=capability >= (8, 9), mesh=mesh)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from memtrain.distributed import DistEnv, all_reduce_sum
+from memtrain.distributed import DistEnv, data_parallel_sum
 from memtrain.recipe import EarlyStoppingConfig
+from memtrain.strategies.tensor_parallel import vocabulary_parallel_loss
 
 if TYPE_CHECKING:
     from memtrain.plan import Plan
@@ -72,12 +73,12 @@ def mean_loss(trainer: Evaluating) -> float:
     for batch in trainer.eval_batches():
         on_device = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
         for micro_batch in trainer.split_batch(on_device, plan.micro_batch_size):
-            with plan.precision.autocast(env.device):
+            with plan.precision.autocast(env.device), vocabulary_parallel_loss(env):
                 loss_sum, num_tokens = trainer.loss(trainer.sharding.unwrap(model), micro_batch)
             totals[0] += loss_sum.double()
             totals[1] += float(num_tokens)
     model.train()
-    totals = all_reduce_sum(totals, env)
+    totals = data_parallel_sum(totals, env)
     return float(totals[0] / totals[1]) if totals[1] > 0 else math.nan
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from memtrain.errors import MemtrainError, RecipeError, Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
-from memtrain.plan import Plan, is_open, per_rank_batch, pinned_plan, quantization_of
+from memtrain.plan import Plan, arranged, is_open, mesh_of, per_rank_batch, pinned_plan, quantization_of
 from memtrain.planner import rules
 from memtrain.planner.result import PlanResult
 from memtrain.recipe import Recipe
@@ -45,7 +45,8 @@ def recipe_problems(recipe: Recipe, skip: Set[str] = frozenset()) -> list[str]:
     validation and stand at their defaults)."""
     checks: list[tuple[set[str], Callable[[Recipe], list[str]]]] = [
         ({"run", "checkpoint"}, directory_problems),
-        ({"batch"}, _batch_problems),
+        ({"batch", "strategies"}, _batch_problems),
+        ({"strategies"}, _mesh_problems),
         ({"model", "adapters"}, _quantization_problems),
         ({"strategies", "batch", "train"}, deepspeed_checks.recipe_problems),
         ({"strategies", "batch", "train", "model", "adapters"}, rules.rule_problems),
@@ -99,7 +100,21 @@ def _writable(path: Path) -> bool:
 def _batch_problems(recipe: Recipe) -> list[str]:
     if isinstance(recipe.batch.micro_size, int) and recipe.batch.micro_size > recipe.batch.global_size:
         return []  # the recipe's own cross-check says so
-    return _problems_of(lambda: per_rank_batch(recipe, int(os.environ.get("WORLD_SIZE", "1"))))
+    try:
+        data_parallel = mesh_of(recipe, _world_size()).dp_size
+    except RecipeError:
+        return []  # `_mesh_problems` says why
+    return _problems_of(lambda: per_rank_batch(recipe, data_parallel))
+
+
+def _mesh_problems(recipe: Recipe) -> list[str]:
+    """The mesh `train` would arrange `WORLD_SIZE` ranks in, and what of it cannot run on this device."""
+    here = rules.this_device()
+    return _problems_of(lambda: arranged(here, recipe))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _quantization_problems(recipe: Recipe) -> list[str]:

@@ -143,7 +143,7 @@ def replan(
     cap = (
         recipe.batch.micro_size
         if isinstance(recipe.batch.micro_size, int)
-        else per_rank_batch(recipe, env.world_size)
+        else per_rank_batch(recipe, env.dp_size)
     )
     found: PlanResult | None = None
     failure = ""
@@ -232,7 +232,7 @@ def _target(env: DistEnv, budget: MemoryBudget) -> Target:
     cuda = env.device.type == "cuda"
     bf16 = torch.cuda.is_bf16_supported() if cuda else True
     fp8 = cuda and torch.cuda.get_device_capability(env.device) >= (8, 9)
-    return Target(env.device.type, env.world_size, budget, bf16=bf16, fp8=fp8)
+    return Target(env.device.type, env.world_size, budget, bf16=bf16, fp8=fp8, mesh=env.mesh)
 
 
 @contextlib.contextmanager

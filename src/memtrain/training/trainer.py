@@ -12,6 +12,7 @@ Hooks (override in a subclass):
     build_model()                     -> nn.Module
     build_optimizer(params)           -> torch.optim.Optimizer   (default: AdamW from `train:`)
     step_batch(step)                  -> dict of tensors: this rank's share of the step's global batch
+    tensor_parallel_plan(model)       -> module name -> ParallelStyle (default None: no tensor parallel)
     loss(model, micro_batch)          -> (loss_sum, num_tokens)
     count_tokens(micro_batch)         -> int                     (default: labels != -100)
     split_batch(batch, micro_size)    -> list of micro-batches   (default: slices along dim 0)
@@ -42,9 +43,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from memtrain.distributed import DistEnv, all_reduce_sum, any_rank, init_distributed, shutdown
+from memtrain.distributed import DistEnv, any_rank, data_parallel_sum, init_distributed, shutdown
 from memtrain.errors import MemtrainError, TrainingStopped
-from memtrain.plan import Plan
+from memtrain.plan import Plan, arranged
 from memtrain.planner import ModelSpec, PlanResult, make_plan, stderr_progress
 from memtrain.recipe import Recipe
 from memtrain.run import Resume, RunDirectory
@@ -55,6 +56,7 @@ from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.sharding.base import ShardingBackend
+from memtrain.strategies.tensor_parallel import TensorParallelPlan, clip_grad_norm, vocabulary_parallel_loss
 from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state, two_pass
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
 from memtrain.training.results import FitResult, StepTotals, check_token_count, seed_everything, summary_of
@@ -73,7 +75,7 @@ class Trainer:
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = self.recipe_class.adopt(recipe)
-        self.env: DistEnv = init_distributed()
+        self.env: DistEnv = arranged(init_distributed(), self.recipe)  # the mesh: `strategies.mesh`
         self.run = RunDirectory(self.recipe.output_path(), self.env)
         self.monitor = MemoryMonitor(self.env, self.run)
         self._plan: Plan | None = None
@@ -121,6 +123,10 @@ class Trainer:
 
     def step_batch(self, step: int) -> Batch:
         raise NotImplementedError("subclass Trainer and implement step_batch(step)")
+
+    def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan | None:
+        """Module name -> torch `ParallelStyle` for `strategies.mesh.tp > 1` (None: tp > 1 is refused)."""
+        return None
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int | torch.Tensor]:
         raise NotImplementedError(
@@ -222,7 +228,7 @@ class Trainer:
 
     @property
     def per_rank_batch_size(self) -> int:
-        return self.recipe.batch.global_size // self.env.world_size
+        return self.recipe.batch.global_size // self.env.dp_size
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The repeated transformer blocks that strategies wrap (override for unusual layouts)."""
@@ -257,6 +263,7 @@ class Trainer:
             quantization=plan.quantization,
             loss=plan.loss,
             optimizer_step=plan.optimizer_step,
+            tensor_parallel=self.tensor_parallel_plan,
         )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         self.monitor.track(sharding.unwrap(self.model), self.optimizer, self.recipe.memory)
@@ -268,12 +275,9 @@ class Trainer:
         preflight.agree(found, any_rank(bool(found), self.env))
 
     def close(self) -> None:
-        """Free the model and optimizer, then leave the process group. The order matters under gloo: a
-        DDP reducer holds the group, and freeing the reducer after the group has left the registry runs
-        the group's destructor while holding the GIL, which deadlocks with a gloo thread that still needs
-        the GIL to release the last collective's tensors (pytorch#56297). Freed first, the reducer drops
-        its reference while the registry still holds one, and the group is destroyed by
-        `destroy_process_group`, which releases the GIL."""
+        """Free the model and optimizer, then leave the process group: in that order, as under gloo a DDP
+        reducer freed after its group left the registry destroys the group holding the GIL, a deadlock with
+        gloo's thread (pytorch#56297); freed first, `destroy_process_group` destroys it, releasing the GIL."""
         self.model = None
         self.optimizer = None
         gc.collect()
@@ -386,7 +390,8 @@ class Trainer:
         totals = two_pass.accumulate(self, step)  # twice when clipping with the step in backward
         empty = not totals.global_tokens  # on every rank: the count is all-reduced
         grad_norm, skipped = self._skip_empty_step(step) if empty else self.optimizer_step()
-        loss = math.nan if empty else float(all_reduce_sum(totals.loss_sum, self.env)) / totals.global_tokens
+        loss_sum = float(data_parallel_sum(totals.loss_sum, self.env))
+        loss = math.nan if empty else loss_sum / totals.global_tokens
         elapsed = time.perf_counter() - t0
         row: dict[str, Any] = {
             "step": step + 1,
@@ -411,8 +416,7 @@ class Trainer:
         return norm, skipped
 
     def _skip_empty_step(self, step: int) -> tuple[float, bool]:
-        """A global step without a loss token (every label -100) has nothing to learn: it was not run, the
-        optimizer does not step (weight decay and the moments would still move), and it is counted."""
+        """A step without a loss token: not run, no optimizer step (decay and moments would move), counted."""
         self.skipped_steps, self.empty_steps = self.skipped_steps + 1, self.empty_steps + 1
         if self.env.is_main:
             print(f"[memtrain] step {step + 1}: no loss tokens in the batch; skipped", file=sys.stderr)
@@ -433,7 +437,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.recipe.train.grad_clip
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf))
+        norm = clip_grad_norm(params, clip)
         skipped = not math.isfinite(norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips by itself when it found inf/nan while unscaling
@@ -476,7 +480,7 @@ class Trainer:
         assert self.model is not None
         micro_batches = [self._to_device(mb) for mb in self.split_batch(batch, self.plan.micro_batch_size)]
         counts = [self.count_tokens(mb) for mb in micro_batches]
-        global_tokens = int(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
+        global_tokens = int(data_parallel_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
         scale = self._sharding.grad_sync_scale(self.env) / max(global_tokens, 1)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if not global_tokens:  # no loss token on any rank: `train_step` skips the step
@@ -506,7 +510,7 @@ class Trainer:
         """Forward and backward of one micro-batch; returns its summed loss (detached, float64). Its
         tensors live only in this frame, so an exception here releases them."""
         assert self.model is not None
-        with self._sharding.micro_step(self.model, last):
+        with self._sharding.micro_step(self.model, last), vocabulary_parallel_loss(self.env):
             with self.monitor.phase("forward"), self.plan.precision.autocast(self.env.device):
                 loss_sum, num_tokens = self.loss(self.model, micro_batch)
             if expected_tokens is not None:

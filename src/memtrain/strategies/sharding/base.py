@@ -73,9 +73,9 @@ class ShardingBackend:
     checkpoint_format: ClassVar[str] = "replicated"  # what its `save` writes (sharded_checkpoint.FORMATS)
 
     def check(self, env: DistEnv) -> None:
-        if env.distributed:
+        if env.dp_size > 1:
             raise Unsupported(
-                f"strategies.sharding: '{self.name}' cannot train on {env.world_size} ranks; "
+                f"strategies.sharding: '{self.name}' cannot train on {env.dp_size} data-parallel ranks; "
                 "set strategies.sharding=ddp"
             )
         self.check_replicated_options()
@@ -261,9 +261,20 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
 
 
+def check_whole_parameters(name: str, env: DistEnv) -> None:
+    """ddp and zero1 wrap parameters that are whole tensors, over every rank: no tensor-parallel shards."""
+    if env.shape.tp > 1:
+        raise Unsupported(
+            f"strategies.sharding: {name} replicates whole parameters over every rank, which tensor parallelism "
+            f"(strategies.mesh.tp={env.shape.tp}) splits; set strategies.sharding=zero2 or zero3 (FSDP2 shards "
+            "the tensor-parallel pieces), or none with strategies.mesh.dp_shard=1"
+        )
+
+
 @dataclass(frozen=True)
 class DDPBackend(ShardingBackend):
     def check(self, env: DistEnv) -> None:
+        check_whole_parameters(self.name, env)
         self.check_replicated_options()
 
     def prepare(
@@ -291,7 +302,7 @@ class DDPBackend(ShardingBackend):
         return replicated_bytes(shape, self.options.precision, optimizer, ddp=world_size > 1)
 
     def grad_sync_scale(self, env: DistEnv) -> float:
-        return float(env.world_size)
+        return float(env.dp_size)
 
     def micro_step(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         if isinstance(model, DistributedDataParallel) and not last:

@@ -96,6 +96,12 @@ class DeepSpeedBackend(ShardingBackend):
 
     def check(self, env: DistEnv) -> None:
         self.check_reduction()
+        if not env.shape.is_flat:
+            raise Unsupported(
+                f"strategies.mesh: DeepSpeed runs here on one data-parallel dimension only (its hierarchical "
+                f"partitioning, hpZ/MiCS, is not wired to a mesh), not {env.shape.describe()}; set "
+                "strategies.sharding_backend=fsdp2, or strategies.mesh to dp_shard only"
+            )
         if importlib.util.find_spec("deepspeed") is None:
             raise Unsupported(
                 "strategies.sharding_backend: deepspeed is not installed; pip install 'memtrain[deepspeed]' "

@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -125,7 +125,7 @@ class FSDP2Backend(ShardingBackend):
             warn_one_rank(self.name)
         ensure_process_group(env)
         options: dict[str, Any] = {
-            "mesh": init_device_mesh(env.device.type, (env.world_size,)),
+            "mesh": data_parallel_mesh(env),
             "mp_policy": self._mixed_precision(),
             "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
             if self.options.offload == "params"
@@ -145,7 +145,7 @@ class FSDP2Backend(ShardingBackend):
         return MixedPrecisionPolicy()
 
     def grad_sync_scale(self, env: DistEnv) -> float:
-        return float(env.world_size)
+        return float(env.dp_size)
 
     @contextlib.contextmanager
     def _sync(self, model: nn.Module, last: bool) -> Iterator[None]:
@@ -202,3 +202,15 @@ class FSDP2Backend(ShardingBackend):
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
         sharded_checkpoint.load_sharded(path, model, optimizer)
+
+
+def data_parallel_mesh(env: DistEnv) -> DeviceMesh:
+    """What FSDP2 shards over: every rank on a flat mesh; on a mesh, the shard group, or (replicas > 1)
+    the 2-D replicas x shards mesh, which `fully_shard` runs as HSDP (shards within a replica, gradients
+    all-reduced across replicas)."""
+    if env.shape.is_flat:
+        return init_device_mesh(env.device.type, (env.world_size,))
+    assert env.device_mesh is not None, "apply_strategies builds the run's device mesh"
+    if env.shape.dp_replicate > 1:
+        return env.device_mesh["dp_replicate", "dp_shard"]
+    return env.device_mesh["dp_shard"]

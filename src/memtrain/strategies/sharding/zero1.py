@@ -32,7 +32,13 @@ from memtrain import checkpoint as ckpt
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import ModelShape
-from memtrain.strategies.sharding.base import DDPBackend, Materialise, OptimizerFactory, warn_one_rank
+from memtrain.strategies.sharding.base import (
+    DDPBackend,
+    Materialise,
+    OptimizerFactory,
+    check_whole_parameters,
+    warn_one_rank,
+)
 from memtrain.strategies.sharding.state_bytes import (
     ADAMW,
     OptimizerCost,
@@ -45,6 +51,7 @@ from memtrain.strategies.sharding.state_bytes import (
 @dataclass(frozen=True)
 class Zero1Backend(DDPBackend):
     def check(self, env: DistEnv) -> None:
+        check_whole_parameters(self.name, env)
         self.check_reduction()
         if self.options.offload != "none":
             raise Unsupported(

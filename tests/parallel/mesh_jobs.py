@@ -1,0 +1,102 @@
+"""Training jobs on a mesh, run in sequence inside one process group (one torchrun launch for many jobs).
+
+`torchrun --nproc_per_node=N tests/parallel/mesh_jobs.py SPEC.json OUT.json`: each job of SPEC trains the
+tiny recipe of tests/helpers.py with its own sections (a `strategies.mesh`, a resume) and rank 0 writes, per
+job, the losses, the whole fp32 weights (gathered from every shard) and each rank's bytes of parameters
+and optimizer states as its shards hold them. `trainer` names a class in tests/parallel/mesh_trainers.py
+instead of the built-in causal-LM one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
+from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
+from memtrain.training.trainer import Trainer  # noqa: E402
+
+from helpers import tiny_recipe_dict  # noqa: E402
+
+
+def whole_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every weight whole and fp32 (DTensor shards gathered: a collective)."""
+    module = trainer.sharding.unwrap(trainer.model)  # type: ignore[union-attr,arg-type]
+    out = {}
+    for name, p in module.named_parameters():
+        value = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name.replace("_checkpoint_wrapped_module.", "")] = value.detach().float().cpu().clone()
+    return out
+
+
+def local_bytes(trainer: Trainer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer states as the shards hold them."""
+    module = trainer.sharding.unwrap(trainer.model)  # type: ignore[union-attr,arg-type]
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = {n: local(p) for n, p in module.named_parameters()}
+    states = trainer.optimizer.state.values()  # type: ignore[union-attr]
+    moments = [local(v) for s in states for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {
+        "optimizer_storage": _storage_bytes(moments),
+        "param_storage": _storage_bytes(list(params.values())),
+        **{f"param:{n}": t.numel() * t.element_size() for n, t in params.items()},
+        "optimizer": sum(
+            local(v).numel() * local(v).element_size()
+            for s in states
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ),
+    }
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a padded shard would show here)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    raw = tiny_recipe_dict(Path(job["run_dir"]), **job.get("sections", {}))
+    if job.get("trainer"):
+        import mesh_trainers
+
+        trainer_class: type[Trainer] = getattr(mesh_trainers, job["trainer"])
+        recipe = trainer_class.recipe_class.from_dict(
+            {k: v for k, v in raw.items() if k not in ("model", "data")}
+        )
+    else:
+        trainer_class, recipe = CausalLMTrainer, CausalLMRecipe.from_dict(raw)
+    trainer = trainer_class(recipe)
+    result = trainer.fit(resume=job.get("resume"))
+    weights = whole_weights(trainer)
+    mine = {"bytes": local_bytes(trainer), "coordinates": trainer.env.shape.coordinates(trainer.env.rank)}
+    everyone: list[Any] = [None] * trainer.env.world_size
+    dist.all_gather_object(everyone, mine)
+    if trainer.env.is_main and job.get("weights_out"):
+        torch.save(weights, job["weights_out"])
+    trainer.model, trainer.optimizer = None, None
+    return {"losses": result.losses, "ranks": everyone, "sample_ids": getattr(trainer, "seen_ids", None)}
+
+
+def main() -> None:
+    spec, out = Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    results = [run_job(job) for job in json.loads(spec.read_text())]
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
