@@ -163,6 +163,15 @@ def broadcast_object(obj: object, env: DistEnv) -> object:
     return holder[0]
 
 
+def gather_objects(obj: object, env: DistEnv) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank (a collective on several ranks)."""
+    if not env.distributed:
+        return [obj]
+    everyone: list[object] = [None] * env.world_size
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
 def shutdown(env: DistEnv) -> None:
     """Leave the process group memtrain or a backend it started created (DeepSpeed creates one even for
     a single rank), so a run in a long-lived process (a notebook, a test) leaves none behind; a group

@@ -94,6 +94,19 @@ class MeshShape:
         ("Plan the mesh") they are counted undivided: an over-prediction, never an under-one."""
         return self.dp_shard if sharding in ("zero2", "zero3") else self.dp_size
 
+    def crossing(self, ranks_per_node: int) -> list[str]:
+        """The dimensions whose groups span several nodes when consecutive ranks share a node (torchrun's
+        order): a dimension stays within a node when its group's span (its degree times the degrees inside
+        it) divides the ranks per node."""
+        inner, found = 1, []
+        for dim in reversed(DIMS):
+            degree = getattr(self, dim)
+            span = inner * degree
+            if degree > 1 and (span > ranks_per_node or ranks_per_node % span):
+                found.append(dim)
+            inner = span
+        return list(reversed(found))
+
     def describe(self) -> str:
         """E.g. `dp_replicate 2 x dp_shard 2 x tp 2 (sequence parallel)`; `dp 4` for a flat mesh."""
         if self.is_flat:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -201,7 +203,19 @@ def arranged(env: DistEnv, recipe: Recipe) -> DistEnv:
     problems = mesh_problems(mesh, env.device.type)
     if problems:
         raise RecipeError(problems)
+    if env.is_main and not mesh.is_flat:
+        print(f"[memtrain] mesh: {mesh_line(mesh, env.world_size)}", file=sys.stderr, flush=True)
     return env.with_mesh(mesh)
+
+
+def mesh_line(mesh: MeshShape, world_size: int) -> str:
+    """The mesh, and which dimensions cross nodes under this launch (torchrun's LOCAL_WORLD_SIZE ranks per
+    node): tensor parallelism across nodes is legal but runs over the slow link."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    crossing = mesh.crossing(per_node)
+    where = f"; across nodes: {', '.join(crossing)}" if crossing else "; every dimension within a node"
+    warning = " (tp spans nodes: its collectives cross the slow link)" if "tp" in crossing else ""
+    return f"{mesh.describe()} over {world_size} ranks, {per_node} per node{where}{warning}"
 
 
 def per_rank_batch(recipe: Recipe, world_size: int) -> int:

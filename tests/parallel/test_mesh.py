@@ -251,3 +251,25 @@ def test_mesh_of_names_the_key(tmp_path: Path) -> None:
     recipe = tiny_recipe(tmp_path, strategies={"mesh": {"tp": 3}})
     with pytest.raises(RecipeError, match="strategies.mesh"):
         mesh_of(recipe, 4)
+
+
+@pytest.mark.slow
+def test_hsdp_x_tp_on_eight_ranks_trains_as_one_process(tmp_path: Path) -> None:
+    """The 3-D case: 2 replicas x 2 shards x 2 tensor ranks (sequence parallel), 8 processes; the tensor
+    ranks of one data-parallel rank read the same rows, each replica x shard its own."""
+    mesh = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    (result,) = _launch(tmp_path, 8, [_job(tmp_path, "hsdp_x_tp", mesh, 1)])
+    losses, expected = _reference(tmp_path / "reference", 1, None)
+    got = torch.load(tmp_path / "hsdp_x_tp.pt")
+    assert result["losses"] == pytest.approx(losses, abs=LOSS_TOLERANCE)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= WEIGHT_TOLERANCE
+    assert [r["coordinates"]["tp"] for r in result["ranks"]] == [0, 1] * 4
+
+
+def test_the_mesh_line_names_the_dimensions_that_cross_nodes() -> None:
+    """torchrun puts consecutive ranks on one node: with 4 per node, HSDP 2 x 2 keeps shards within a node
+    and replicas across; tensor parallel over 8 ranks would cross (said, not refused)."""
+    assert MeshShape(dp_replicate=2, dp_shard=2, tp=2).crossing(4) == ["dp_replicate"]
+    assert MeshShape(dp_shard=2, tp=8).crossing(4) == ["dp_shard", "tp"]
+    assert MeshShape(pp=2, dp_shard=4).crossing(4) == ["pp"]
+    assert MeshShape(dp_shard=8).crossing(8) == []

@@ -1,7 +1,8 @@
 """`memtrain profile`: train a few steps with the full memory tracker and write what it saw.
 
 Outputs in `--out`: `memory.json` (the schema of `memtrain.memory.report.memory_json`, plus the first-step
-explanation and, on CUDA, the allocator's view), `timeline.png` and `timeline.html` (stacked components
+explanation, `ranks`: every rank's components at its peak and its mesh coordinates, and, on CUDA, the
+allocator's view), `timeline.png` and `timeline.html` (stacked components
 over the steps, phases marked, peak annotated), `memory_snapshot.pickle` on CUDA (open it in
 https://pytorch.org/memory_viz), and a table of the components at the peak on stdout.
 """
@@ -13,8 +14,10 @@ from typing import Any
 
 from memtrain import json_out
 from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
+from memtrain.distributed import DistEnv, gather_objects
 from memtrain.memory import cuda_stats
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
+from memtrain.memory.values import StepMemory
 from memtrain.run import RunLayout
 
 PROFILE_OVERRIDES = [
@@ -45,6 +48,7 @@ def run_profile(
     tracker = monitor.tracker
     assert tracker is not None
     report = memory_json(monitor.memory_reports, trainer.env.device)
+    report["ranks"] = gather_objects(_this_rank(trainer.env, monitor.memory_reports), trainer.env)
     if len(monitor.memory_reports) >= 2:
         device_peaks = monitor.device_peaks if on_cuda else None  # RSS is no per-tensor peak on CPU
         report["first_step"] = tracker.first_step_report(device_peaks)
@@ -63,6 +67,17 @@ def run_profile(
         write_timeline_png(tracker, out_dir / "timeline.png", monitor.memory_reports)
         write_timeline_html(tracker, out_dir / "timeline.html", monitor.memory_reports)
     return report, out_dir
+
+
+def _this_rank(env: DistEnv, reports: list[StepMemory]) -> dict[str, Any]:
+    """This rank's components at its own peak (the last step's) and where it sits on the mesh."""
+    last = reports[-1] if reports else None
+    return {
+        "rank": env.rank,
+        "coordinates": env.shape.coordinates(env.rank),
+        "peak_bytes": last.peak_bytes if last is not None else None,
+        "at_peak": dict(last.at_peak) if last is not None else None,
+    }
 
 
 def describe(report: dict[str, Any], out_dir: Path) -> str:
