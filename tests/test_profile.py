@@ -33,6 +33,10 @@ def test_profile_writes_reports_and_json(
     assert on_disk["peak_phase"] in ("forward", "backward", "optimizer", "other")
     assert isinstance(on_disk["peak_module"], str)
     assert [s["step"] for s in on_disk["steps"]] == [1, 2, 3]
+    (only,) = on_disk["ranks"]  # every rank's components at its peak, with its mesh coordinates
+    assert only["rank"] == 0
+    assert only["coordinates"] == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
+    assert set(only["at_peak"]) == set(COMPONENTS) and sum(only["at_peak"].values()) == only["peak_bytes"]
     for step in on_disk["steps"]:
         assert isinstance(step["peak_bytes"], int)
         assert set(step["phase_peaks"]) <= {"forward", "backward", "optimizer", "other"}
