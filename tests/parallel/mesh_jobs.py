@@ -80,7 +80,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     trainer = trainer_class(recipe)
     result = trainer.fit(resume=job.get("resume"))
     weights = whole_weights(trainer)
-    mine = {"bytes": local_bytes(trainer), "coordinates": trainer.env.shape.coordinates(trainer.env.rank)}
+    reports = trainer.monitor.memory_reports
+    mine = {
+        "bytes": local_bytes(trainer),
+        "coordinates": trainer.env.shape.coordinates(trainer.env.rank),
+        "tracked": dict(reports[-1].at_peak) if reports else None,  # under memory.track
+    }
     everyone: list[Any] = [None] * trainer.env.world_size
     dist.all_gather_object(everyone, mine)
     if trainer.env.is_main and job.get("weights_out"):

@@ -90,6 +90,8 @@ def _jobs(tmp: Path, table: dict[str, Any]) -> list[dict[str, Any]]:
             extra["sections"] = {"model": {"config": model}}
         elif isinstance(model, str):
             extra["trainer"] = model
+        if name == "fsdp_x_tp_sp":
+            extra["sections"] = {"memory": {"track": True}}
         jobs.append(_job(tmp, name, mesh, micro, **extra))
     return jobs
 
@@ -143,7 +145,8 @@ def test_mesh_trains_as_one_process(
 def test_each_rank_holds_its_share_of_the_states(mesh_runs: tuple[Path, dict[str, dict[str, Any]]]) -> None:
     """FSDP 2 x TP 2: each rank's matmul weights and AdamW states are 1/(t*d) of the model's, the norms
     1/d (replicated over tensor ranks), the embedding split by vocabulary like the head, in storages of
-    exactly those bytes."""
+    exactly those bytes; the tracker counts those optimizer states to the byte. The hole: while FSDP2 had a
+    group gathered, the tracker took its sharded parameters for master copies (optimizer states)."""
     _, results = mesh_runs
     ranks = results["fsdp_x_tp_sp"]["ranks"]
     model = CausalLMTrainer(tiny_recipe(Path("/nonexistent"))).build_model()
@@ -160,6 +163,9 @@ def test_each_rank_holds_its_share_of_the_states(mesh_runs: tuple[Path, dict[str
         assert rank["bytes"]["optimizer"] == 2 * sum(held.values())  # AdamW's two moments of each shard
         assert rank["bytes"]["optimizer_storage"] == rank["bytes"]["optimizer"]  # no padded storage
         assert rank["bytes"]["param_storage"] == sum(held.values())
+        steps = 4 * len(held)  # AdamW's step counter per tensor: a 0-dim fp32 tensor
+        assert rank["tracked"]["optimizer_states"] == rank["bytes"]["optimizer"] + steps
+        assert rank["tracked"]["weights"] >= sum(held.values())  # plus what FSDP has gathered at the peak
 
 
 def test_mesh_resolves_degrees() -> None:

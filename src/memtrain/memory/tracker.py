@@ -67,6 +67,9 @@ class MemoryTracker:
         timeline_steps: int = 8,
     ) -> None:
         self.model = model
+        # The parameters the model holds now: FSDP2 swaps gathered (unsharded) tensors in as a module's
+        # parameters between its all-gather and its reshard, and its sharded ones are still the weights.
+        self._held: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()} if model is not None else {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.device = torch.device(device) if device is not None else _default_device(model)
         self.budget = Budget(budget_bytes) if budget_bytes is not None else None
@@ -290,7 +293,7 @@ class MemoryTracker:
     def _refresh_params(self) -> None:
         """Model parameters are weights. Parameters the optimizer steps that the model does not hold are
         master copies (fp32 masters of bf16 weights): optimizer states, as the ZeRO accounting has it."""
-        seen: dict[int, torch.Tensor] = {}
+        seen: dict[int, torch.Tensor] = dict(self._held)
         if self.model is not None:
             seen.update((id(p), p) for p in self.model.parameters())
         for module in self._frozen:
