@@ -22,13 +22,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import read_json_object
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -222,7 +225,7 @@ def _fill(param: nn.Parameter, handle: Any, name: str) -> None:
         param.data.copy_(source)
 
 
-def _fill_shard(param: Any, source: Any, name: str) -> None:
+def _fill_shard(param: DTensor, source: Any, name: str) -> None:
     """This rank's block of DTensor `param` from safetensors slice `source`, on any mesh and placements
     (FSDP's dim-0 shards, HSDP's replicas of them, tensor parallel's column or row shards, both at once):
     the block's shape and global offset are those torch itself gives the local tensor."""
