@@ -1,9 +1,9 @@
 """Checkpoints across meshes: a run resumed on another mesh and another world size ends as if uninterrupted.
 
 One torchrun launch of 4 ranks runs, in sequence, from the same pretrained weights: HSDP 2 x 2 for steps
-1-2, FSDP 4 resuming it for steps 3-4, FSDP x TP 2 x 2 for steps 1-2, and TP 4 (no FSDP) resuming that for
-steps 3-4. In pytest, one process resumes each chain's last checkpoint (FSDP 4's, FSDP x TP's, TP 4's) to
-step 6. Each chain must read the same samples per step as one uninterrupted process (every id of a
+1-2, FSDP 4 resuming it for steps 3-4, FSDP x TP 2 x 2 for steps 1-2, and TP 4 (no FSDP) resuming a
+one-process checkpoint of steps 1-2 for steps 3-4. In pytest, one process resumes each chain's last
+checkpoint (FSDP 4's, FSDP x TP's, TP 4's) to step 6. Each chain must read the same samples per step as one uninterrupted process (every id of a
 step's global batch once, by one data-parallel rank; tensor ranks of a data-parallel rank the same ones),
 with losses within 1e-6 and weights as close as another order of the gradient sums allows
 (helpers.REDUCTION_ORDER). `memtrain export` of each mesh's checkpoint gives the whole weights that run trained.
@@ -44,12 +44,13 @@ JOBS: dict[str, tuple[int, dict[str, int], str, int, str | None]] = {
     "hsdp": (2, HSDP, "zero3", 1, None),
     "fsdp4": (4, {"dp_shard": 4}, "zero3", 1, "hsdp"),
     "fsdp_x_tp": (2, FSDP_X_TP, "zero3", 2, None),
-    "tp4": (4, {"tp": 4}, "none", 2, "fsdp_x_tp"),
+    "tp4": (4, {"tp": 4}, "none", 2, "one_first"),  # one_first: one process's steps 1-2, before the launch
 }
+ONE_RANK = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
 CHAINS = {  # each ends on one process at step 6
     "hsdp_2x2-fsdp_4-one_process": ("hsdp", "fsdp4"),
     "fsdp_x_tp_2x2-one_process": ("fsdp_x_tp",),
-    "fsdp_x_tp_2x2-tp_4-one_process": ("fsdp_x_tp", "tp4"),
+    "one_process-tp_4-one_process": ("one_first", "tp4"),
 }
 
 
@@ -71,10 +72,15 @@ def _sections(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
-    """The 4-rank jobs, from pretrained weights, in one launch."""
+    """The 4-rank jobs, from pretrained weights, in one launch, after one process's steps 1-2."""
     tmp = tmp_path_factory.mktemp("resume")
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIG)).save_pretrained(tmp / "pretrained")
+    losses, _, ids = _one_process(tmp, "one_first", steps=2)
+    first = {
+        "losses": losses,
+        "ranks": [{"coordinates": ONE_RANK, "sample_ids": {str(s): ids[s] for s in ids}}],
+    }
     jobs = [
         {
             "run_dir": str(tmp / name),
@@ -85,14 +91,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         }
         for name, (steps, mesh, sharding, micro, resumes) in JOBS.items()
     ]
-    return tmp, dict(zip(JOBS, launch(tmp, 4, jobs, "resume"), strict=True))
+    return tmp, {"one_first": first, **dict(zip(JOBS, launch(tmp, 4, jobs, "resume"), strict=True))}
 
 
 def _one_process(
-    tmp: Path, name: str, resume: str | None = None
+    tmp: Path, name: str, resume: str | None = None, steps: int = STEPS
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[int, list[int]]]:
-    """Train to step 6 on one process (sharding none), from the checkpoints of job `resume` if given."""
-    raw = tiny_recipe_dict(tmp / name, **_sections(tmp, STEPS, None, "none", 2))
+    """Train to `steps` on one process (sharding none), from the checkpoints of job `resume` if given."""
+    raw = tiny_recipe_dict(tmp / name, **_sections(tmp, steps, None, "none", 2))
     trainer = RecordingTrainer(CausalLMRecipe.from_dict(raw))
     losses = trainer.fit(resume=_checkpoints(tmp, resume)).losses
     return losses, whole_weights(trainer), trainer.seen_ids
@@ -129,12 +135,13 @@ def test_resume_on_another_mesh_is_the_uninterrupted_run(
     segment starts from pretrained weights read into the mesh's shards. The holes: pretrained weights
     were sliced as if the mesh were 1-D and sharded on dim 0 (HSDP and FSDP x TP failed to start), and
     a tensor-parallel run without FSDP (`tp4`, sharding none) pickled rank 0's DTensor shards into
-    model.pt, so its resume read rank 0's shard on every rank."""
+    model.pt (a resume read rank 0's shard on every rank; one process could not read it), and read a
+    one-process checkpoint's whole tensors into its shards as plain tensors (refused)."""
     tmp, results = runs
     losses, weights, ids = uninterrupted
     chained: list[float] = []
     for name in CHAINS[chain]:
-        steps = range(len(chained), JOBS[name][0])
+        steps = range(len(chained), len(chained) + len(results[name]["losses"]))
         assert _read_ids(results[name]["ranks"], steps) == {s: sorted(ids[s]) for s in steps}, name
         chained += results[name]["losses"]
     last, resumed_weights, resumed_ids = _one_process(tmp, f"{chain}_one", CHAINS[chain][-1])

@@ -199,7 +199,8 @@ class ShardingBackend:
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
         import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 
-        if sharded_checkpoint.detect_format(path) != "replicated":
+        if sharded_checkpoint.detect_format(path) != "replicated" or self.checkpoint_format_on(env) == "dcp":
+            # DCP's shards, or (tensor parallel) a replicated checkpoint's whole tensors, into this rank's shards
             sharded_checkpoint.load_sharded(path, self.unwrap(model), optimizer)
             return
         state = ckpt.load_tensor_file(path / "model.pt")
