@@ -131,8 +131,8 @@ def test_resume_on_another_mesh_is_the_uninterrupted_run(
     uninterrupted: tuple[list[float], dict[str, torch.Tensor], dict[int, list[int]]],
 ) -> None:
     """Each segment of the chain reads the uninterrupted run's sample ids of its steps, each once by one
-    data-parallel rank; the chain's losses (within 1e-6) and final weights are that run's. Its first
-    segment starts from pretrained weights read into the mesh's shards. The holes: pretrained weights
+    data-parallel rank; the chain's losses (within 1e-6) and final weights are that run's. Every run
+    starts from pretrained weights (HSDP's and FSDP x TP's read straight into their shards). The holes: pretrained weights
     were sliced as if the mesh were 1-D and sharded on dim 0 (HSDP and FSDP x TP failed to start), and
     a tensor-parallel run without FSDP (`tp4`, sharding none) pickled rank 0's DTensor shards into
     model.pt (a resume read rank 0's shard on every rank; one process could not read it), and read a
