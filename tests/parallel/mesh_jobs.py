@@ -2,14 +2,16 @@
 
 `torchrun --nproc_per_node=N tests/parallel/mesh_jobs.py SPEC.json OUT.json`: each job of SPEC trains the
 tiny recipe of tests/helpers.py with its own sections (a `strategies.mesh`, a resume) and rank 0 writes, per
-job, the losses, the whole fp32 weights (gathered from every shard) and each rank's bytes of parameters
-and optimizer states as its shards hold them. `trainer` names a class in tests/parallel/mesh_trainers.py
+job, the losses, the whole fp32 weights (gathered from every shard), each rank's bytes of parameters
+and optimizer states as its shards hold them, and the sample ids each rank read per step (a
+`RecordingTrainer` job). A job's `resume` (a run directory or checkpoint) continues another job's run. `trainer` names a class in tests/parallel/mesh_trainers.py
 instead of the built-in causal-LM one.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
 from memtrain.training.trainer import Trainer  # noqa: E402
 
-from helpers import tiny_recipe_dict  # noqa: E402
+from helpers import REPO, subprocess_env, tiny_recipe_dict  # noqa: E402
 
 
 def whole_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -72,8 +74,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         import mesh_trainers
 
         trainer_class: type[Trainer] = getattr(mesh_trainers, job["trainer"])
+        own = issubclass(trainer_class, CausalLMTrainer)  # a causal-LM subclass keeps the model and data
         recipe = trainer_class.recipe_class.from_dict(
-            {k: v for k, v in raw.items() if k not in ("model", "data")}
+            raw if own else {k: v for k, v in raw.items() if k not in ("model", "data")}
         )
     else:
         trainer_class, recipe = CausalLMTrainer, CausalLMRecipe.from_dict(raw)
@@ -85,13 +88,29 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "bytes": local_bytes(trainer),
         "coordinates": trainer.env.shape.coordinates(trainer.env.rank),
         "tracked": dict(reports[-1].at_peak) if reports else None,  # under memory.track
+        "sample_ids": getattr(trainer, "seen_ids", None),  # RecordingTrainer's, per step
     }
     everyone: list[Any] = [None] * trainer.env.world_size
     dist.all_gather_object(everyone, mine)
     if trainer.env.is_main and job.get("weights_out"):
         torch.save(weights, job["weights_out"])
     trainer.model, trainer.optimizer = None, None
-    return {"losses": result.losses, "ranks": everyone, "sample_ids": getattr(trainer, "seen_ids", None)}
+    return {"losses": result.losses, "ranks": everyone}
+
+
+def launch(tmp: Path, ranks: int, jobs: list[dict[str, Any]], name: str = "") -> list[dict[str, Any]]:
+    """Run `jobs` in one torchrun launch of `ranks` processes; each job's result, in order."""
+    spec, out = tmp / f"spec{name}{ranks}.json", tmp / f"out{name}{ranks}.json"
+    spec.write_text(json.dumps(jobs))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+        str(REPO / "tests/parallel/mesh_jobs.py"), str(spec), str(out),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return list(json.loads(out.read_text()))
 
 
 def main() -> None:

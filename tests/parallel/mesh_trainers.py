@@ -1,6 +1,7 @@
 """A `Trainer` subclass with its own model and its own tensor-parallel plan (`tensor_parallel_plan`), for
 the mesh tests: plain PyTorch, no transformers. Its MLP blocks split `up` by columns and `down` by rows;
-the embedding, norms and head stay whole on every tensor rank."""
+the embedding, norms and head stay whole on every tensor rank. `RecordingTrainer` is the built-in causal-LM
+trainer noting the sample ids each step reads on this rank (the resume tests)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain import Trainer
+from memtrain.causal_lm.data import Batch
+from memtrain.causal_lm.trainer import CausalLMTrainer
 
 VOCAB, DIM, IGNORE = 64, 32, -100
 
@@ -67,3 +70,17 @@ class NoPlanTrainer(SplitMLPTrainer):
     """The same job without a tensor-parallel plan: tp > 1 is refused."""
 
     tensor_parallel_plan = Trainer.tensor_parallel_plan
+
+
+class RecordingTrainer(CausalLMTrainer):
+    """The causal-LM trainer, noting per step the sample ids this rank's share of the batch holds (the last
+    read of a step wins: planning probes read step 0 too)."""
+
+    seen_ids: dict[int, list[int]]
+
+    def step_batch(self, step: int) -> Batch:
+        batch = super().step_batch(step)
+        if not hasattr(self, "seen_ids"):
+            self.seen_ids = {}
+        self.seen_ids[step] = batch["sample_ids"].tolist()
+        return batch

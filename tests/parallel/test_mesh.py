@@ -8,8 +8,6 @@ weights within fp32 tolerance. One torchrun launch of 4 ranks runs the 4-rank jo
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,10 +21,10 @@ from memtrain.errors import RecipeError
 from memtrain.mesh import MeshShape, resolve
 from memtrain.plan import Plan, mesh_of
 
-from helpers import REPO, subprocess_env, tiny_recipe, tiny_recipe_dict
+from helpers import tiny_recipe, tiny_recipe_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mesh_jobs import whole_weights  # noqa: E402
+from mesh_jobs import launch, whole_weights  # noqa: E402
 from mesh_trainers import SplitMLPTrainer  # noqa: E402
 
 TINY_QWEN2 = {
@@ -54,20 +52,6 @@ def _job(tmp: Path, name: str, mesh: dict[str, Any], micro: int, **extra: Any) -
         **extra.pop("sections", {}),
     }
     return {"run_dir": str(tmp / name), "weights_out": str(tmp / f"{name}.pt"), "sections": sections, **extra}
-
-
-def _launch(tmp: Path, ranks: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    spec, out = tmp / f"spec{ranks}.json", tmp / f"out{ranks}.json"
-    spec.write_text(json.dumps(jobs))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-        str(REPO / "tests/parallel/mesh_jobs.py"), str(spec), str(out),
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return json.loads(out.read_text())
 
 
 FOUR_RANKS = {  # name -> (mesh, micro-batch size, model config or trainer)
@@ -101,7 +85,7 @@ def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     tmp = tmp_path_factory.mktemp("mesh")
     results = {}
     for ranks, table in ((4, FOUR_RANKS), (2, TWO_RANKS)):
-        for name, result in zip(table, _launch(tmp, ranks, _jobs(tmp, table)), strict=True):
+        for name, result in zip(table, launch(tmp, ranks, _jobs(tmp, table)), strict=True):
             results[name] = result
     return tmp, results
 

@@ -4,8 +4,9 @@ Why not `from_pretrained`: it materialises the whole model on every rank, in the
 before memtrain's strategies exist. Here the model is built with its parameters on the meta device
 (buffers real, e.g. rotary tables), the plan's strategies are applied to it, and only then are the
 weights read from the safetensors files (single file or sharded index) straight into what each rank
-keeps: a replicated plan reads every tensor, an FSDP2 plan reads only this rank's rows of each parameter
-(`safe_open(...).get_slice`), so no rank ever holds more than its plan keeps. Each tensor is converted to
+keeps: a replicated plan reads every tensor, a sharded one (FSDP2, HSDP, tensor parallel, or a mesh of
+them) reads only this rank's block of each parameter (`safe_open(...).get_slice`, at the shape and offset
+torch gives the DTensor's local tensor), so no rank ever holds more than its plan keeps. Each tensor is converted to
 the parameter's dtype, which is the plan's (bf16 for bf16-master, and for frozen parameters under
 bf16-mixed: `Precision.frozen_stored_dtype`; fp32 otherwise); a floating parameter
 stored as integers is refused, since the conversion would silently turn it into other values. Only safetensors are
@@ -21,13 +22,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import read_json_object
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -152,7 +156,7 @@ def load_weights(
     model: nn.Module, directory: Path, skip: Callable[[str], bool] = lambda _name: False
 ) -> None:
     """Fill `model`'s materialised (empty) parameters from the safetensors files of `directory`: whole
-    tensors for plain parameters, this rank's rows for FSDP2's dim-0 sharded DTensors. Tied parameters
+    tensors for plain parameters, this rank's block for DTensors on any mesh (FSDP2, HSDP, tensor parallel). Tied parameters
     (an output layer sharing the input embedding) are filled once; a parameter the files lack is an error."""
     files = weight_files(directory)
     filled: set[int] = set()
@@ -214,23 +218,38 @@ def _fill(param: nn.Parameter, handle: Any, name: str) -> None:
 
     with torch.no_grad():
         if isinstance(param.data, DTensor):
-            local = param.data.to_local()
-            rows = local.shape[0] if local.dim() else 0
-            if rows:
-                dim0 = param.data.shape[0]
-                chunk = -(-dim0 // param.data.device_mesh.size())
-                start = param.data.device_mesh.get_local_rank() * chunk
-                local.copy_(handle.get_slice(name)[start : start + rows])
+            _fill_shard(param.data, handle.get_slice(name), name)
             return
         source = handle.get_tensor(name)
-        if tuple(source.shape) != tuple(param.shape):
-            raise RecipeError(
-                [
-                    f"model.pretrained: {name} has shape {tuple(source.shape)} in the checkpoint, "
-                    f"{tuple(param.shape)} in the model built from its config.json"
-                ]
-            )
+        _check_shape(name, tuple(source.shape), tuple(param.shape))
         param.data.copy_(source)
+
+
+def _fill_shard(param: DTensor, source: Any, name: str) -> None:
+    """This rank's block of DTensor `param` from safetensors slice `source`, on any mesh and placements
+    (FSDP's dim-0 shards, HSDP's replicas of them, tensor parallel's column or row shards, both at once):
+    the block's shape and global offset are those torch itself gives the local tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _check_shape(name, tuple(source.get_shape()), tuple(param.shape))
+    local = param.to_local()
+    if local.numel() == 0:  # an uneven split left this rank nothing
+        return
+    if local.dim() == 0:
+        local.copy_(source[...])
+        return
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local.copy_(source[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))])
+
+
+def _check_shape(name: str, stored: tuple[int, ...], built: tuple[int, ...]) -> None:
+    if stored != built:
+        raise RecipeError(
+            [
+                f"model.pretrained: {name} has shape {stored} in the checkpoint, {built} in the model built "
+                "from its config.json"
+            ]
+        )
 
 
 def _tied_to_filled(model: nn.Module, name: str, filled: set[int]) -> bool:

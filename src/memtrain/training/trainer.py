@@ -554,7 +554,7 @@ class Trainer:
                 self.plan,
                 self.env.world_size,
                 self.skipped_steps,
-                self._sharding.checkpoint_format,
+                self._sharding.checkpoint_format_on(self.env),
             )
             | self.early_stopping.meta()
         )

@@ -45,7 +45,9 @@ class TrainerState:
     def load(self, found: Checkpoint) -> None:
         """Load `found` into the live model, optimizer, scaler and random streams (`CheckpointError`
         naming the file that does not fit). Only the format its manifest names is read: files of another
-        format in it (not written by memtrain) refuse the checkpoint before anything is opened."""
+        format in it (not written by memtrain) refuse the checkpoint before anything is opened. The random
+        streams are per rank: on more ranks than wrote it, a rank without its own file takes rank 0's; on
+        fewer, the others' are unread. Neither moves the data, whose order is a function of the step."""
         sharded_checkpoint.detect_format(found.path, found.meta.get(sharded_checkpoint.MANIFEST_KEY))
         try:
             self.sharding.load(found.path, self.model, self.optimizer, self.env)
@@ -83,7 +85,7 @@ def checkpoint_meta(
     recipe: Recipe, plan: Plan, world_size: int, skipped_steps: int, checkpoint_format: str
 ) -> dict[str, Any]:
     """What meta.json says about the trainer (the run directory adds the step, lineage and time), with the
-    manifest: the backend's `checkpoint_format`, the only format a resume or an export of it reads."""
+    manifest: the backend's `checkpoint_format_on(env)`, the only format a resume or an export of it reads."""
     resolved = recipe.to_dict()
     return {
         sharded_checkpoint.MANIFEST_KEY: checkpoint_format,

@@ -180,16 +180,27 @@ class ShardingBackend:
         return self.state_bytes(shape, world_size, optimizer, dim0=dim0).footprint(footprint)
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpoint_format_on(self, env: DistEnv) -> str:
+        """What `save` writes on `env` (the checkpoint's manifest): `checkpoint_format`, except that tensor
+        parallel's DTensor shards (tp > 1) go to DCP, since no rank holds a whole replicated state."""
+        return "dcp" if env.shape.tp > 1 else self.checkpoint_format
+
     def save(self, staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
-        """Write model and optimizer state into `staging` (replicated states: rank 0 writes)."""
-        if env.is_main:
+        """Write model and optimizer state into `staging` (replicated states: rank 0 writes; tensor-parallel
+        shards: every rank its own, in DCP, which a resume on another mesh reshards)."""
+        if self.checkpoint_format_on(env) == "dcp":
+            import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
+
+            sharded_checkpoint.save_sharded(staging, self.unwrap(model), optimizer)
+        elif env.is_main:
             ckpt.save_tensor_file(staging / "model.pt", self.unwrap(model).state_dict())
             ckpt.save_tensor_file(staging / "optimizer.pt", optimizer.state_dict())
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:
         import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 
-        if sharded_checkpoint.detect_format(path) != "replicated":
+        if sharded_checkpoint.detect_format(path) != "replicated" or self.checkpoint_format_on(env) == "dcp":
+            # DCP's shards, or (tensor parallel) a replicated checkpoint's whole tensors, into this rank's shards
             sharded_checkpoint.load_sharded(path, self.unwrap(model), optimizer)
             return
         state = ckpt.load_tensor_file(path / "model.pt")
