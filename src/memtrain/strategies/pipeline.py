@@ -16,10 +16,13 @@ the step's loss sum as every tensor rank does, and the data-parallel sum counts 
 counts token sums. The gradient norm over parameters spread over stages is summed over that group too
 (`stage_group`, read by `clip_grad_norm`).
 
-Micro-batches of one step are padded to one shape (rows and columns: ignored labels, which add nothing to
-the loss or the gradients; a causal model's real tokens never attend to the padding after them), as a stage
-passes tensors of the shape it inferred on its first micro-batch; a step of another shape rebuilds the
-stage. torch.distributed.pipelining is imported only when a run has pp > 1.
+Micro-batches are padded to one shape (rows and columns: ignored labels, which add nothing to the loss or
+the gradients; a causal model's real tokens never attend to the padding after them), as a stage passes
+tensors of the shape it inferred on its first micro-batch: the largest any rank has had so far, agreed each
+step, so a larger step rebuilds every stage at once. The pipeline does not enter the precision's autocast
+(its schedule runs forwards and backwards interleaved; FSDP2's mixed-precision policy casts the compute),
+and an out-of-memory error in it is not redone with another plan. torch.distributed.pipelining is
+imported only when a run has pp > 1.
 """
 
 from __future__ import annotations
