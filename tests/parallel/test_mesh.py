@@ -46,9 +46,10 @@ LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 2e-5  # fp32 after 3 AdamW steps at lr 1e-2 (measured: <= 4e-6)
 
 
-CLIPPED = {"pp_gpipe", "pp_1f1b", "pp_x_dp"}
+CLIPPED = {"pp_gpipe", "pp_1f1b", "pp_x_dp", "pp_from_one"}
 """Jobs clipped at a norm below every step's (0.05): the norm must be summed over the pipeline's stages."""
-CHECKPOINTED = {"pp_1f1b": 2}  # a checkpoint after this step (`test_a_pipeline_run_resumes_on_one_process`)
+CHECKPOINTED = {"pp_1f1b": 2, "pp_from_one": 2}  # a checkpoint after this step: the resume tests'
+RESUMED = {"pp_from_one"}  # resumes the fixture's one-process run (`test_a_one_process_run_resumes_on_...`)
 
 
 def _sections(name: str) -> dict[str, Any]:
@@ -95,6 +96,7 @@ TWO_RANKS = {
     "tp_no_sp": ({"tp": 2, "sequence_parallel": False}, 4, None),
     "pp_gpipe": ({"pp": 2, "pp_schedule": "gpipe"}, 2, None),
     "pp_1f1b": ({"pp": 2, "pp_schedule": "1f1b"}, 2, None),
+    "pp_from_one": ({"pp": 2}, 2, None),
 }
 
 
@@ -107,6 +109,8 @@ def _jobs(tmp: Path, table: dict[str, Any]) -> list[dict[str, Any]]:
             extra["sections"] = {"model": {"config": model}}
         elif isinstance(model, str):
             extra["trainer"] = model
+        if name in RESUMED:
+            extra["resume"] = True
         jobs.append(_job(tmp, name, mesh, micro, **extra))
     return jobs
 
@@ -114,11 +118,30 @@ def _jobs(tmp: Path, table: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("mesh")
-    results = {}
+    losses, weights = _on_one_process(tmp / "pp_from_one", "pp_from_one")  # what the pp job resumes
+    torch.save(weights, tmp / "one_process.pt")
+    results: dict[str, dict[str, Any]] = {"one_process": {"losses": losses}}
     for ranks, table in ((4, FOUR_RANKS), (2, TWO_RANKS)):
         for name, result in zip(table, _launch(tmp, ranks, _jobs(tmp, table)), strict=True):
             results[name] = result
     return tmp, results
+
+
+def _on_one_process(
+    run_dir: Path, name: str, resume: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Pipeline job `name` on one process under FSDP2 (the DCP checkpoints a pipeline run writes): losses
+    and whole weights."""
+    sections = {
+        "batch": {"global_size": 8, "micro_size": 2},
+        "strategies": {"sharding": "zero3"},
+        **_sections(name),
+    }
+    trainer = CausalLMTrainer(tiny_recipe(run_dir, **sections))
+    result = trainer.fit(resume=resume)
+    weights = whole_weights(trainer)
+    trainer.close()
+    return result.losses, weights
 
 
 def _reference(
@@ -141,7 +164,7 @@ def _reference(
     return result.losses, whole_weights(trainer)
 
 
-@pytest.mark.parametrize("name", [*FOUR_RANKS, *TWO_RANKS])
+@pytest.mark.parametrize("name", [n for n in [*FOUR_RANKS, *TWO_RANKS] if n not in RESUMED])
 def test_mesh_trains_as_one_process(
     name: str, mesh_runs: tuple[Path, dict[str, dict[str, Any]]], tmp_path: Path
 ) -> None:
@@ -289,20 +312,28 @@ def test_a_pipeline_run_resumes_on_one_process(
     """The 2-stage 1F1B run's checkpoint after step 2 (each stage saved its own parameters and AdamW states
     under their whole-model names) resumes on one process: step 3's loss and the weights after it are those
     of the uninterrupted one-process run. The hole: before, nothing split a model into stages to save."""
-    tmp, _ = mesh_runs
-    run_dir = tmp_path / "resumed"
-    shutil.copytree(tmp / "pp_1f1b", run_dir)
-    sections = {
-        "batch": {"global_size": 8, "micro_size": 2},
-        "strategies": {"sharding": "zero3"},
-        **_sections("pp_1f1b"),
-    }
-    trainer = CausalLMTrainer(tiny_recipe(run_dir, **sections))
-    resumed = trainer.fit(resume=True)
-    losses, expected = _reference(tmp_path / "reference", 2, None, "pp_1f1b")
-    assert resumed.losses == pytest.approx(losses[2:], abs=1e-6)
-    got = whole_weights(trainer)
-    trainer.close()
+    tmp, results = mesh_runs
+    shutil.copytree(tmp / "pp_1f1b", tmp_path / "resumed")
+    losses, got = _on_one_process(tmp_path / "resumed", "pp_1f1b", resume=True)
+    _same_run(losses, got, results["one_process"]["losses"][2:], torch.load(tmp / "one_process.pt"))
+
+
+def test_a_one_process_run_resumes_on_a_pipeline(mesh_runs: tuple[Path, dict[str, dict[str, Any]]]) -> None:
+    """The reverse: a one-process run's checkpoint after step 2 resumes on 2 stages (each loads its own
+    parameters and states by their whole-model names), and step 3's loss and weights are that run's. The
+    hole: before, `strategies.mesh.pp > 1` was refused."""
+    tmp, results = mesh_runs
+    got = torch.load(tmp / "pp_from_one.pt")
+    expected = results["one_process"]
+    _same_run(
+        results["pp_from_one"]["losses"], got, expected["losses"][2:], torch.load(tmp / "one_process.pt")
+    )
+
+
+def _same_run(
+    losses: list[float], got: dict[str, torch.Tensor], expected_losses: list[float], expected: dict[str, Any]
+) -> None:
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
     assert set(got) == set(expected)
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
     assert worst <= WEIGHT_TOLERANCE, worst

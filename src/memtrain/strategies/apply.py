@@ -9,9 +9,9 @@ output head's forward to it) -> the precision's stored dtype, frozen parameters 
 the precision and the sharding keep them so (`Precision.frozen_stored_dtype`, `Sharding.as_stored`) ->
 [device ->
 sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
-plan keeps them -> [pp > 1: the wrapped stage attached to its pipeline, `memtrain.strategies.pipeline`] -> the optimizer over the trainable parameters, built by the precision (master weights)
+plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
 around the trainer's `build_optimizer` (one per parameter, stepped in backward, under `optimizer_step:
-in_backward`)].
+in_backward`) -> [pp > 1: the wrapped stage attached to its pipeline, `memtrain.strategies.pipeline`]].
 
 The trainer's setup runs all of it; `switch_in_place` re-applies checkpointing and the loss to a live model
 when a run re-plans (memtrain.training.replan). The planner's trace runs the model part only (`env=None`), on a model
