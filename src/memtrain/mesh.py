@@ -29,12 +29,15 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dimensions, outermost first (the order of `init_device_mesh`'s shape)."""
 TAKES_THE_REST = ("dp_shard", "dp_replicate", "tp", "cp", "pp")
 """Which open (`auto`) degree takes the ranks the pinned ones leave, first match."""
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""Pipeline schedules a recipe may name (`strategies.mesh.pp_schedule`)."""
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Degrees of each dimension (their product is the world size) and whether tensor parallelism also
-    shards the sequence between its matmuls (`sequence_parallel`, Korthikanti et al. 2022)."""
+    """Degrees of each dimension (their product is the world size), whether tensor parallelism also
+    shards the sequence between its matmuls (`sequence_parallel`, Korthikanti et al. 2022) and the order in
+    which pipeline stages run their micro-batches (`pp_schedule`, one of `PP_SCHEDULES`)."""
 
     pp: int = 1
     dp_replicate: int = 1
@@ -42,6 +45,7 @@ class MeshShape:
     cp: int = 1
     tp: int = 1
     sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
 
     @classmethod
     def flat(cls, world_size: int) -> MeshShape:
@@ -112,9 +116,9 @@ class MeshShape:
         if self.is_flat:
             return f"dp {self.dp_shard}"
         named = " x ".join(f"{dim} {getattr(self, dim)}" for dim in DIMS if getattr(self, dim) > 1)
-        return (named or "1 rank") + (
-            " (sequence parallel)" if self.tp > 1 and self.sequence_parallel else ""
-        )
+        notes = ["sequence parallel"] if self.tp > 1 and self.sequence_parallel else []
+        notes += [self.pp_schedule] if self.pp > 1 else []
+        return (named or "1 rank") + (f" ({', '.join(notes)})" if notes else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -131,10 +135,17 @@ class MeshShape:
                 raise ValueError(f"mesh degree {dim} must be a positive int (it was {values[dim]!r})")
         if not isinstance(values.get("sequence_parallel", True), bool):
             raise ValueError("mesh sequence_parallel must be true or false")
+        if values.get("pp_schedule", "1f1b") not in PP_SCHEDULES:
+            raise ValueError(f"mesh pp_schedule must be one of {', '.join(PP_SCHEDULES)}")
         return cls(**values)
 
 
-def resolve(degrees: Mapping[str, int | str], world_size: int, sequence_parallel: bool = True) -> MeshShape:
+def resolve(
+    degrees: Mapping[str, int | str],
+    world_size: int,
+    sequence_parallel: bool = True,
+    pp_schedule: str = "1f1b",
+) -> MeshShape:
     """The mesh of `world_size` ranks that `degrees` (each an int or `auto`) describes; `ValueError` naming
     the key when the degrees cannot multiply to the world size."""
     pinned = {dim: int(v) for dim, v in degrees.items() if v != "auto"}
@@ -157,4 +168,4 @@ def resolve(degrees: Mapping[str, int | str], world_size: int, sequence_parallel
             )
         filled[next(dim for dim in TAKES_THE_REST if dim in open_dims)] = rest
     values = {dim: pinned.get(dim, filled.get(dim, 1)) for dim in DIMS}
-    return MeshShape(**values, sequence_parallel=sequence_parallel)
+    return MeshShape(**values, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule)

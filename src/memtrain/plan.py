@@ -173,7 +173,7 @@ def mesh_of(recipe: Recipe, world_size: int) -> MeshShape:
     config = recipe.strategies.mesh
     degrees = {dim: getattr(config, dim) for dim in DIMS}
     try:
-        return resolve(degrees, world_size, config.sequence_parallel)
+        return resolve(degrees, world_size, config.sequence_parallel, config.pp_schedule)
     except ValueError as exc:
         raise RecipeError([str(exc)]) from None
 
@@ -188,10 +188,15 @@ def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
             else "this version plans context parallelism but does not apply it yet"
         )
         problems.append(f"strategies.mesh.cp: {mesh.cp} ranks of context parallelism: {where}; set it to 1")
-    if mesh.pp > 1:
+    if mesh.pp > 1 and mesh.tp > 1:
         problems.append(
-            f"strategies.mesh.pp: {mesh.pp} pipeline stages: this version does not split the model into stages "
-            "yet; set it to 1 (and shard with strategies.sharding=zero3 or strategies.mesh.tp)"
+            f"strategies.mesh.pp: {mesh.pp} pipeline stages with tensor parallelism (strategies.mesh.tp="
+            f"{mesh.tp}) are not run by this version; set one of them to 1"
+        )
+    if mesh.pp > 1 and mesh.pp_schedule == "interleaved_1f1b":
+        problems.append(
+            "strategies.mesh.pp_schedule: interleaved_1f1b needs several stages per rank, which this version "
+            "does not split the model into; use 1f1b or gpipe"
         )
     return problems
 

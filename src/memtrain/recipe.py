@@ -298,6 +298,9 @@ class MeshConfig(RecipeSection):
     sequence_parallel: bool = Field(
         default=True, description="Under tp > 1, also shard norms and dropout along the sequence."
     )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        default="1f1b", description="Under pp > 1, the order stages run micro-batches in (torch's schedules)."
+    )
 
     @field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp")
     @classmethod

@@ -74,6 +74,11 @@ def lr_at(step: int, settings: ScheduleSettings) -> float:
     return SCHEDULES.get(settings.schedule).lr(step, settings)
 
 
+def due(step: int, every: int) -> bool:
+    """Whether an every-`every`-steps event (a checkpoint, an evaluation) falls after step `step` (0: never)."""
+    return every > 0 and (step + 1) % every == 0
+
+
 def after_warmup(factor: Callable[[float, float], float]) -> LrFunction:
     """Linear warmup, then `lr * factor(progress, min_lr_ratio)` with progress going from 0 (the end of
     the warmup) to 1 (`train.steps`) and staying at 1 after it."""

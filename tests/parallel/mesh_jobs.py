@@ -31,12 +31,16 @@ from helpers import REPO, subprocess_env, tiny_recipe_dict  # noqa: E402
 
 
 def whole_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every weight whole and fp32 (DTensor shards gathered: a collective)."""
+    """Every weight whole and fp32 (DTensor shards gathered, and each pipeline stage's: collectives)."""
     module = trainer.sharding.unwrap(trainer.model)  # type: ignore[union-attr,arg-type]
     out = {}
     for name, p in module.named_parameters():
         value = p.full_tensor() if isinstance(p, DTensor) else p
         out[name.replace("_checkpoint_wrapped_module.", "")] = value.detach().float().cpu().clone()
+    if trainer.env.shape.pp > 1:  # each stage holds its own parameters, under their whole-model names
+        stages: list[Any] = [None] * trainer.env.world_size
+        dist.all_gather_object(stages, out)
+        out = {name: value for stage in stages for name, value in stage.items()}
     return out
 
 

@@ -8,6 +8,7 @@ weights within fp32 tolerance. One torchrun launch of 4 ranks runs the 4-rank jo
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,25 @@ LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 2e-5  # fp32 after 3 AdamW steps at lr 1e-2 (measured: <= 4e-6)
 
 
+CLIPPED = {"pp_gpipe", "pp_1f1b", "pp_x_dp", "pp_from_one"}
+"""Jobs clipped at a norm below every step's (0.05): the norm must be summed over the pipeline's stages."""
+CHECKPOINTED = {"pp_1f1b": 2, "pp_from_one": 2}  # a checkpoint after this step: the resume tests'
+RESUMED = {"pp_from_one"}  # resumes the fixture's one-process run (`test_a_one_process_run_resumes_on_...`)
+
+
+def _sections(name: str) -> dict[str, Any]:
+    """`train` (and `checkpoint`) of job `name`, as its one-process reference runs it too."""
+    clip = {"grad_clip": 0.05} if name in CLIPPED else {}
+    every = {"checkpoint": {"every": CHECKPOINTED[name]}} if name in CHECKPOINTED else {}
+    return {"train": {**STEPS["train"], **clip}, **every}
+
+
 def _job(tmp: Path, name: str, mesh: dict[str, Any], micro: int, **extra: Any) -> dict[str, Any]:
     sharding = extra.pop("sharding", "zero3")
     sections = {
         "strategies": {"sharding": sharding, "mesh": mesh},
         "batch": {"global_size": 8, "micro_size": micro},
-        **STEPS,
+        **_sections(name),
         **extra.pop("sections", {}),
     }
     return {"run_dir": str(tmp / name), "weights_out": str(tmp / f"{name}.pt"), "sections": sections, **extra}
@@ -59,23 +73,30 @@ FOUR_RANKS = {  # name -> (mesh, micro-batch size, model config or trainer)
     "fsdp_x_tp_sp": ({"dp_shard": 2, "tp": 2}, 2, None),
     "fsdp_x_tp_qwen2": ({"dp_shard": 2, "tp": 2, "sequence_parallel": False}, 2, TINY_QWEN2),
     "fsdp_x_tp_subclass": ({"dp_shard": 2, "tp": 2}, 2, "SplitMLPTrainer"),
+    "pp_x_dp": ({"pp": 2, "dp_shard": 2}, 2, None),
 }
 TWO_RANKS = {
     "tp_sp": ({"tp": 2}, 4, None),
     "tp_no_sp": ({"tp": 2, "sequence_parallel": False}, 4, None),
+    "pp_gpipe": ({"pp": 2, "pp_schedule": "gpipe"}, 2, None),
+    "pp_1f1b": ({"pp": 2, "pp_schedule": "1f1b"}, 2, None),
+    "pp_from_one": ({"pp": 2}, 2, None),
 }
 
 
 def _jobs(tmp: Path, table: dict[str, Any]) -> list[dict[str, Any]]:
     jobs = []
     for name, (mesh, micro, model) in table.items():
-        extra: dict[str, Any] = {"sharding": "none" if "dp_shard" not in mesh else "zero3"}
+        replicated = "dp_shard" not in mesh and "pp" not in mesh  # pipeline stages save through FSDP2's DCP
+        extra: dict[str, Any] = {"sharding": "none" if replicated else "zero3"}
         if isinstance(model, dict):
             extra["sections"] = {"model": {"config": model}}
         elif isinstance(model, str):
             extra["trainer"] = model
         if name == "fsdp_x_tp_sp":
             extra["sections"] = {"memory": {"track": True}}
+        if name in RESUMED:
+            extra["resume"] = True
         jobs.append(_job(tmp, name, mesh, micro, **extra))
     return jobs
 
@@ -83,16 +104,37 @@ def _jobs(tmp: Path, table: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("mesh")
-    results = {}
+    losses, weights = _on_one_process(tmp / "pp_from_one", "pp_from_one")  # what the pp job resumes
+    torch.save(weights, tmp / "one_process.pt")
+    results: dict[str, dict[str, Any]] = {"one_process": {"losses": losses}}
     for ranks, table in ((4, FOUR_RANKS), (2, TWO_RANKS)):
         for name, result in zip(table, launch(tmp, ranks, _jobs(tmp, table)), strict=True):
             results[name] = result
     return tmp, results
 
 
-def _reference(tmp: Path, micro: int, model: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same job on one process, no mesh."""
-    sections: dict[str, Any] = {"batch": {"global_size": 8, "micro_size": micro}, **STEPS}
+def _on_one_process(
+    run_dir: Path, name: str, resume: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Pipeline job `name` on one process under FSDP2 (the DCP checkpoints a pipeline run writes): losses
+    and whole weights."""
+    sections = {
+        "batch": {"global_size": 8, "micro_size": 2},
+        "strategies": {"sharding": "zero3"},
+        **_sections(name),
+    }
+    trainer = CausalLMTrainer(tiny_recipe(run_dir, **sections))
+    result = trainer.fit(resume=resume)
+    weights = whole_weights(trainer)
+    trainer.close()
+    return result.losses, weights
+
+
+def _reference(
+    tmp: Path, micro: int, model: Any, name: str = ""
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same job (`name`'s, when given) on one process, no mesh."""
+    sections: dict[str, Any] = {"batch": {"global_size": 8, "micro_size": micro}, **_sections(name)}
     if isinstance(model, str):
         raw = tiny_recipe_dict(tmp, **sections)
         trainer: Any = SplitMLPTrainer(
@@ -108,17 +150,19 @@ def _reference(tmp: Path, micro: int, model: Any) -> tuple[list[float], dict[str
     return result.losses, whole_weights(trainer)
 
 
-@pytest.mark.parametrize("name", [*FOUR_RANKS, *TWO_RANKS])
+@pytest.mark.parametrize("name", [n for n in [*FOUR_RANKS, *TWO_RANKS] if n not in RESUMED])
 def test_mesh_trains_as_one_process(
     name: str, mesh_runs: tuple[Path, dict[str, dict[str, Any]]], tmp_path: Path
 ) -> None:
     """HSDP, tensor parallel with and without sequence parallel, FSDP x TP (two transformers families and a
-    subclass with its own plan): equal losses and weights after 3 AdamW steps with accumulation. The hole it
-    closes: before meshes every rank was a data-parallel rank (a tp rank would read other rows, and a
-    sharding over all ranks would average tensor-parallel shards as if they were replicas)."""
+    subclass with its own plan), a 2-stage pipeline (GPipe, 1F1B, and x FSDP 2): equal losses and weights
+    after 3 AdamW steps with accumulation. The hole it closes: before meshes every rank was a data-parallel
+    rank (a tp rank would read other rows, and a sharding over all ranks would average tensor-parallel shards
+    as if they were replicas); before the pipeline, `strategies.mesh.pp > 1` was refused, and a stage's
+    gradient norm alone (torch's `clip_grad_norm_`) clips each stage by another factor (the pp jobs clip)."""
     tmp, results = mesh_runs
     _, micro, model = {**FOUR_RANKS, **TWO_RANKS}[name]
-    losses, expected = _reference(tmp_path, micro, model)
+    losses, expected = _reference(tmp_path, micro, model, name)
     got = torch.load(tmp / f"{name}.pt")
     assert results[name]["losses"] == pytest.approx(losses, abs=LOSS_TOLERANCE)
     assert set(got) == set(expected)
@@ -182,7 +226,11 @@ def _plan_dict() -> dict[str, Any]:
     ("world", "strategies", "config", "expected"),
     [
         (4, {"mesh": {"cp": 2}}, None, "strategies.mesh.cp: 2 ranks of context parallelism: torch has no"),
-        (4, {"mesh": {"pp": 2}}, None, "strategies.mesh.pp: 2 pipeline stages"),
+        (3, {"mesh": {"pp": 3}}, None, "strategies.mesh.pp: 3 stages do not divide the model's num_hidden"),
+        (4, {"mesh": {"pp": 2, "tp": 2}}, None, "strategies.mesh.pp: 2 pipeline stages with tensor parallel"),
+        (2, {"mesh": {"pp": 2, "pp_schedule": "interleaved_1f1b"}}, None, "pp_schedule: interleaved_1f1b"),
+        (2, {"mesh": {"pp": 2}, "sharding": "none"}, None, "strategies.sharding: none with pipeline stages"),
+        (2, {"mesh": {"pp": 2}}, {**TINY_QWEN2, "tie_word_embeddings": True}, "the first and the last stage"),
         (4, {"mesh": {"dp_shard": 3}}, None, "strategies.mesh: the pinned degrees"),
         (4, {"mesh": {"tp": 2}, "sharding": "ddp"}, None, "strategies.sharding: ddp replicates whole"),
         (
@@ -235,6 +283,11 @@ def test_a_trainer_without_a_plan_is_refused(tmp_path: Path, monkeypatch: pytest
         "NoPlanTrainer has no tensor-parallel plan" in p for p in recipe_problems(recipe, NoPlanTrainer)
     )
     assert not recipe_problems(recipe, SplitMLPTrainer)
+    staged = NoPlanTrainer.recipe_class.from_dict({**recipe.to_dict(), "strategies": {"mesh": {"pp": 2}}})
+    assert any(  # the pipeline split is the built-in causal-LM trainer's alone
+        "SplitMLPTrainer cannot split its model into pipeline stages" in p
+        for p in recipe_problems(staged, SplitMLPTrainer)
+    )
 
 
 def test_mesh_of_names_the_key(tmp_path: Path) -> None:
@@ -248,7 +301,7 @@ def test_hsdp_x_tp_on_eight_ranks_trains_as_one_process(tmp_path: Path) -> None:
     """The 3-D case: 2 replicas x 2 shards x 2 tensor ranks (sequence parallel), 8 processes; the tensor
     ranks of one data-parallel rank read the same rows, each replica x shard its own."""
     mesh = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
-    (result,) = _launch(tmp_path, 8, [_job(tmp_path, "hsdp_x_tp", mesh, 1)])
+    (result,) = launch(tmp_path, 8, [_job(tmp_path, "hsdp_x_tp", mesh, 1)])
     losses, expected = _reference(tmp_path / "reference", 1, None)
     got = torch.load(tmp_path / "hsdp_x_tp.pt")
     assert result["losses"] == pytest.approx(losses, abs=LOSS_TOLERANCE)
@@ -263,3 +316,36 @@ def test_the_mesh_line_names_the_dimensions_that_cross_nodes() -> None:
     assert MeshShape(dp_shard=2, tp=8).crossing(4) == ["dp_shard", "tp"]
     assert MeshShape(pp=2, dp_shard=4).crossing(4) == ["pp"]
     assert MeshShape(dp_shard=8).crossing(8) == []
+
+
+def test_a_pipeline_run_resumes_on_one_process(
+    mesh_runs: tuple[Path, dict[str, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The 2-stage 1F1B run's checkpoint after step 2 (each stage saved its own parameters and AdamW states
+    under their whole-model names) resumes on one process: step 3's loss and the weights after it are those
+    of the uninterrupted one-process run. The hole: before, nothing split a model into stages to save."""
+    tmp, results = mesh_runs
+    shutil.copytree(tmp / "pp_1f1b", tmp_path / "resumed")
+    losses, got = _on_one_process(tmp_path / "resumed", "pp_1f1b", resume=True)
+    _same_run(losses, got, results["one_process"]["losses"][2:], torch.load(tmp / "one_process.pt"))
+
+
+def test_a_one_process_run_resumes_on_a_pipeline(mesh_runs: tuple[Path, dict[str, dict[str, Any]]]) -> None:
+    """The reverse: a one-process run's checkpoint after step 2 resumes on 2 stages (each loads its own
+    parameters and states by their whole-model names), and step 3's loss and weights are that run's. The
+    hole: before, `strategies.mesh.pp > 1` was refused."""
+    tmp, results = mesh_runs
+    got = torch.load(tmp / "pp_from_one.pt")
+    expected = results["one_process"]
+    _same_run(
+        results["pp_from_one"]["losses"], got, expected["losses"][2:], torch.load(tmp / "one_process.pt")
+    )
+
+
+def _same_run(
+    losses: list[float], got: dict[str, torch.Tensor], expected_losses: list[float], expected: dict[str, Any]
+) -> None:
+    assert losses == pytest.approx(expected_losses, abs=1e-6)
+    assert set(got) == set(expected)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= WEIGHT_TOLERANCE, worst

@@ -22,6 +22,7 @@ from torch import nn
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import data_checks, pretrained
 from memtrain.causal_lm import tokenizer as tokenizer_lib
+from memtrain.causal_lm.pipeline import pipeline_problems, split_causal_lm
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.tensor_parallel import causal_lm_plan, tensor_parallel_problems
 from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
@@ -258,6 +259,8 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
     problems += _attention_problems(recipe, config)
     tp = recipe.strategies.mesh.tp
     problems += tensor_parallel_problems(config, tp) if isinstance(tp, int) else []
+    pp = recipe.strategies.mesh.pp
+    problems += pipeline_problems(config, pp, recipe) if isinstance(pp, int) else []
     if recipe.data.kind == "preference" and tp != 1:
         problems.append(
             "strategies.mesh.tp: preference training reads log-probabilities from whole logits, which tensor "
@@ -549,6 +552,10 @@ class CausalLMTrainer(Trainer):
         if problems:
             raise Unsupported(problems[0])
         return causal_lm_plan(model, self.env.shape.sequence_parallel)
+
+    def pipeline_split(self, model: nn.Module, stage: int, stages: int) -> bool:
+        """Keep stage `stage`'s part of the model for `strategies.mesh.pp > 1` (`memtrain.causal_lm.pipeline`)."""
+        return split_causal_lm(model, stage, stages)
 
     def step_batch(self, step: int) -> Batch:
         share = self.per_rank_batch_size

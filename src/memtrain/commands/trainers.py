@@ -126,6 +126,7 @@ def recipe_problems(recipe: Recipe, trainer: type[Trainer], skip: Set[str] = fro
     return (
         trainer.recipe_problems(recipe, skip)
         + _tensor_parallel_problems(recipe, trainer)
+        + _pipeline_problems(recipe, trainer)
         + preflight.recipe_problems(recipe, skip)
     )
 
@@ -138,6 +139,17 @@ def _tensor_parallel_problems(recipe: Recipe, trainer: type[Trainer]) -> list[st
     return [
         f"strategies.mesh.tp: {trainer.__name__} has no tensor-parallel plan (override "
         "Trainer.tensor_parallel_plan(model)); set strategies.mesh.tp: 1"
+    ]
+
+
+def _pipeline_problems(recipe: Recipe, trainer: type[Trainer]) -> list[str]:
+    """A trainer that cannot split its model into pipeline stages (no `Trainer.pipeline_split`) and pp > 1."""
+    pp = recipe.strategies.mesh.pp
+    if pp == 1 or trainer.pipeline_split is not None:
+        return []
+    return [
+        f"strategies.mesh.pp: {trainer.__name__} cannot split its model into pipeline stages (only the "
+        "built-in causal-LM trainer does); set strategies.mesh.pp: 1"
     ]
 
 

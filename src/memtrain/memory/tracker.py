@@ -69,7 +69,9 @@ class MemoryTracker:
         self.model = model
         # The parameters the model holds now: FSDP2 swaps gathered (unsharded) tensors in as a module's
         # parameters between its all-gather and its reshard, and its sharded ones are still the weights.
-        self._held: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()} if model is not None else {}
+        self._held: dict[int, torch.Tensor] = (
+            {id(p): p for p in model.parameters()} if model is not None else {}
+        )
         self.optimizer: torch.optim.Optimizer | None = None
         self.device = torch.device(device) if device is not None else _default_device(model)
         self.budget = Budget(budget_bytes) if budget_bytes is not None else None

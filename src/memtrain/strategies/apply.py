@@ -1,8 +1,9 @@
 """`apply_strategies`: the one place a plan's strategies are applied to a model, in one fixed order.
 
 The order (as torchtitan's parallelize does it): adapters (LoRA layers added, the base frozen) ->
-precision module swaps (fp8's float8 linears) -> [on a mesh: the `DeviceMesh`, built once -> tensor and
-sequence parallel (the trainer's plan, `tensor_parallel`)] ->
+precision module swaps (fp8's float8 linears) -> [on a mesh: the `DeviceMesh`, built once -> the pipeline
+split (this rank's stage, the trainer's `pipeline_split`) -> tensor and sequence parallel (the trainer's
+plan, `tensor_parallel`)] ->
 activation checkpointing (wraps the blocks' forwards) -> the loss (binds to the model; `chunked` defers the
 output head's forward to it) -> the precision's stored dtype, frozen parameters in the compute dtype where
 the precision and the sharding keep them so (`Precision.frozen_stored_dtype`, `Sharding.as_stored`) ->
@@ -10,7 +11,7 @@ the precision and the sharding keep them so (`Precision.frozen_stored_dtype`, `S
 sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
 plan keeps them -> the optimizer over the trainable parameters, built by the precision (master weights)
 around the trainer's `build_optimizer` (one per parameter, stepped in backward, under `optimizer_step:
-in_backward`)].
+in_backward`) -> [pp > 1: the wrapped stage attached to its pipeline, `memtrain.strategies.pipeline`]].
 
 The trainer's setup runs all of it; `switch_in_place` re-applies checkpointing and the loss to a live model
 when a run re-plans (memtrain.training.replan). The planner's trace runs the model part only (`env=None`), on a model
@@ -34,6 +35,7 @@ from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing, unwrap_blocks
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.optimizer_step import OptimizerStep
+from memtrain.strategies.pipeline import PipelineSplit, attach, split_for_stage
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 from memtrain.strategies.sharding import SHARDING
@@ -69,6 +71,7 @@ def apply_strategies(
     loss: Loss | None = None,
     optimizer_step: OptimizerStep | None = None,
     tensor_parallel: PlanHook | None = None,
+    pipeline: PipelineSplit | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
@@ -79,7 +82,8 @@ def apply_strategies(
     the device and filled by `load_weights` where its plan keeps the weights: before a replicating
     backend wraps it, or, for a backend that shards meta models (FSDP2), after sharding, so that each
     rank reads only its shards. On a mesh with tp > 1, `tensor_parallel(model)` is the trainer's plan for
-    splitting it."""
+    splitting it; with pp > 1, `pipeline(model, stage, stages)` keeps this rank's stage of it (and `blocks`
+    keeps the blocks that stage holds)."""
     adapters = adapters or Adapters()
     quantization = quantization or Quantization()
     if quantization.name != "none":  # after the weights are loaded (it reads them), before the adapters
@@ -104,6 +108,8 @@ def apply_strategies(
     if env is not None and not env.shape.is_flat:  # the mesh, built once for every strategy that needs it
         ensure_process_group(env)
         env = with_device_mesh(env)
+    if env is not None and env.shape.pp > 1:  # first: every later strategy sees only this stage's part
+        split_for_stage(model, blocks, pipeline, env, sharding.checkpoint_format if sharding else "")
     if env is not None and env.shape.tp > 1:
         if not any(p.is_meta for p in model.parameters()):
             model.to(env.device)
@@ -143,6 +149,8 @@ def apply_strategies(
         lambda m: precision.build_optimizer(m, build),
         materialise=materialise if on_meta else None,
     )
+    if env.shape.pp > 1:
+        attach(wrapped, env)
     return Applied(wrapped, optimizer, precision.grad_scaler(device))
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from memtrain.distributed import DistEnv
@@ -79,7 +80,9 @@ def check_loss(loss_name: str, tp: int) -> None:
         )
 
 
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> float:
+def clip_grad_norm(
+    params: Sequence[torch.Tensor], max_norm: float | None, stages: dist.ProcessGroup | None = None
+) -> float:
     """torch's `clip_grad_norm_` (the 2-norm over every gradient; `max_norm` None: measured, not clipped),
     also for DTensor gradients on a mesh. torch's cannot stack the norms of gradients on different meshes (a
     model split by tensor parallelism and sharded by FSDP has them on the (dp, tp) mesh beside those of
@@ -87,12 +90,17 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float | None) -> fl
     in-place scaling of a gradient FSDP shards over an already tensor-parallel dimension (`_StridedShard`)
     came out wrong (a norm of 0.86 for 0.95; factors differing per tensor). Here each gradient's squares are
     summed from this rank's shard and added over the mesh dimensions that shard it (`_squares`), and every
-    gradient is scaled by one factor, computed as torch's is."""
+    gradient is scaled by one factor, computed as torch's is. `stages`: the group of pipeline stages, each
+    holding other parameters (`memtrain.strategies.pipeline.stage_group`), over which the squares add up."""
     limit = max_norm if max_norm is not None else math.inf
-    if not any(hasattr(p, "device_mesh") for p in params):
+    if stages is None and not any(hasattr(p, "device_mesh") for p in params):
         return float(torch.nn.utils.clip_grad_norm_(params, limit))
     grads = [p.grad for p in params if p.grad is not None]
-    total = math.sqrt(sum(_squares(g) for g in grads))
+    device = grads[0].device if grads else torch.device("cpu")  # nccl reduces device tensors
+    squares = torch.tensor(sum(_squares(g) for g in grads), dtype=torch.float64, device=device)
+    if stages is not None:
+        dist.all_reduce(squares, group=stages)
+    total = math.sqrt(float(squares))
     factor = limit / (total + 1e-6)
     if factor < 1.0:
         with torch.no_grad():

@@ -13,6 +13,7 @@ Hooks (override in a subclass):
     build_optimizer(params)           -> torch.optim.Optimizer   (default: AdamW from `train:`)
     step_batch(step)                  -> dict of tensors: this rank's share of the step's global batch
     tensor_parallel_plan(model)       -> module name -> ParallelStyle (default None: no tensor parallel)
+    pipeline_split(model, s, p)       -> keep stage s of p in place (default None: pp > 1 refused)
     loss(model, micro_batch)          -> (loss_sum, num_tokens)
     count_tokens(micro_batch)         -> int                     (default: labels != -100)
     split_batch(batch, micro_size)    -> list of micro-batches   (default: slices along dim 0)
@@ -50,11 +51,12 @@ from memtrain.planner import ModelSpec, PlanResult, make_plan, stderr_progress
 from memtrain.recipe import Recipe
 from memtrain.run import Resume, RunDirectory
 from memtrain.run.checkpoints import Checkpoint
-from memtrain.schedules import lr_at
+from memtrain.schedules import due, lr_at
 from memtrain.strategies.apply import apply_strategies, switch_in_place
 from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
+from memtrain.strategies.pipeline import PipelineSplit, is_pipeline, run_step, stage_group
 from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.strategies.tensor_parallel import TensorParallelPlan, clip_grad_norm, vocabulary_parallel_loss
 from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state, two_pass
@@ -72,6 +74,7 @@ class Trainer:
     (`MyTrainer.recipe_class.load("my.yaml")` reads one; the command line reads with it)."""
 
     recipe_class: ClassVar[type[Recipe]] = Recipe
+    pipeline_split: PipelineSplit | None = None  # keeps a stage's part of the model for pp > 1 (causal LM)
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = self.recipe_class.adopt(recipe)
@@ -264,6 +267,7 @@ class Trainer:
             loss=plan.loss,
             optimizer_step=plan.optimizer_step,
             tensor_parallel=self.tensor_parallel_plan,
+            pipeline=self.pipeline_split,
         )
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         self.monitor.track(sharding.unwrap(self.model), self.optimizer, self.recipe.memory)
@@ -337,7 +341,7 @@ class Trainer:
                 self, step, result, self.save_checkpoint
             ):
                 return
-            if self._due(step, self.recipe.checkpoint.every) and step + 1 < total:
+            if due(step, self.recipe.checkpoint.every) and step + 1 < total:
                 self.save_checkpoint(step + 1)
         if self.recipe.checkpoint.at_end and result.steps_done > start:
             self.save_checkpoint(result.steps_done)
@@ -355,7 +359,7 @@ class Trainer:
         result.losses.append(row["loss"])
         result.steps_done = step + 1
         result.tokens_seen += row["tokens"]
-        if self._due(step, self.recipe.train.eval_every):
+        if due(step, self.recipe.train.eval_every):
             evaluation.record(self, step, row, result)
         return row
 
@@ -437,7 +441,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.recipe.train.grad_clip
-        norm = clip_grad_norm(params, clip)
+        norm = clip_grad_norm(params, clip, stage_group(self.model))
         skipped = not math.isfinite(norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips by itself when it found inf/nan while unscaling
@@ -486,6 +490,8 @@ class Trainer:
         if not global_tokens:  # no loss token on any rank: `train_step` skips the step
             return StepTotals(loss_sum=loss_total, global_tokens=0, micro_batches=len(micro_batches))
         self.model.train()
+        if is_pipeline(self.model):  # the stages run every micro-batch (`memtrain.strategies.pipeline`)
+            return StepTotals(run_step(self.model, micro_batches, scale), global_tokens, len(micro_batches))
         failed = False
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
@@ -500,9 +506,7 @@ class Trainer:
                 if last and self.env.distributed:
                     raise self.monitor.unagreeable_oom(step, self.plan) from None
                 failed = True
-        if failed:
-            return None
-        return StepTotals(loss_sum=loss_total, global_tokens=global_tokens, micro_batches=len(micro_batches))
+        return None if failed else StepTotals(loss_total, global_tokens, len(micro_batches))
 
     def _micro_step(
         self, micro_batch: Batch, scale: float, last: bool, expected_tokens: int | None
@@ -594,7 +598,3 @@ class Trainer:
 
     def _to_device(self, batch: Batch) -> Batch:
         return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
-
-    @staticmethod
-    def _due(step: int, every: int) -> bool:
-        return every > 0 and (step + 1) % every == 0
