@@ -17,6 +17,7 @@ Why, each a hole the sweep found:
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.planner.memory_model import EdgePattern, edge_pattern
 from memtrain.strategies.checkpointing import FullCheckpointing, NoCheckpointing
 
-from helpers import TINY_LLAMA, tiny_recipe
+from helpers import REPO, TINY_LLAMA, tiny_recipe
 from planner_cases import cpu_target, plan_on, scored_plan
 
 MAX_OVER, MAX_UNDER = 0.03, -0.005  # issue 14's goal
@@ -93,3 +94,24 @@ def test_edge_pattern_gives_the_clone_the_real_first_second_and_last_modes() -> 
     assert edge_pattern((full,) + (none,) * 31, 3) == EdgePattern((True, False, False))
     assert edge_pattern((full, none, none, none), 4) == EdgePattern((True, False, False, False))  # whole
     assert edge_pattern((full,) * 32, 3) is None  # one mode: its own trace has the edges
+
+
+def test_the_sweep_runs_every_recompute_mode_in_both_precisions() -> None:
+    # The hole: the sweep's plans were fp32 without recompute and bf16-mixed with full recompute only.
+    spec = importlib.util.spec_from_file_location("family_sweep", REPO / "scripts" / "family_sweep.py")
+    assert spec is not None and spec.loader is not None
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    plans = sweep.mode_plans(["none", "full", "selective", "fraction"])
+    assert {(p[0], p[1]) for p in plans} == {
+        (precision, mode)
+        for precision in ("fp32", "bf16-mixed")
+        for mode in ("none", "full", "selective", "fraction")
+    }
+    rows = [
+        {"plan": sweep.plan_label(plans[i]), "error": error}
+        for i, error in ((0, 0.0), (2, 0.01), (2, -0.006), (2, -0.004))
+    ]
+    table = sweep.by_mode(rows)
+    assert "| full | fp32 | 3 | 0.60% | 1.00% | -0.60% | 1 |" in table
+    assert "| none | fp32 | 1 | 0.00% | 0.00% | +0.00% | 0 |" in table
