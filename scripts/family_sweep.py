@@ -400,11 +400,16 @@ def run_family(
                 )
                 try:
                     measured = planner_accuracy.measure(recipe, None)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - a plan it cannot train: the others still run
                     outcome["failures"].append(
-                        {"attention": attention, "stage": "train", "error": _short(exc)}
+                        {
+                            "attention": attention,
+                            "plan": plan_label(plan),
+                            "stage": "train",
+                            "error": _short(exc),
+                        }
                     )
-                    break
+                    continue
                 trained = True
                 try:
                     from memtrain.planner.model_probe import ModelProbe
@@ -414,9 +419,15 @@ def run_family(
                     prediction = planner_accuracy.predict(recipe, probe)
                 except (MemtrainError, Exception) as exc:  # noqa: BLE001
                     outcome["failures"].append(
-                        {"attention": attention, "stage": "plan", "error": _short(exc), "trace": _tail()}
+                        {
+                            "attention": attention,
+                            "plan": plan_label(plan),
+                            "stage": "plan",
+                            "error": _short(exc),
+                            "trace": _tail(),
+                        }
                     )
-                    break
+                    continue
             outcome["rows"].append(
                 {
                     "family": model_type,
@@ -513,7 +524,10 @@ def summary(outcomes: list[dict[str, Any]]) -> str:
     failures = [(o["family"], f) for o in built for f in o["failures"]]
     if failures:
         lines += ["", "Failures of families that train:", ""]
-        lines += [f"- {family} ({f['attention']}, {f['stage']}): {f['error']}" for family, f in failures]
+        lines += [
+            f"- {family} ({f['attention']}, {f.get('plan', '')}, {f['stage']}): {f['error']}"
+            for family, f in failures
+        ]
     skipped = [o for o in outcomes if o["skipped"] is not None]
     if skipped:
         lines += ["", "Skipped:", ""]
