@@ -408,10 +408,11 @@ def _kinds_differ(first: nn.Module, middle: nn.Module) -> bool:
     are set up as different kinds (`_settings`); modules of different types (a dense MLP against
     experts) say nothing of the kind."""
     others = dict(middle.named_modules())
-    return any(
-        type(others.get(name)) is type(module) and _settings(others[name]) != _settings(module)
-        for name, module in first.named_modules()
-    )
+    for name, module in first.named_modules():
+        other = others.get(name)
+        if other is not None and type(other) is type(module) and _settings(other) != _settings(module):
+            return True
+    return False
 
 
 def _structure(block: nn.Module) -> tuple[tuple[str, str, tuple[object, ...]], ...]:
