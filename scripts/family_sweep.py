@@ -12,7 +12,7 @@ scripts/planner_accuracy.py does (`predict`) and measures it in a real CPU run w
 reason (`UNTRAINABLE` names the families no causal-LM step can train on their own, and why). Each family runs in its own process with a timeout, so one hang or crash cannot stop the sweep.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/family_sweep.py [--quick | --modes none,full,selective,fraction]
-        [--only llama,gpt2] [--json OUT]
+        [--attentions eager] [--only llama,gpt2] [--json OUT]
 
 Writes results/family_sweep.json (or --json) and prints the markdown summary: families planned / built,
 median and max |error| of the peak, the worst under-prediction, a row per family and attention, and the
