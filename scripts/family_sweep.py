@@ -11,12 +11,15 @@ scripts/planner_accuracy.py does (`predict`) and measures it in a real CPU run w
 (`measure`). A family that cannot be built tiny or cannot train a step on a CPU is skipped with the
 reason (`UNTRAINABLE` names the families no causal-LM step can train on their own, and why). Each family runs in its own process with a timeout, so one hang or crash cannot stop the sweep.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/family_sweep.py [--quick] [--only llama,gpt2] [--json OUT]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/family_sweep.py [--quick | --modes none,full,selective,fraction]
+        [--attentions eager] [--only llama,gpt2] [--json OUT]
 
 Writes results/family_sweep.json (or --json) and prints the markdown summary: families planned / built,
 median and max |error| of the peak, the worst under-prediction, a row per family and attention, and the
 skipped families with reasons. Goal (issue 14): every family that trains also plans; median <= 1%,
-max <= 3%, never under by more than 0.5%. --quick: one plan per family (else two).
+max <= 3%, never under by more than 0.5%. --quick: one plan per family (else two). --modes: each recompute
+mode named (`strategies.checkpointing`; fraction at 0.5) in fp32 and in bf16-mixed, micro-batch 4 of 8, with
+a table per mode and precision (issue 26: a mode the default plans skip can be the one planned wrong).
 """
 
 from __future__ import annotations
@@ -44,6 +47,23 @@ TIMEOUT_S = 300  # one family, every attention and plan
 ATTENTIONS = ("eager", "sdpa")
 QUICK_PLANS = [planner_accuracy.PLANS[0]]  # fp32, no checkpointing, one micro-step
 PLANS = [planner_accuracy.PLANS[0], planner_accuracy.PLANS[2]]  # + bf16-mixed, full checkpointing, 2 micro
+RECOMPUTE_MODES = ("none", "full", "selective", "fraction")  # strategies.checkpointing
+PRECISIONS = ("fp32", "bf16-mixed")
+FRACTION = 0.5  # strategies.checkpointing_fraction under `fraction`: 2 of the tiny model's 4 blocks
+
+
+def mode_plans(modes: list[str]) -> list[tuple[str, str, float, str, int]]:
+    """`--modes`: each recompute mode in fp32 and bf16-mixed, micro-batch 4 of 8 (two micro-steps)."""
+    unknown = [mode for mode in modes if mode not in RECOMPUTE_MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {', '.join(unknown)}; use some of {', '.join(RECOMPUTE_MODES)}")
+    return [(precision, mode, FRACTION, "fp32", 4) for mode in modes for precision in PRECISIONS]
+
+
+def plan_label(plan: tuple[str, str, float, str, int]) -> str:
+    precision, mode, fraction, _, micro = plan
+    return f"{precision}, {mode}{f' {fraction:g}' if mode == 'fraction' else ''}, micro {micro}"
+
 
 # The common size fields of transformers configs and their tiny values; a field is set only when the
 # family's default config has it as an integer (so None means "off" stays off).
@@ -343,8 +363,11 @@ def _every_kind(kinds: list[Any], length: int) -> list[int]:
     return cut
 
 
-def run_family(model_type: str, plans: list[tuple[str, str, float, str, int]]) -> dict[str, Any]:
-    """One family in this process: build it tiny; per attention, predict and measure each plan."""
+def run_family(
+    model_type: str, plans: list[tuple[str, str, float, str, int]], only: tuple[str, ...] = ATTENTIONS
+) -> dict[str, Any]:
+    """One family in this process: build it tiny; per attention (of `only` the family has), predict and
+    measure each plan."""
     import torch
 
     from memtrain.commands.trainers import trainer_class
@@ -364,6 +387,7 @@ def run_family(model_type: str, plans: list[tuple[str, str, float, str, int]]) -
     attentions = attentions_of(model_type)
     if attentions != ATTENTIONS:
         outcome["note"] = "eager only: transformers builds it without SDPA"
+    attentions = tuple(a for a in attentions if a in only)
     trained = False
     for attention in attentions:
         probe = None
@@ -376,11 +400,16 @@ def run_family(model_type: str, plans: list[tuple[str, str, float, str, int]]) -
                 )
                 try:
                     measured = planner_accuracy.measure(recipe, None)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - a plan it cannot train: the others still run
                     outcome["failures"].append(
-                        {"attention": attention, "stage": "train", "error": _short(exc)}
+                        {
+                            "attention": attention,
+                            "plan": plan_label(plan),
+                            "stage": "train",
+                            "error": _short(exc),
+                        }
                     )
-                    break
+                    continue
                 trained = True
                 try:
                     from memtrain.planner.model_probe import ModelProbe
@@ -390,14 +419,21 @@ def run_family(model_type: str, plans: list[tuple[str, str, float, str, int]]) -
                     prediction = planner_accuracy.predict(recipe, probe)
                 except (MemtrainError, Exception) as exc:  # noqa: BLE001
                     outcome["failures"].append(
-                        {"attention": attention, "stage": "plan", "error": _short(exc), "trace": _tail()}
+                        {
+                            "attention": attention,
+                            "plan": plan_label(plan),
+                            "stage": "plan",
+                            "error": _short(exc),
+                            "trace": _tail(),
+                        }
                     )
-                    break
+                    continue
             outcome["rows"].append(
                 {
                     "family": model_type,
                     "attention": attention,
-                    "plan": f"{plan[0]}, {plan[1]}, micro {plan[4]}",
+                    "plan": plan_label(plan),
+                    "mode": plan[1],
                     "measured": measured.peak_bytes,
                     "predicted": prediction.peak,
                     "error": planner_accuracy.relative(prediction.peak, measured.peak_bytes),
@@ -430,12 +466,11 @@ def _tail() -> str:
     return "".join(traceback.format_exc().splitlines(keepends=True)[-6:])
 
 
-def sweep_one(model_type: str, quick: bool, timeout: float = TIMEOUT_S) -> dict[str, Any]:
-    """`run_family` in a child process, so a hang or a crash costs this family only."""
+def sweep_one(model_type: str, flags: list[str], timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    """`run_family` in a child process, so a hang or a crash costs this family only (`flags`: the plan
+    choice, `--quick` or `--modes ...`, passed on)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1")
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", model_type]
-    if quick:
-        command.append("--quick")
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", model_type, *flags]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -477,6 +512,7 @@ def summary(outcomes: list[dict[str, Any]]) -> str:
             f"max {100 * max(errors):.2f}%; worst under-prediction {100 * min(0.0, under['error']):+.2f}% "
             f"({under['family']}, {under['attention']}, {under['plan']})",
             "",
+            *by_mode(rows),
             "| family | attention | plan | measured peak | predicted peak | error |",
             "|---|---|---|---:|---:|---:|",
         ]
@@ -488,7 +524,10 @@ def summary(outcomes: list[dict[str, Any]]) -> str:
     failures = [(o["family"], f) for o in built for f in o["failures"]]
     if failures:
         lines += ["", "Failures of families that train:", ""]
-        lines += [f"- {family} ({f['attention']}, {f['stage']}): {f['error']}" for family, f in failures]
+        lines += [
+            f"- {family} ({f['attention']}, {f.get('plan', '')}, {f['stage']}): {f['error']}"
+            for family, f in failures
+        ]
     skipped = [o for o in outcomes if o["skipped"] is not None]
     if skipped:
         lines += ["", "Skipped:", ""]
@@ -496,9 +535,35 @@ def summary(outcomes: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def by_mode(rows: list[dict[str, Any]]) -> list[str]:
+    """A table per recompute mode and precision: runs, median and max |error|, the worst under-prediction
+    and the runs under by more than 0.5% (the goal: none)."""
+    groups: dict[str, list[float]] = {}
+    for row in rows:
+        precision, mode = row["plan"].split(", ")[:2]
+        groups.setdefault(f"{mode} | {precision}", []).append(row["error"])
+    lines = [
+        "| mode | precision | runs | median abs error | max abs error | most under | under by > 0.5% |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, errors in groups.items():
+        size = [abs(e) for e in errors]
+        lines.append(
+            f"| {key} | {len(errors)} | {100 * statistics.median(size):.2f}% | {100 * max(size):.2f}% "
+            f"| {100 * min(0.0, *errors):+.2f}% | {sum(e < -0.005 for e in errors)} |"
+        )
+    return [*lines, ""]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one plan per family (else two)")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated recompute modes ({','.join(RECOMPUTE_MODES)}), each in "
+        f"{' and '.join(PRECISIONS)}, instead of the default plans",
+    )
     parser.add_argument("--only", default=None, help="comma-separated model types (default: every family)")
     parser.add_argument("--json", type=Path, default=REPO / "results" / "family_sweep.json")
     parser.add_argument(
@@ -511,23 +576,32 @@ def main() -> int:
     parser.add_argument(
         "--timeout", type=float, default=TIMEOUT_S, help=f"seconds per family (default {TIMEOUT_S:.0f})"
     )
+    parser.add_argument(
+        "--attentions",
+        default=",".join(ATTENTIONS),
+        help="comma-separated attention implementations to run where a family has them (default: both)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    plans = QUICK_PLANS if args.quick else PLANS
+    modes = args.modes.split(",") if args.modes else None
+    plans = mode_plans(modes) if modes else QUICK_PLANS if args.quick else PLANS
+    flags = ["--modes", args.modes] if modes else ["--quick"] if args.quick else []
+    flags += ["--attentions", args.attentions]
+    only = tuple(args.attentions.split(","))
     if args.summarize is not None:
         merged = {o["family"]: o for path in args.summarize for o in json.loads(path.read_text())}
         print(summary(list(merged.values())))
         return 0
     if args.child is not None:
         warnings.filterwarnings("ignore")
-        print(json.dumps(run_family(args.child, plans)), flush=True)
+        print(json.dumps(run_family(args.child, plans, only)), flush=True)
         return 0
     chosen = args.only.split(",") if args.only else families()
     outcomes = []
     started = time.perf_counter()
     for index, family in enumerate(chosen, 1):
         began = time.perf_counter()
-        outcome = sweep_one(family, args.quick, args.timeout)
+        outcome = sweep_one(family, flags, args.timeout)
         outcomes.append(outcome)
         errors = ", ".join(f"{r['attention']} {100 * r['error']:+.2f}%" for r in outcome["rows"])
         state = outcome["skipped"] or "; ".join(

@@ -14,9 +14,11 @@ from types import ModuleType
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from memtrain.memory import MemoryTracker, fake_tensors
 from memtrain.planner.grouped_mm_trace import output_shape, traced_grouped_mm
+from memtrain.strategies.checkpointing import SelectiveCheckpointing
 
 from helpers import REPO
 
@@ -79,6 +81,48 @@ def test_shim_keeps_what_the_real_kernel_keeps() -> None:
     assert kept == real_kept
     assert peak == real_peak
     assert grads == real_grads
+
+
+def _selective_forward_kept(fake: bool, autocast: bool) -> int:
+    """Activation bytes an fp32 experts matmul followed by SiLU keeps after its forward under selective
+    recompute (the mode's own policy), optionally inside bf16 autocast (bf16-mixed: autocast leaves
+    `_grouped_mm` alone, so the real kernel runs fp32)."""
+
+    def experts(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+
+    with fake_tensors() if fake else contextlib.nullcontext():
+        leaf = torch.randn(TOKENS, HIDDEN, requires_grad=True)
+        weight = torch.randn(EXPERTS, OUT, HIDDEN, requires_grad=True)
+        offs = torch.tensor(OFFSETS, dtype=torch.int32)
+        tracker = MemoryTracker(None, device="meta" if fake else "cpu")
+        cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+        with tracker, traced_grouped_mm(), cast:
+            tracker.begin_step(0)
+            with tracker.phase("forward"):
+                x = leaf * 1.0
+                out = checkpoint(
+                    experts,
+                    x,
+                    weight,
+                    offs,
+                    use_reentrant=False,
+                    context_fn=SelectiveCheckpointing().context_fn(),
+                )
+                del x
+            kept: int = tracker.snapshot()["activations"]
+            del out
+            tracker.end_step()
+    return kept
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_selective_recompute_keeps_the_shims_output_as_a_matmuls(autocast: bool) -> None:
+    # The hole: the shim's output was a `new_empty`, which the selective policy recomputes rather than
+    # keeps, and a matmul under autocast would have made it bf16: the trace kept the SiLU's input only.
+    real = _selective_forward_kept(fake=False, autocast=autocast)
+    assert real == (TOKENS * HIDDEN + 2 * TOKENS * OUT) * 4  # x, the matmul's output, the SiLU's output
+    assert _selective_forward_kept(fake=True, autocast=autocast) == real
 
 
 def test_without_the_shim_the_meta_kernel_refuses_fp32() -> None:

@@ -11,13 +11,18 @@ sends fake inputs of a dtype the meta kernel refuses through `_GroupedMm`, a shi
 kernel does to memory: a new output of the inputs' dtype and the kernel's shape (the shape rules of torch's
 meta kernel, `_create_grouped_mm_output_tensor`), saved for backward what `GroupedMmBackward0` saves
 (`mat_a`, `mat_b`, `offs`) and a backward that makes one gradient per input that needs one, of the
-input's shape, dtype and layout. Real tensors, bf16 inputs, a bias or another `out_dtype` go to torch's op
+input's shape, dtype and layout. The output is made by a matmul (`aten.mm` of empty operands, autocast
+off), because selective recompute keeps matmul outputs by their op (strategies/checkpointing.py) and the
+real `_grouped_mm` is one: made by `new_empty` it was recomputed in the trace and kept in the real run
+(every grouped-mm MoE family 9-17% under with selective recompute), and an mm under bf16 autocast would
+have made it bf16 where autocast leaves the real op fp32. Real tensors, bf16 inputs, a bias or another `out_dtype` go to torch's op
 unchanged (the op and the swap are in memory/_torch_private.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,7 +55,10 @@ class _GroupedMm(torch.autograd.Function):
         ctx: Any, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None
     ) -> torch.Tensor:
         ctx.save_for_backward(mat_a, mat_b, offs)
-        return mat_a.new_empty(output_shape(mat_a, mat_b, offs))
+        shape = output_shape(mat_a, mat_b, offs)
+        rows = math.prod(shape[:-1])
+        with torch.autocast(mat_a.device.type, enabled=False):  # a matmul to selective recompute's policy
+            return torch.mm(mat_a.new_empty(rows, 0), mat_a.new_empty(0, shape[-1])).view(shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:

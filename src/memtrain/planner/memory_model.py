@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from memtrain.memory.footprint import COMPONENTS, Footprint, ModelShape
 from memtrain.planner.activations import FittedTrace, Segment, SegmentKey, Vec
-from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.checkpointing import Checkpointing, FullCheckpointing, NoCheckpointing
 from memtrain.strategies.optimizer import OptimizerStates
 
 GRADIENTS = COMPONENTS.index("gradients")
@@ -113,6 +114,48 @@ class StepWalk:
 Traces = Mapping[Checkpointing, FittedTrace]
 
 
+@dataclass(frozen=True)
+class EdgePattern(Checkpointing):
+    """A traced mode, never a recipe's: the traced blocks recompute their forward (as `full`) where
+    `recomputed` says, so a trace has the first, a middle and the last block in the modes of the real
+    blocks they stand for (`edge_pattern`).
+
+    Why: a mode that mixes recomputed and plain blocks (`fraction`) is walked block by block from the `none`
+    and `full` traces, but what the model makes before its blocks and hands to each of them (an eager
+    attention mask, position ids) lives as long as the last block that keeps it: a recomputed block keeps
+    its inputs until its backward, a plain one only what autograd saves (a mask added to the attention
+    scores is not saved, so without recompute it is freed when the forward returns). The `none` trace's
+    head segment frees it, the `full` trace's first block frees it in backward: read from the uniform
+    traces, a walk with its first blocks recomputed and its last plain freed it twice, one mask per
+    micro-step below the truth (tiny Mixtral, eager, fraction 0.5: -0.90%). So the segments outside the
+    blocks (embeddings, head, loss) are read from a trace of this pattern (`walk`).
+    """
+
+    name: ClassVar[str] = "edges"
+    recompute: ClassVar[str] = "forward"
+    recomputed: tuple[bool, ...] = ()
+
+    def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
+        if num_blocks != len(self.recomputed):
+            raise ValueError(f"EdgePattern of {len(self.recomputed)} blocks applied to {num_blocks}")
+        return self.recomputed
+
+    def describe(self) -> str:
+        return "blocks " + "".join("R" if again else "-" for again in self.recomputed)
+
+
+def edge_pattern(modes: Sequence[Checkpointing], depth: int) -> EdgePattern | None:
+    """The pattern a walk of `modes` (one per real block) reads its segments outside the blocks from, for a
+    trace of `depth` blocks (the clone's first, middle and last stand for the real first, second and last;
+    a model traced whole has its own); None where every block has one mode or a mode other than `none` and
+    `full` (nothing to mix)."""
+    plain, recomputed = NoCheckpointing(), FullCheckpointing()
+    if len(set(modes)) < 2 or not set(modes) <= {plain, recomputed}:
+        return None
+    chosen = list(modes) if depth >= len(modes) else [modes[0], *[modes[1]] * (depth - 2), modes[-1]]
+    return EdgePattern(tuple(mode == recomputed for mode in chosen))
+
+
 def step_walk(
     traces: Traces,
     modes: Sequence[Checkpointing],
@@ -140,6 +183,10 @@ def walk(
     last block's mode, the embeddings the first's. A run of identical blocks changes the level by the same amount per block, so its highest
     moment is in its first or its last block: runs cost two evaluations, whatever the depth.
 
+    A mixed walk reads the segments outside the blocks from the trace keyed by an `EdgePattern` where
+    `traces` has one (`EdgePattern`: why), and every segment from it when it was traced at the real depth
+    (a model traced whole: exact).
+
     Traces without block segments (a model whose blocks run several times per forward, model_probe.py)
     hold each phase whole, each in one mode for every block. The search traces a mode that mixes blocks
     (`fraction`) as itself over such a model (search._traced_as_itself), exact; only a walk asked for
@@ -153,8 +200,11 @@ def walk(
         )
         return max(uniform, key=lambda w: sum(w.at_peak))
     depth = min(trace.depth for trace in traces.values())
+    edges = next((m for m in traces if isinstance(m, EdgePattern)), None) if len(set(modes)) > 1 else None
+    if edges is not None and traces[edges].depth == len(modes):
+        modes = (edges,) * len(modes)
     level, best, maxima, where = start, start, start, "start"
-    for phase, first_index, count, clone_index, mode in _runs(modes, depth):
+    for phase, first_index, count, clone_index, mode in _runs(modes, depth, edges):
         key = SegmentKey(micro_step, phase, clone_index)
         if key not in traces[mode].intercept:  # e.g. no backward below the first block: a frozen embedding
             continue
@@ -178,9 +228,11 @@ def walk(
 Run = tuple[str, int, int, int, Checkpointing]
 
 
-def _runs(modes: Sequence[Checkpointing], depth: int) -> list[Run]:
-    """(phase, first block index, blocks in the run, clone block index, mode) in execution order."""
+def _runs(modes: Sequence[Checkpointing], depth: int, edges: Checkpointing | None = None) -> list[Run]:
+    """(phase, first block index, blocks in the run, clone block index, mode) in execution order; the
+    phases outside the blocks in `edges` where given, else in the first or the last block's mode."""
     count = len(modes)
+    before, after = edges or modes[0], edges or modes[-1]
 
     def clone_index(i: int) -> int:
         if count <= depth:
@@ -199,13 +251,13 @@ def _runs(modes: Sequence[Checkpointing], depth: int) -> list[Run]:
     ]
     release = [("fwd.release", -1, modes.count(mode), -1, mode) for mode in dict.fromkeys(modes)]
     return [
-        ("fwd.pre", -1, 1, -1, modes[0]),
+        ("fwd.pre", -1, 1, -1, before),
         *forward,
-        ("fwd.head", -1, 1, -1, modes[-1]),
+        ("fwd.head", -1, 1, -1, after),
         *release,
-        ("bwd.head", -1, 1, -1, modes[-1]),
+        ("bwd.head", -1, 1, -1, after),
         *backward,
-        ("bwd.pre", -1, 1, -1, modes[0]),
+        ("bwd.pre", -1, 1, -1, before),
     ]
 
 

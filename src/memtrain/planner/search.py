@@ -30,6 +30,7 @@ from memtrain.planner.memory_model import (
     StepWalk,
     Traces,
     Walk,
+    edge_pattern,
     offload_trace,
     predict,
     step_walk,
@@ -307,6 +308,10 @@ def _traces(
     }
     if mode.offloads_activations and device_type == "cuda":
         traces[mode] = offload_trace(traces[NoCheckpointing()], traces[FullCheckpointing()])
+    depth = min(trace.depth for trace in traces.values())
+    edges = edge_pattern(mode.block_modes(probe.num_blocks, device_type), depth)
+    if edges is not None:  # blocks of mixed modes: the segments outside them (memory_model.EdgePattern)
+        traces[edges] = probe.trace(precision, edges, rows, weights_dtype, plan.loss, capability)
     return traces
 
 
