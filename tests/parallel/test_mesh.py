@@ -22,23 +22,13 @@ from memtrain.errors import RecipeError
 from memtrain.mesh import MeshShape, resolve
 from memtrain.plan import Plan, mesh_of
 
-from helpers import tiny_recipe, tiny_recipe_dict
+from helpers import TINY_LLAMA, tiny_recipe, tiny_recipe_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mesh_jobs import launch, whole_weights  # noqa: E402
 from mesh_trainers import SplitMLPTrainer  # noqa: E402
 
-TINY_QWEN2 = {
-    "model_type": "qwen2",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+TINY_QWEN2 = {**TINY_LLAMA, "model_type": "qwen2", "tie_word_embeddings": False}
 STEPS = {"train": {"steps": 3}}
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 2e-5  # fp32 after 3 AdamW steps at lr 1e-2 (measured: <= 4e-6)

@@ -37,18 +37,7 @@ from helpers import REPO, TINY_LLAMA, tiny_recipe
 from planner_cases import cpu_target, plan_on, scored_plan
 
 MAX_OVER, MAX_UNDER = 0.03, -0.005  # issue 14's goal
-TINY_MIXTRAL = {
-    "model_type": "mixtral",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-}
+TINY_MIXTRAL = {**TINY_LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
 TINY_MIMO = {  # a global first layer, sliding ones after (a 16-token window of 32), dense then experts
     "model_type": "mimo_v2_flash",
     "hidden_size": 32,
