@@ -90,13 +90,13 @@ class MeshShape:
         where = self.coordinates(rank)
         return where["dp_replicate"] * self.dp_shard + where["dp_shard"]
 
-    def state_ranks(self, sharding: str) -> int:
-        """The ranks a sharding's state arithmetic counts (`ShardingBackend.state_bytes`' world size): FSDP's
-        shard group for zero2/zero3 (HSDP keeps a whole copy per replica), every data-parallel rank for the
-        others (zero1 shards its optimizer over all of them; none and ddp only ask whether there are
-        several). Tensor parallelism divides the matmul states further; until the planner models it
+    def state_ranks(self, shards_within_replica: bool) -> int:
+        """The ranks a sharding's state arithmetic counts (`ShardingBackend.state_bytes`' world size): the
+        shard group for a sharding that reduce-scatters gradients (zero2/zero3: HSDP keeps a whole copy per
+        replica), every data-parallel rank for the others (zero1 shards its optimizer over all of them; none
+        and ddp only ask whether there are several). Tensor parallelism divides the matmul states further; until the planner models it
         ("Plan the mesh") they are counted undivided: an over-prediction, never an under-one."""
-        return self.dp_shard if sharding in ("zero2", "zero3") else self.dp_size
+        return self.dp_shard if shards_within_replica else self.dp_size
 
     def crossing(self, ranks_per_node: int) -> list[str]:
         """The dimensions whose groups span several nodes when consecutive ranks share a node (torchrun's

@@ -234,12 +234,16 @@ class _Evaluation:
             optimizer_states=plan.update_states,
             backend=plan.sharding.build(plan.precision, plan.micro_batch_size, plan.accumulation_steps),
             replicated=plan.sharding.replicated,
-            world_size=self.target.shape.state_ranks(plan.sharding.name),
+            world_size=self._state_ranks(plan),
             dim0=self.probe.dim0,
             fixed_bytes=0,
             foreach=False,
         )
         return levels.stored
+
+    def _state_ranks(self, plan: Plan) -> int:
+        """The ranks the plan's sharding divides model states over on the target's mesh."""
+        return self.target.shape.state_ranks(plan.sharding.gradient_sync == "reduce-scatter")
 
     def _levels(self, plan: Plan, micro_steps: int) -> StateLevels:
         key = (
@@ -258,7 +262,7 @@ class _Evaluation:
                 optimizer_states=plan.update_states,
                 backend=backend,
                 replicated=plan.sharding.replicated,
-                world_size=self.target.world_size,
+                world_size=self._state_ranks(plan),
                 dim0=self.probe.dim0,
                 fixed_bytes=self.fixed,
                 foreach=self.target.device_type == "cuda",
