@@ -106,6 +106,20 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--world-size", type=int, default=None, metavar="N", help="ranks to plan for (default 1)"
     )
+    plan.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="nodes to plan for (ranks: nodes x GPUs per node)",
+    )
+    plan.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="GPUs per node (default: the --gpu profile's gpus_per_node, else 8)",
+    )
 
     export = commands.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model directory (from_pretrained loads it)"
@@ -255,6 +269,8 @@ def _run(args: argparse.Namespace) -> int:
             gpu_memory=args.gpu_memory,
             world_size=args.world_size,
             host_memory=args.host_memory,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
         )
     overrides = list(args.overrides)
     if args.command == "train":

@@ -505,7 +505,10 @@ class CausalLMTrainer(Trainer):
         """The built-in hooks, with the traced model on `trace_sdpa()` when the recipe runs `sdpa` on rows of
         one sequence each (packed rows build the 4-D document mask, as the plain `sdpa` model does)."""
         spec = dataclasses.replace(
-            super().model_spec(), name=str(self.model_config.model_type), trace_key=self._trace_key()
+            super().model_spec(),
+            name=str(self.model_config.model_type),
+            trace_key=self._trace_key(),
+            tensor_parallel_problems=lambda tp: tensor_parallel_problems(self.model_config, tp),
         )
         self._layers_per_block()  # now, on the meta device: clones are built under the trace's fake tensors
         if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):

@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from memtrain.cluster import DEFAULT_CLUSTER, Cluster, Link
 from memtrain.distributed import DistEnv
 from memtrain.errors import PlanError, RecipeError, did_you_mean
 from memtrain.mesh import MeshShape
@@ -44,6 +46,7 @@ class GpuProfile:
     fp8: bool
     cuda_context_bytes: int
     host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES  # host memory per GPU (what offload may fill)
+    cluster: Cluster = DEFAULT_CLUSTER  # the node it sits in and the links between GPUs (memtrain.cluster)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ def _read_profile(path: Path) -> GpuProfile:
             fp8=bool(raw["fp8"]),
             cuda_context_bytes=int(raw["cuda_context_bytes"]),
             host_memory_bytes=int(raw.get("host_memory_bytes", DEFAULT_HOST_MEMORY_BYTES)),
+            cluster=_cluster(raw),
         )
     except RecipeError as exc:
         raise PlanError(f"--gpu: {path}: {'; '.join(exc.problems)}") from None
@@ -114,6 +118,25 @@ def _read_profile(path: Path) -> GpuProfile:
         raise PlanError(f"--gpu: {path} is not a GPU profile: it has no {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise PlanError(f"--gpu: {path} is not a GPU profile ({exc})") from None
+
+
+def _cluster(raw: dict[str, Any]) -> Cluster:
+    """The node a profile describes; `DEFAULT_CLUSTER`'s figures for the keys it leaves out."""
+    d = DEFAULT_CLUSTER
+    gpus = int(raw.get("gpus_per_node", d.gpus_per_node))
+    if gpus < 1:
+        raise ValueError(f"gpus_per_node must be at least 1 (it was {gpus})")
+    return Cluster(
+        gpus_per_node=gpus,
+        within=Link(
+            float(raw.get("intra_node_bandwidth", d.within.bandwidth)),
+            float(raw.get("intra_node_latency", d.within.latency)),
+        ),
+        between=Link(
+            float(raw.get("inter_node_bandwidth", d.between.bandwidth)),
+            float(raw.get("inter_node_latency", d.between.latency)),
+        ),
+    )
 
 
 def budget_from(total: int, free: int, reserve: int, safety: float, source: str) -> MemoryBudget:

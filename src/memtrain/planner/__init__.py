@@ -15,6 +15,9 @@ Entry points:
 - `plan_here(recipe, spec, world_size)` and `plan_what_if(recipe, spec, world_size, gpu=..., memory_bytes=...)`:
   the same search without a process group, for this machine or for hardware that is not here
   (`memtrain plan --gpu h100-80gb --world-size 64`).
+- `plan_meshes(recipe, spec_at, target, cluster)`: the mesh search (`memtrain plan` when `strategies.mesh`
+  leaves a degree other than dp_shard open or pins one above 1): every arrangement of the ranks, ranked by
+  predicted tokens/s per GPU on the described cluster (mesh_search.py, mesh_cost.py).
 - `calibration(result, measured)`: predicted against measured components, for the run's plan.json.
 
 A plan for the device of this process is ranked by step time with this machine's calibrated multipliers
@@ -36,12 +39,14 @@ from typing import Any
 
 import torch
 
+from memtrain.cluster import Cluster
 from memtrain.distributed import DistEnv, broadcast_object
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
 from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
 from memtrain.plan import Plan, adapters_of, is_open, mesh_of, pinned_plan, quantization_of
 from memtrain.planner.memory_model import Prediction
+from memtrain.planner.mesh_search import MeshResult, search_meshes
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored
 from memtrain.planner.search import search
@@ -56,6 +61,8 @@ __all__ = [
     "Scored",
     "Target",
     "calibration",
+    "here_target",
+    "plan_meshes",
     "make_plan",
     "plan_for_run",
     "plan_here",
@@ -172,16 +179,23 @@ def plan_here(
 ) -> PlanResult:
     """Plan for `world_size` ranks like this process's device, without a process group (`memtrain plan`):
     its CUDA device, or on CPU the simulated budget `memory.budget`, else host memory."""
+    target = here_target(recipe, world_size)
+    device = torch.device("cuda", 0) if target.device_type == "cuda" else torch.device("cpu")
+    probe = _probe(recipe, spec, progress)
+    return search(recipe, probe, target, device, cost=local_cost_model(device, probe, target.budget.usable))
+
+
+def here_target(recipe: Recipe, world_size: int) -> Target:
+    """`world_size` ranks like this process's device: its CUDA device, or on CPU the simulated budget
+    `memory.budget`, else host memory."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     here = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
     budget = int(recipe.memory.budget) if recipe.memory.budget is not None else None
-    target = replace(
+    return replace(
         measured_target(here, budget, recipe.planner.safety_fraction),
         world_size=world_size,
         mesh=mesh_of(recipe, world_size),
     )
-    probe = _probe(recipe, spec, progress)
-    return search(recipe, probe, target, device, cost=local_cost_model(device, probe, target.budget.usable))
 
 
 def plan_what_if(
@@ -205,6 +219,37 @@ def plan_what_if(
         _probe(recipe, spec, progress),
         target,
         torch.device("cuda", 0),
+    )
+
+
+def plan_meshes(
+    recipe: Recipe,
+    spec: ModelSpec,
+    target: Target,
+    cluster: Cluster,
+    *,
+    spec_at: Callable[[int], ModelSpec],
+    progress: Progress = stderr_progress,
+) -> MeshResult:
+    """The mesh search (planner/mesh_search.py) for `target`'s ranks on `cluster`; `spec_at(seq_len)`: the
+    trainer's job at another sequence length (what one context-parallel rank runs; probed once per length)."""
+    probes: dict[int, ModelProbe] = {}
+    device = torch.device("cuda", 0) if target.device_type == "cuda" else torch.device("cpu")
+
+    def probe_for(cp: int) -> ModelProbe:
+        if cp not in probes:
+            probes[cp] = _probe(recipe, spec if cp == 1 else spec_at(probes[1].seq_len // cp), progress)
+        return probes[cp]
+
+    probe_for(1)
+    return search_meshes(
+        recipe,
+        probe_for,
+        target,
+        cluster,
+        device,
+        tensor_parallel_problems=spec.tensor_parallel_problems,
+        cost=None if target.what_if else local_cost_model(device, probe_for(1), target.budget.usable),
     )
 
 

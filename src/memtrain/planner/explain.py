@@ -53,7 +53,7 @@ def describe(result: PlanResult, title: str) -> str:
     """The plan table: budget, the chosen plan by component, the next five, the cheapest misfit."""
     chosen, budget = result.chosen, result.budget
     assert chosen is not None and budget is not None, "describe() needs a plan the planner chose"
-    lines = [title, _budget_line(budget)]
+    lines = [title, budget_line(budget)]
     peak = chosen.prediction.peak
     sharding = result.plan.sharding
     lines += [
@@ -112,13 +112,13 @@ def explain_failure(
         return "\n".join(
             [
                 f"no plan fits: the recipe's choices exclude every candidate (not memory): {first}",
-                _budget_line(budget),
+                budget_line(budget),
                 *_excluded(excluded),
                 "",
                 "to make a plan run, change one of the excluded choices above (`memtrain validate` reports them)",
             ]
         )
-    lines = ["no plan fits the memory budget", _budget_line(budget)]
+    lines = ["no plan fits the memory budget", budget_line(budget)]
     if infeasible:
         closest = sorted(infeasible, key=lambda s: (s.prediction.lower_bound, s.prediction.peak, s.order()))
         best = closest[0]
@@ -241,7 +241,7 @@ def table(rows: list[Scored], usable: int) -> list[str]:
     return [header, *body]
 
 
-def _budget_line(b: MemoryBudget) -> str:
+def budget_line(b: MemoryBudget) -> str:
     return (
         f"budget per rank: total {_gib(b.total)}, free {_gib(b.free)}, reserve {_gib(b.reserve)}, "
         f"usable {_gib(b.usable)} ({b.source})"

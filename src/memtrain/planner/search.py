@@ -10,7 +10,7 @@ picks the same plan.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -69,6 +69,52 @@ def search(
     """Evaluate every candidate of the recipe on `target`; `PlanError` (with the table) when none fits.
     `correction` adjusts every candidate's prediction before ranking (a run that measured more than its
     plan predicted re-plans with it: memtrain.training.replan)."""
+    scoring = score_candidates(recipe, probe, target, device, cost=cost, correction=correction)
+    grid, evaluation, scored, excluded = scoring.grid, scoring.evaluation, scoring.scored, scoring.excluded
+    untraceable = scoring.untraceable
+    if untraceable is not None and not scored:  # not "no plan fits": no plan could be predicted at all
+        raise untraceable
+    ranked, infeasible = rank(scored, target.budget.usable)
+    if not ranked:
+        raise PlanError(
+            explain_failure(recipe, target.budget, infeasible, tuple(excluded), ruled_out=not grid.candidates)
+        )
+    chosen = ranked[0]
+    return PlanResult(
+        plan=chosen.plan,
+        budget=target.budget,
+        chosen=chosen,
+        ranked=ranked,
+        infeasible=infeasible,
+        excluded=tuple(excluded),
+        full_fine_tuning=evaluation.full_fine_tuning(chosen.plan),
+        attention=_attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
+    )
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """Every candidate of a grid scored on one target (`score_candidates`)."""
+
+    grid: Grid
+    evaluation: Evaluation
+    scored: list[Scored]
+    excluded: list[tuple[str, str]]
+    untraceable: Unsupported | None
+
+
+def score_candidates(
+    recipe: Recipe,
+    probe: ModelProbe,
+    target: Target,
+    device: torch.device,
+    *,
+    cost: CostModel | None = None,
+    correction: Callable[[Prediction], Prediction] | None = None,
+) -> Scoring:
+    """Predict every candidate of the recipe's grid on `target`; those that cannot be predicted (host
+    memory, a trace that failed) become exclusions. The mesh search (mesh_search.py) scores each data-parallel
+    arrangement through this and divides the result by the mesh's other dimensions."""
     facts = DeviceFacts(
         target.device_type,
         target.world_size,
@@ -78,7 +124,7 @@ def search(
         mesh=target.mesh,
     )
     grid = build_grid(recipe, facts, device, probe.num_blocks)
-    evaluation = _Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
+    evaluation = Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
     excluded = list(grid.excluded)
     scored: list[Scored] = []
     untraceable: Unsupported | None = None
@@ -102,27 +148,10 @@ def search(
             )
             if reason not in excluded:
                 excluded.append(reason)
-    if untraceable is not None and not scored:  # not "no plan fits": no plan could be predicted at all
-        raise untraceable
-    ranked, infeasible = rank(scored, target.budget.usable)
-    if not ranked:
-        raise PlanError(
-            explain_failure(recipe, target.budget, infeasible, tuple(excluded), ruled_out=not grid.candidates)
-        )
-    chosen = ranked[0]
-    return PlanResult(
-        plan=chosen.plan,
-        budget=target.budget,
-        chosen=chosen,
-        ranked=ranked,
-        infeasible=infeasible,
-        excluded=tuple(excluded),
-        full_fine_tuning=evaluation.full_fine_tuning(chosen.plan),
-        attention=_attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
-    )
+    return Scoring(grid, evaluation, scored, excluded, untraceable)
 
 
-class _Evaluation:
+class Evaluation:
     """Scores candidates, sharing traces (in the probe), walks and model-state levels between them."""
 
     def __init__(
@@ -151,6 +180,7 @@ class _Evaluation:
         )
         self.walks: dict[tuple[Any, ...], StepWalk] = {}
         self.states: dict[tuple[Any, ...], StateLevels] = {}
+        self.kept: dict[tuple[Any, ...], tuple[float, float]] = {}
 
     def score(self, plan: Plan) -> Scored:
         probe, target = self.probe, self.target
@@ -209,6 +239,42 @@ class _Evaluation:
             host_bytes=levels.host,
         )
         return Scored(plan, predict(levels, walk), step, levels)
+
+    def block_activations(self, plan: Plan) -> tuple[float, float]:
+        """(activations one block keeps for backward, the rest of the activations at the peak) for one
+        micro-step of `plan`, from walks of its traces at the model's depth and one block less: a pipeline
+        stage holds a different number of blocks' worth (mesh_cost.py)."""
+        probe = self.probe
+        tokens = plan.micro_batching.tokens(probe.seq_len)
+        key = (
+            plan.precision,
+            plan.checkpointing,
+            plan.loss,
+            tokens,
+            plan.sharding.replicated,
+            _weights_dtype(plan),
+        )
+        if key not in self.kept:
+            self.kept[key] = self._block_activations(plan, tokens)
+        return self.kept[key]
+
+    def _block_activations(self, plan: Plan, tokens: int) -> tuple[float, float]:
+        probe, target = self.probe, self.target
+        traces = _traces(probe, plan, target, self.rows_of(plan), _weights_dtype(plan))
+        modes = plan.checkpointing.block_modes(probe.num_blocks, target.device_type)
+        if _traced_as_itself(probe, plan.checkpointing, target.device_type):
+            modes = (plan.checkpointing,) * probe.num_blocks
+        replicated = plan.sharding.replicated
+
+        def activations(depth: int) -> float:
+            walked = step_walk(traces, modes[:depth], tokens, 1, replicated).first
+            return float(walked.at_peak[ACTIVATIONS])
+
+        whole = activations(len(modes))
+        if len(modes) < 3:
+            return whole / max(len(modes), 1), 0.0
+        kept = max(0.0, whole - activations(len(modes) - 1))
+        return kept, max(0.0, whole - kept * len(modes))
 
     def rows_of(self, plan: Plan) -> tuple[int, int]:
         """The traced sizes `plan`'s fit is drawn through (`ModelProbe.fit_rows`)."""

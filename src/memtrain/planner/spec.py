@@ -43,6 +43,8 @@ class ModelSpec:
         same loss. Set only where that holds (the built-in causal-LM trainer with its own hooks: its
         config and the recipe's `model` and `data` sections); None, the default: this spec's traces are
         never shared with another probe's (`model_probe.shared_traces`).
+    tensor_parallel_problems: `tp` -> why the model cannot be split over that many tensor ranks (empty when
+        it can); None: the trainer has no tensor-parallel plan (the mesh search keeps tp at 1).
     """
 
     build_model: Callable[[], nn.Module]
@@ -55,3 +57,4 @@ class ModelSpec:
     frozen_bytes: Callable[[torch.dtype], int] = lambda _dtype: 0
     reference_forwards: int = 0
     trace_key: Hashable | None = None
+    tensor_parallel_problems: Callable[[int], list[str]] | None = None

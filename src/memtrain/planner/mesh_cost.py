@@ -1,0 +1,265 @@
+"""One rank's memory and step time on a mesh, from the same plan scored on its data-parallel dimensions alone.
+
+Why derived and not traced per mesh: a what-if for 1,024 GPUs visits hundreds of arrangements; the search
+traces the model once per precision and recompute mode at one rank's tokens (the sequence already divided by
+the context-parallel degree), scores every plan on the data-parallel arrangement (replicas x shards: the
+batch each rank reads, the group that shards the states), then divides by what tensor and pipeline
+parallelism split. What comes from where (`SOURCES`, also in `memtrain plan --json`):
+
+- model states: the model's parameter shapes (traced on the meta device) and the sharding's arithmetic, then
+  divided per parameter: a matrix (matmul weight, embedding, head) by t, a vector (norms, biases) kept whole
+  on every tensor rank; the stored shards further by c (FSDP shards over dp_shard x cp, as torchtitan does);
+  a pipeline rank holds its blocks (ceil(L / p)) and its edge: the embedding on the first stage, the final
+  norm and head on the last. Under tensor parallelism the embedding's gradient comes back whole on every
+  tensor rank (torch 2.13 produces a Replicate gradient for a row-wise embedding): added on the first stage.
+- activations: traced (the kept bytes per block and the rest at the peak, `Evaluation.block_activations`),
+  divided by t with sequence parallelism, by (10 + 24/t) / 34 without it (Korthikanti et al. 2022: layer
+  norms, dropout masks and residuals stay whole; flash attention has no s^2 term); a pipeline rank keeps
+  blocks of several micro-batches in flight (`in_flight_blocks`).
+- communication: bytes per collective (REFERENCE.md: a ring moves (k-1)/k of the whole) over the link the
+  group crosses (memtrain.cluster), FSDP's and context parallelism's hidden behind compute as far as compute
+  lasts (prefetch, ring attention), tensor parallelism's and the pipeline's exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from memtrain.cluster import Cluster
+from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
+from memtrain.mesh import MeshShape
+from memtrain.planner.cost import COMM_OVERLAP
+from memtrain.planner.result import Scored
+
+SOURCES = {
+    "model states": "parameter shapes (meta device) and the sharding's arithmetic, divided per parameter by "
+    "the mesh (formula: matrices / t, vectors whole, stored shards / c, blocks / p)",
+    "activations": "traced at one rank's tokens (sequence / c), divided by t (sequence parallel) or "
+    "(10 + 24/t) / 34 (formula), pipeline micro-batches in flight per the schedule (formula)",
+    "communication": "bytes per collective over the link each dimension crosses (formula)",
+}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one pipeline rank holds: parameters on this tensor rank (before data-parallel sharding), the
+    share of the model's blocks and whether it holds the embedding."""
+
+    numel: float
+    trainable_numel: float
+    blocks: int
+    first: bool
+
+
+@dataclass(frozen=True)
+class MeshCost:
+    """One plan on one mesh: the busiest rank's memory, its step time and the exposed communication per
+    dimension (seconds per step)."""
+
+    footprint: Footprint
+    step_seconds: float
+    compute_seconds: float
+    bubble_seconds: float
+    exposed: dict[str, float]
+
+    @property
+    def peak(self) -> int:
+        return self.footprint.peak
+
+
+def stages(shape: ModelShape, mesh: MeshShape) -> list[Stage]:
+    """The first and the last pipeline stage (one stage without a pipeline), on tensor rank 0."""
+    blocks = math.ceil(shape.num_blocks / mesh.pp)
+
+    def on_rank(p: ParamInfo) -> float:
+        return p.numel / mesh.tp if len(p.dims) >= 2 else float(p.numel)
+
+    in_blocks = [p for p in shape.params if p.block is not None]
+    edges = [p for p in shape.params if p.block is None]
+    per_block = sum(on_rank(p) for p in in_blocks) / max(shape.num_blocks, 1)
+    trained_per_block = sum(on_rank(p) for p in in_blocks if p.trainable) / max(shape.num_blocks, 1)
+    found = []
+    for first in (True, False) if mesh.pp > 1 else (True,):
+        mine = [p for p in edges if mesh.pp == 1 or _is_embedding(p) == first]
+        found.append(
+            Stage(
+                numel=per_block * blocks + sum(on_rank(p) for p in mine),
+                trainable_numel=trained_per_block * blocks + sum(on_rank(p) for p in mine if p.trainable),
+                blocks=blocks,
+                first=first,
+            )
+        )
+    return found
+
+
+def in_flight_blocks(mesh: MeshShape, micro_batches: int, stage: Stage, num_blocks: int) -> float:
+    """Blocks' worth of one micro-batch's kept activations a pipeline rank holds at once: all its
+    micro-batches under GPipe; under 1F1B the first stage min(m, p) (the last one); under interleaved 1F1B
+    with v = 2 chunks per rank, torch's warm-up of (v-1)p + 2(p-1-rank) chunks plus one, of L / (p v) blocks
+    each. Without a pipeline: the model's blocks, one micro-batch (accumulation runs them one by one)."""
+    p, m = mesh.pp, micro_batches
+    if p == 1:
+        return float(num_blocks)
+    if mesh.pp_schedule == "gpipe":
+        return float(m * stage.blocks)
+    if mesh.pp_schedule == "interleaved_1f1b":
+        v = 2
+        rank = 0 if stage.first else p - 1
+        chunks = min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1)
+        return chunks * num_blocks / (p * v)
+    return float((min(m, p) if stage.first else 1) * stage.blocks)
+
+
+def activation_share(mesh: MeshShape) -> float:
+    """What one tensor rank keeps of a block's activations."""
+    t = mesh.tp
+    if t == 1:
+        return 1.0
+    return 1.0 / t if mesh.sequence_parallel else (10 + 24 / t) / 34
+
+
+def mesh_cost(
+    flat: Scored,
+    mesh: MeshShape,
+    shape: ModelShape,
+    block_activations: tuple[float, float],
+    *,
+    cluster: Cluster,
+    hidden: int,
+    seq_len: int,
+) -> MeshCost:
+    """The busiest rank of `mesh` for `flat`, the plan scored on the mesh's data-parallel dimensions at one
+    rank's sequence (`seq_len`, already divided by cp); `block_activations`: (kept per block, the rest at
+    the peak) of one micro-step."""
+    return max(
+        (
+            _stage_cost(flat, mesh, shape, stage, block_activations, cluster, hidden, seq_len)
+            for stage in stages(shape, mesh)
+        ),
+        key=lambda c: (c.peak, c.step_seconds),
+    )
+
+
+def _stage_cost(
+    flat: Scored,
+    mesh: MeshShape,
+    shape: ModelShape,
+    stage: Stage,
+    block_activations: tuple[float, float],
+    cluster: Cluster,
+    hidden: int,
+    seq_len: int,
+) -> MeshCost:
+    plan, at_peak, levels = flat.plan, flat.prediction.at_peak, flat.states
+    weights_share = stage.numel / max(shape.numel, 1)
+    trained_share = stage.trainable_numel / max(shape.trainable_numel, 1)
+    sharded = plan.sharding.gradient_sync == "reduce-scatter"
+    c = mesh.cp if sharded else 1
+
+    def divided(peak_bytes: int, stored_bytes: int, share: float) -> int:
+        """The stored shards divided by c, what the peak holds beyond them (gathered layers) not."""
+        return int((stored_bytes / c + max(0, peak_bytes - stored_bytes)) * share)
+
+    stored_w, stored_g, stored_o = levels.stored
+    gradients = divided(at_peak.gradients, stored_g, trained_share)
+    if mesh.tp > 1 and stage.first:
+        itemsize = plan.precision.stored_dtype.itemsize
+        embedding = sum(p.numel for p in shape.params if _is_embedding(p) and p.trainable)
+        gradients += int(embedding * (1 - 1 / mesh.tp) * itemsize)
+    kept, rest = block_activations
+    micro_batches = plan.accumulation_steps
+    flight = in_flight_blocks(mesh, micro_batches, stage, shape.num_blocks)
+    if mesh.pp == 1:
+        activations = at_peak.activations * activation_share(mesh)
+    else:
+        activations = (kept * flight + rest) * activation_share(mesh)
+    footprint = Footprint(
+        weights=divided(at_peak.weights, stored_w, weights_share),
+        gradients=gradients,
+        optimizer_states=divided(at_peak.optimizer_states, stored_o, trained_share),
+        activations=int(activations),
+        # beyond buffers and input data (the levels' other), what the trace saw outside the four components:
+        # the loss's logits, split over the vocabulary by the tensor ranks (loss_parallel)
+        other=int(levels.other + max(0, at_peak.other - levels.other) / mesh.tp),
+    )
+    cost = flat.cost
+    compute = (cost.compute + cost.recompute) * weights_share
+    bubble = compute * (mesh.pp - 1) / (_chunks(mesh) * micro_batches) if mesh.pp > 1 else 0.0
+    exposed = _exposed(flat, mesh, stage, cluster, hidden, seq_len, compute)
+    step = (
+        compute
+        + bubble
+        + cost.micro_steps
+        + cost.optimizer * trained_share / c
+        + cost.offload * weights_share
+        + sum(exposed.values())
+    )
+    return MeshCost(footprint, step, compute, bubble, exposed)
+
+
+def _exposed(
+    flat: Scored,
+    mesh: MeshShape,
+    stage: Stage,
+    cluster: Cluster,
+    hidden: int,
+    seq_len: int,
+    compute: float,
+) -> dict[str, float]:
+    """Seconds per step each dimension's collectives add to the step (hidden parts left out)."""
+    plan = flat.plan
+    sharding = plan.sharding
+    micro = plan.accumulation_steps
+    rows = plan.micro_batch_size
+    gather_bytes = stage.numel * (4 if plan.precision.compute == "fp32" else 2)
+    grad_bytes = stage.trainable_numel * plan.precision.stored_dtype.itemsize
+    shard_group = mesh.dp_shard * mesh.cp
+    data_link = cluster.link(mesh, ("dp_shard", "cp"))
+    per_step, per_micro = sharding.parameter_gathers
+    gathers = per_step + micro * per_micro
+    reductions = sharding.reductions_per_step(micro)
+    seconds: dict[str, float] = {}
+    if sharding.gradient_sync == "reduce-scatter":
+        hidden_behind = data_link.ring_seconds(gather_bytes * gathers, shard_group, gathers * stage.blocks)
+        hidden_behind += data_link.ring_seconds(
+            grad_bytes * reductions, shard_group, reductions * stage.blocks
+        )
+        replicas = cluster.link(mesh, ("dp_replicate",))
+        seconds["dp_replicate"] = (
+            2 * replicas.ring_seconds(grad_bytes / shard_group, mesh.dp_replicate) * (1 - COMM_OVERLAP)
+        )
+    else:
+        everyone = mesh.dp_size * mesh.cp
+        link = cluster.link(mesh, ("dp_replicate", "dp_shard", "cp"))
+        sync = 2 if sharding.gradient_sync == "all-reduce" else 0
+        hidden_behind = sync * link.ring_seconds(grad_bytes * reductions, everyone, reductions)
+        hidden_behind += link.ring_seconds(gather_bytes * gathers, everyone, gathers)
+    activation = rows * seq_len * hidden * 2  # one micro-batch's hidden states in bf16
+    if mesh.cp > 1:  # ring attention: keys and values pass c - 1 times forward, twice as often backward
+        ring = 3 * micro * stage.blocks
+        hidden_behind += cluster.link(mesh, ("cp",)).ring_seconds(
+            2 * activation * mesh.cp * ring, mesh.cp, ring
+        )
+    seconds["dp_shard"] = max(hidden_behind - compute, hidden_behind * (1 - COMM_OVERLAP))
+    if (
+        mesh.tp > 1
+    ):  # per block: 2 all-gathers + 2 reduce-scatters forward, as many backward, again if recomputed
+        passes = 3 if plan.checkpointing.recompute == "forward" else 2
+        count = 4 * passes * stage.blocks * micro
+        seconds["tp"] = cluster.link(mesh, ("tp",)).ring_seconds(activation * count, mesh.tp, count)
+    if mesh.pp > 1:  # each micro-batch's activations forward and their gradients back, per chunk
+        link = cluster.link(mesh, ("pp",))
+        sends = 2 * micro * _chunks(mesh)
+        seconds["pp"] = sends * (activation / mesh.tp / link.bandwidth + link.latency)
+    return {dim: s for dim, s in seconds.items() if s > 0}
+
+
+def _chunks(mesh: MeshShape) -> int:
+    """Model chunks per pipeline rank (v): 2 under interleaved 1F1B."""
+    return 2 if mesh.pp_schedule == "interleaved_1f1b" else 1
+
+
+def _is_embedding(p: ParamInfo) -> bool:
+    """An input embedding (held by the first pipeline stage): outside the blocks, named so."""
+    return p.block is None and "embed" in p.name.lower()

@@ -1,0 +1,254 @@
+"""The mesh search: every arrangement of N GPUs the recipe leaves open, each with every plan, ranked by
+predicted tokens/s per GPU.
+
+Why here and how: `strategies.mesh` names each degree or leaves it `auto`; the degrees left open are
+searched over every factorisation of what the pinned ones leave, under the constraints a mesh must meet
+(`mesh_constraints`: tensor parallelism within a node and dividing the model's heads, KV heads,
+intermediate and vocabulary sizes, the sequence divisible by t x 2c, the pipeline dividing the blocks, the
+global batch dividing over the data-parallel ranks). For each mesh, the plans (precision, recompute,
+sharding, micro-batches, ...) are scored on its data-parallel dimensions by the one-device search
+(`search.score_candidates`, cached per (replicas, shards)), and `mesh_cost` divides them by the tensor,
+context and pipeline degrees and adds the communication of each dimension over the link it crosses
+(`memtrain.cluster`). The order is total (tokens/s, then peak, then the mesh and the plan), so every rerun
+picks the same mesh.
+
+A degree the recipe pins is planned even where this version cannot run it yet (context parallelism, a
+pipeline with tensor parallelism, interleaved 1F1B): `MeshResult.notes` says so, the table prints it. An
+open degree never chooses such a mesh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from memtrain.cluster import Cluster
+from memtrain.errors import PlanError, RecipeError
+from memtrain.memory.headroom import Target
+from memtrain.mesh import DIMS, MeshShape
+from memtrain.plan import mesh_problems, per_rank_batch
+from memtrain.planner.cost import CostModel
+from memtrain.planner.mesh_cost import MeshCost, mesh_cost
+from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.result import Scored
+from memtrain.planner.search import Evaluation, Scoring, score_candidates
+from memtrain.recipe import Recipe
+
+ProbeFor = Callable[[int], ModelProbe]  # context-parallel degree -> the model probed at seq_len / cp
+TensorParallelProblems = Callable[[int], list[str]] | None  # ModelSpec.tensor_parallel_problems
+
+
+@dataclass(frozen=True)
+class MeshScored:
+    """One plan on one mesh: what the busiest rank holds, the step, tokens/s per GPU."""
+
+    mesh: MeshShape
+    scored: Scored  # the plan on the mesh's data-parallel dimensions alone
+    cost: MeshCost
+    tokens_per_second: float  # per GPU
+
+    @property
+    def peak(self) -> int:
+        return self.cost.peak
+
+    def order(self) -> tuple[Any, ...]:
+        return (-round(self.tokens_per_second, 6), self.peak, self.mesh.degrees, self.scored.plan.key())
+
+
+@dataclass(frozen=True)
+class MeshResult:
+    """Every scored (mesh, plan) that fits, fastest first; the fastest that does not; what was left out."""
+
+    target: Target
+    cluster: Cluster
+    ranked: tuple[MeshScored, ...]
+    best_misfit: MeshScored | None
+    excluded: tuple[tuple[str, str], ...]  # (mesh, why it was not scored)
+    notes: tuple[str, ...]  # what this version cannot run of a pinned mesh
+    seconds: float  # how long the search took
+
+    @property
+    def chosen(self) -> MeshScored | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def open_dims(recipe: Recipe) -> list[str]:
+    """The mesh degrees the recipe leaves to the planner (`auto`)."""
+    config = recipe.strategies.mesh
+    return [dim for dim in DIMS if getattr(config, dim) == "auto"]
+
+
+def plans_a_mesh(recipe: Recipe) -> bool:
+    """Whether the recipe's mesh can be more than one data-parallel dimension (then `memtrain plan` runs the
+    mesh search)."""
+    config = recipe.strategies.mesh
+    return any(getattr(config, dim) != 1 for dim in DIMS if dim != "dp_shard")
+
+
+def candidate_meshes(recipe: Recipe, world_size: int) -> Iterator[MeshShape]:
+    """Every mesh of `world_size` ranks with the recipe's pinned degrees, the open ones any factorisation."""
+    config = recipe.strategies.mesh
+    pinned = {dim: int(getattr(config, dim)) for dim in DIMS if getattr(config, dim) != "auto"}
+    rest, remainder = divmod(world_size, math.prod(pinned.values()))
+    if remainder:
+        raise RecipeError(
+            [f"strategies.mesh: the pinned degrees ({pinned}) do not divide the world size {world_size}"]
+        )
+    dims = open_dims(recipe)
+    if not dims:
+        if rest != 1:
+            raise RecipeError(
+                [f"strategies.mesh: the degrees multiply to {world_size // rest}, not {world_size}"]
+            )
+        yield _shape(pinned, recipe)
+        return
+    divisors = [k for k in range(1, rest + 1) if rest % k == 0]
+    for values in itertools.product(divisors, repeat=len(dims) - 1):
+        last, remainder = divmod(rest, math.prod(values))
+        if not remainder:
+            yield _shape({**pinned, **dict(zip(dims, (*values, last), strict=True))}, recipe)
+
+
+def mesh_constraints(
+    mesh: MeshShape,
+    recipe: Recipe,
+    *,
+    cluster: Cluster,
+    num_blocks: int,
+    seq_len: int,
+    tensor_parallel_problems: TensorParallelProblems,
+) -> list[str]:
+    """Why `mesh` cannot run the recipe's job (empty when it can). Tensor parallelism within a node and
+    the pipeline dividing the blocks are asked of open degrees only (a pinned degree is the user's call)."""
+    opened = set(open_dims(recipe))
+    problems: list[str] = []
+    if mesh.tp > 1:
+        if tensor_parallel_problems is None:
+            problems.append("strategies.mesh.tp: the trainer has no tensor_parallel_plan")
+        else:
+            problems += tensor_parallel_problems(mesh.tp)
+        if "tp" in opened and cluster.gpus_per_node % mesh.tp:
+            problems.append(f"tp {mesh.tp} does not fit within a node of {cluster.gpus_per_node} GPUs")
+    if "pp" in opened and num_blocks % mesh.pp:
+        problems.append(f"pp {mesh.pp} does not divide the model's {num_blocks} blocks")
+    split = (mesh.tp if mesh.sequence_parallel else 1) * (2 * mesh.cp if mesh.cp > 1 else 1)
+    if seq_len % split:
+        problems.append(f"the sequence ({seq_len} tokens) is not divisible by tp x 2cp = {split}")
+    try:
+        per_rank_batch(recipe, mesh.dp_size)
+    except RecipeError as exc:
+        problems += exc.problems
+    if opened - {"dp_shard"}:
+        problems += mesh_problems(mesh, "cuda")
+    return problems
+
+
+def search_meshes(
+    recipe: Recipe,
+    probe_for: ProbeFor,
+    target: Target,
+    cluster: Cluster,
+    device: torch.device,
+    *,
+    tensor_parallel_problems: TensorParallelProblems,
+    cost: CostModel | None = None,
+) -> MeshResult:
+    """Score every (mesh, plan) of the recipe on `target` (its world size, budget and device); `PlanError`
+    naming the keys when no mesh can run the job."""
+    started = time.perf_counter()
+    base = probe_for(1)
+    full_seq = base.seq_len
+    scorings: dict[tuple[int, int, int], Scoring] = {}
+    excluded: list[tuple[str, str]] = []
+    notes: set[str] = set()
+    found: list[MeshScored] = []
+    rows = recipe.batch.global_size
+    for mesh in candidate_meshes(recipe, target.world_size):
+        problems = mesh_constraints(
+            mesh,
+            recipe,
+            cluster=cluster,
+            num_blocks=base.num_blocks,
+            seq_len=full_seq,
+            tensor_parallel_problems=tensor_parallel_problems,
+        )
+        if problems:
+            excluded.append((mesh.describe(), "; ".join(problems)))
+            continue
+        notes.update(mesh_problems(mesh, "cuda"))
+        key = (mesh.dp_replicate, mesh.dp_shard, mesh.cp)
+        if key not in scorings:
+            scorings[key] = _score_data_parallel(recipe, probe_for(mesh.cp), target, mesh, device, cost)
+        scoring = scorings[key]
+        probe = scoring.evaluation.probe
+        for scored in scoring.scored:
+            found.append(_on_mesh(scored, mesh, scoring.evaluation, probe, cluster, rows * full_seq))
+    if not found:
+        reasons = "\n".join(f"  {mesh}: {why}" for mesh, why in excluded) or "  (no candidate)"
+        raise PlanError(f"no mesh of {target.world_size} ranks can run this job:\n{reasons}")
+    usable = target.budget.usable
+    ranked = tuple(sorted((f for f in found if f.peak <= usable), key=MeshScored.order))
+    misfits = sorted((f for f in found if f.peak > usable), key=MeshScored.order)
+    return MeshResult(
+        target=target,
+        cluster=cluster,
+        ranked=ranked,
+        best_misfit=misfits[0] if misfits else None,
+        excluded=tuple(excluded),
+        notes=tuple(sorted(notes)),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _score_data_parallel(
+    recipe: Recipe,
+    probe: ModelProbe,
+    target: Target,
+    mesh: MeshShape,
+    device: torch.device,
+    cost: CostModel | None,
+) -> Scoring:
+    """Every plan on the mesh's data-parallel dimensions alone (the batch each rank reads, the shard group)."""
+    data_parallel = MeshShape(dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard)
+    flat = replace(
+        target,
+        world_size=data_parallel.size,
+        mesh=None if data_parallel.is_flat else data_parallel,
+    )
+    return score_candidates(recipe, probe, flat, device, cost=cost)
+
+
+def _on_mesh(
+    scored: Scored,
+    mesh: MeshShape,
+    evaluation: Evaluation,
+    probe: ModelProbe,
+    cluster: Cluster,
+    tokens_per_step: int,
+) -> MeshScored:
+    kept = evaluation.block_activations(scored.plan) if mesh.pp > 1 else (0.0, 0.0)
+    cost = mesh_cost(
+        scored,
+        mesh,
+        probe.shape,
+        kept,
+        cluster=cluster,
+        hidden=probe.hidden_size,
+        seq_len=probe.seq_len,
+    )
+    return MeshScored(mesh, scored, cost, tokens_per_step / cost.step_seconds / mesh.size)
+
+
+def _shape(degrees: dict[str, int], recipe: Recipe) -> MeshShape:
+    config = recipe.strategies.mesh
+    return MeshShape(
+        **{dim: degrees.get(dim, 1) for dim in DIMS},
+        sequence_parallel=config.sequence_parallel,
+        pp_schedule=config.pp_schedule,
+    )
