@@ -66,6 +66,9 @@ class Prediction:
     maxima: Footprint
     where: str
     lower_bound: bool = False  # activations were not traced (the model states alone do not fit)
+    # the step's two highest moments: the micro-steps' (with the states at rest) and the optimizer step's;
+    # the mesh search divides each by the mesh and takes the higher (planner/mesh_cost.py)
+    moments: tuple[Footprint, ...] = ()
 
     @property
     def peak(self) -> int:
@@ -283,9 +286,10 @@ def predict(levels: StateLevels, walks: StepWalk) -> Prediction:
         max(values) for values in zip(*(_plus(rest, w.maxima) for w in moments), optimizer, strict=True)
     )
     bound = not walks.traced
+    highest = (_footprint(_plus(rest, best.at_peak)), _footprint(optimizer))
     if sum(optimizer) > sum(rest) + sum(best.at_peak):
-        return Prediction(_footprint(optimizer), _footprint(maxima), "optimizer step", bound)
-    return Prediction(_footprint(_plus(rest, best.at_peak)), _footprint(maxima), best.where, bound)
+        return Prediction(highest[1], _footprint(maxima), "optimizer step", bound, highest)
+    return Prediction(highest[0], _footprint(maxima), best.where, bound, highest)
 
 
 def optimizer_extra(

@@ -151,38 +151,42 @@ def _stage_cost(
     hidden: int,
     seq_len: int,
 ) -> MeshCost:
-    plan, at_peak, levels = flat.plan, flat.prediction.at_peak, flat.states
+    plan, levels = flat.plan, flat.states
     weights_share = stage.numel / max(shape.numel, 1)
     trained_share = stage.trainable_numel / max(shape.trainable_numel, 1)
     sharded = plan.sharding.gradient_sync == "reduce-scatter"
     c = mesh.cp if sharded else 1
-
-    def divided(peak_bytes: int, stored_bytes: int, share: float) -> int:
-        """The stored shards divided by c, what the peak holds beyond them (gathered layers) not."""
-        return int((stored_bytes / c + max(0, peak_bytes - stored_bytes)) * share)
-
     stored_w, stored_g, stored_o = levels.stored
-    gradients = divided(at_peak.gradients, stored_g, trained_share)
+    embedding_gradient = 0
     if mesh.tp > 1 and stage.first:
-        itemsize = plan.precision.stored_dtype.itemsize
         embedding = sum(p.numel for p in shape.params if _is_embedding(p) and p.trainable)
-        gradients += int(embedding * (1 - 1 / mesh.tp) * itemsize)
+        embedding_gradient = int(embedding * (1 - 1 / mesh.tp) * plan.precision.stored_dtype.itemsize)
     kept, rest = block_activations
     micro_batches = plan.accumulation_steps
     flight = in_flight_blocks(mesh, micro_batches, stage, shape.num_blocks)
-    if mesh.pp == 1:
-        activations = at_peak.activations * activation_share(mesh)
-    else:
-        activations = (kept * flight + rest) * activation_share(mesh)
-    footprint = Footprint(
-        weights=divided(at_peak.weights, stored_w, weights_share),
-        gradients=gradients,
-        optimizer_states=divided(at_peak.optimizer_states, stored_o, trained_share),
-        activations=int(activations),
-        # beyond buffers and input data (the levels' other), what the trace saw outside the four components:
-        # the loss's logits, split over the vocabulary by the tensor ranks (loss_parallel)
-        other=int(levels.other + max(0, at_peak.other - levels.other) / mesh.tp),
-    )
+
+    def divided(peak_bytes: int, stored_bytes: int, share: float) -> int:
+        """The stored shards divided by c, what the moment holds beyond them (gathered layers) not."""
+        return int((stored_bytes / c + max(0, peak_bytes - stored_bytes)) * share)
+
+    def on_rank(moment: Footprint, optimizer_step: bool) -> Footprint:
+        activations = moment.activations
+        if mesh.pp > 1 and activations:
+            activations = int(kept * flight + rest)
+        # beyond buffers and input data (the levels' other), what the trace saw outside the components: in the
+        # optimizer step its temporaries (per trained parameter); in a micro-step the loss's logits, split
+        # over the vocabulary by the tensor ranks (loss_parallel)
+        beyond = max(0, moment.other - levels.other)
+        return Footprint(
+            weights=divided(moment.weights, stored_w, weights_share),
+            gradients=divided(moment.gradients, stored_g, trained_share) + embedding_gradient,
+            optimizer_states=divided(moment.optimizer_states, stored_o, trained_share),
+            activations=int(activations * activation_share(mesh)),
+            other=int(levels.other + (beyond * trained_share / c if optimizer_step else beyond / mesh.tp)),
+        )
+
+    moments = flat.prediction.moments or (flat.prediction.at_peak,)
+    footprint = max((on_rank(m, i == 1) for i, m in enumerate(moments)), key=lambda f: f.peak)
     cost = flat.cost
     compute = (cost.compute + cost.recompute) * weights_share
     bubble = compute * (mesh.pp - 1) / (_chunks(mesh) * micro_batches) if mesh.pp > 1 else 0.0

@@ -40,6 +40,7 @@ from memtrain.planner.result import Scored
 from memtrain.planner.search import Evaluation, Scoring, score_candidates
 from memtrain.recipe import Recipe
 
+UNBOUNDED = 2**62  # the budget plans are scored with before the mesh divides them
 ProbeFor = Callable[[int], ModelProbe]  # context-parallel degree -> the model probed at seq_len / cp
 TensorParallelProblems = Callable[[int], list[str]] | None  # ModelSpec.tensor_parallel_problems
 
@@ -214,12 +215,15 @@ def _score_data_parallel(
     device: torch.device,
     cost: CostModel | None,
 ) -> Scoring:
-    """Every plan on the mesh's data-parallel dimensions alone (the batch each rank reads, the shard group)."""
+    """Every plan on the mesh's data-parallel dimensions alone (the batch each rank reads, the shard group),
+    with no budget: a plan whose undivided states would not fit may fit once tensor and pipeline ranks divide
+    them, so every plan is traced (none is cut short at its states)."""
     data_parallel = MeshShape(dp_replicate=mesh.dp_replicate, dp_shard=mesh.dp_shard)
     flat = replace(
         target,
         world_size=data_parallel.size,
         mesh=None if data_parallel.is_flat else data_parallel,
+        budget=replace(target.budget, usable=UNBOUNDED),
     )
     return score_candidates(recipe, probe, flat, device, cost=cost)
 
