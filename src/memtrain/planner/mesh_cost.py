@@ -188,7 +188,11 @@ def _stage_cost(
     moments = flat.prediction.moments or (flat.prediction.at_peak,)
     footprint = max((on_rank(m, i == 1) for i, m in enumerate(moments)), key=lambda f: f.peak)
     cost = flat.cost
-    compute = (cost.compute + cost.recompute) * weights_share
+    # the plan was scored at one rank's sequence; its attention still reads every key of the whole one (ring
+    # attention), 12 L h s FLOPs per token beside 6 per parameter (cost.py)
+    attention = 12 * shape.num_blocks * hidden * seq_len
+    whole_sequence = (6 * shape.numel + attention * mesh.cp) / (6 * shape.numel + attention)
+    compute = (cost.compute + cost.recompute) * weights_share * whole_sequence
     bubble = compute * (mesh.pp - 1) / (_chunks(mesh) * micro_batches) if mesh.pp > 1 else 0.0
     exposed = _exposed(flat, mesh, stage, cluster, hidden, seq_len, compute)
     step = (
