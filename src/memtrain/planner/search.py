@@ -36,6 +36,7 @@ from memtrain.planner.memory_model import (
     step_walk,
 )
 from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.rank_trace import RankTraces
 from memtrain.planner.result import PlanResult, Scored, rank
 from memtrain.planner.states import state_levels
 from memtrain.recipe import Recipe
@@ -79,6 +80,9 @@ def search(
     )
     grid = build_grid(recipe, facts, device, probe.num_blocks)
     evaluation = _Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
+    if target.mesh is not None and not target.mesh.is_flat:  # per rank: the trainer's step, traced
+        evaluation.traces = RankTraces(probe.spec, probe.progress)
+        evaluation.traces.trace(grid.candidates)
     excluded = list(grid.excluded)
     scored: list[Scored] = []
     untraceable: Unsupported | None = None
@@ -118,7 +122,9 @@ def search(
         infeasible=infeasible,
         excluded=tuple(excluded),
         full_fine_tuning=evaluation.full_fine_tuning(chosen.plan),
-        attention=_attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
+        attention=""
+        if chosen.predicted_by == "rank trace"
+        else _attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
     )
 
 
@@ -133,9 +139,8 @@ class _Evaluation:
         sizes = sorted({-(-c.micro_batching.tokens(seq) // seq) for c in grid.candidates}) or [1]
         self.rows = (sizes[0], sizes[-1])  # the traced micro-batch sizes: the ends of the range
         per_rank = per_rank_batch(recipe, target.shape.dp_size)
-        self.fixed = probe.buffer_bytes + probe.step_data_bytes(per_rank)
-        if target.device_type == "cpu":
-            self.fixed += probe.spec.host_bytes()
+        self.host = probe.spec.host_bytes() if target.device_type == "cpu" else 0  # host memory is the device
+        self.fixed = probe.buffer_bytes + probe.step_data_bytes(per_rank) + self.host
         self.workload = Workload(
             numel=probe.shape.numel,
             block_numel=sum(p.numel for p in probe.shape.params if p.block is not None),
@@ -151,6 +156,7 @@ class _Evaluation:
         )
         self.walks: dict[tuple[Any, ...], StepWalk] = {}
         self.states: dict[tuple[Any, ...], StateLevels] = {}
+        self.traces: RankTraces | None = None  # on a mesh: each candidate's traced rank
 
     def score(self, plan: Plan) -> Scored:
         probe, target = self.probe, self.target
@@ -164,8 +170,9 @@ class _Evaluation:
                 f"more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of the --gpu profile)"
             )
         offloaded = 0
-        if predict(levels, STATES_ONLY).peak > target.budget.usable:
-            walk = STATES_ONLY  # the model states alone do not fit: no trace can change that
+        traced = self._traced(plan)
+        if traced is not None or predict(levels, STATES_ONLY).peak > target.budget.usable:
+            walk = STATES_ONLY  # traced per rank, or the model states alone do not fit: no walk needed
         else:
             weights = _weights_dtype(plan)
             traces = _traces(probe, plan, target, self.rows_of(plan), weights)
@@ -208,7 +215,21 @@ class _Evaluation:
             device_type=target.device_type,
             host_bytes=levels.host,
         )
-        return Scored(plan, predict(levels, walk), step, levels)
+        if traced is not None:
+            return Scored(plan, traced, step, levels, "rank trace")
+        return Scored(
+            plan, predict(levels, walk), step, levels, "trace" if self.traces is None else "formula"
+        )
+
+    def _traced(self, plan: Plan) -> Prediction | None:
+        """`plan`'s rank trace on the target's mesh, or None (no mesh, or it could not be traced: why is in
+        the progress lines, `RankTraces.trace`; activations offloaded to the host are walked from traces)."""
+        if self.traces is None or plan.checkpointing.offloads_activations:
+            return None
+        try:
+            return self.traces.get(plan).prediction(self.host)
+        except Unsupported:
+            return None
 
     def rows_of(self, plan: Plan) -> tuple[int, int]:
         """The traced sizes `plan`'s fit is drawn through (`ModelProbe.fit_rows`)."""

@@ -9,7 +9,7 @@ causal-LM trainer is one subclass among others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,9 @@ class ModelSpec:
         same loss. Set only where that holds (the built-in causal-LM trainer with its own hooks: its
         config and the recipe's `model` and `data` sections); None, the default: this spec's traces are
         never shared with another probe's (`model_probe.shared_traces`).
+    rebuild: how a new process builds the same trainer: its class as `module:Class` or `file.py:Class` and
+        the recipe as a dict, both JSON (the rank trace of a mesh runs in a process of its own:
+        `planner/rank_trace.py`). None: it cannot (a mesh is then predicted by formula).
     """
 
     build_model: Callable[[], nn.Module]
@@ -55,3 +58,4 @@ class ModelSpec:
     frozen_bytes: Callable[[torch.dtype], int] = lambda _dtype: 0
     reference_forwards: int = 0
     trace_key: Hashable | None = None
+    rebuild: tuple[str, Mapping[str, Any]] | None = None
