@@ -8,8 +8,8 @@ rows, and variable-length ones would make every plan an over-prediction of the r
 
 Two gaps this measured and does not close (docs/BENCHMARKS.md): HSDP (the real run's peak holds buffers of
 gloo's asynchronous all-reduce across replicas that torch's fake process group completes at once: up to 7%
-under) and tensor parallel without sequence parallel in bf16 without recompute (1% under); they are strict
-xfails, so a fix shows here.
+under: a strict xfail, so a fix shows here) and tensor parallel without sequence parallel in bf16 without
+recompute (1% under in one run, within bounds in another: the real peak moves with the collectives' timing).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from mesh_jobs import launch  # noqa: E402
 
 UNDER, OVER = -0.005, 0.03
 DATA = {"source": "synthetic", "seq_len": 16, "synthetic": {"num_samples": 8, "min_len": 16}}
-GAPS = {"hsdp_bf16_none", "tp_no_sp_bf16_none"}
+GAPS = {"hsdp_bf16_none"}
+FLAKY = {"tp_no_sp_bf16_none"}  # measured -1.02% once, within bounds once: the real peak moves with timing
 CASES = {  # name -> (ranks, mesh, precision, checkpointing)
     "hsdp_fp32_full": (4, {"dp_replicate": 2, "dp_shard": 2}, "fp32", "full"),
     "hsdp_bf16_none": (4, {"dp_replicate": 2, "dp_shard": 2}, "bf16-mixed", "none"),
@@ -51,7 +52,7 @@ CASES = {  # name -> (ranks, mesh, precision, checkpointing)
 
 
 def _sections(mesh: dict[str, Any], precision: str, checkpointing: str) -> dict[str, Any]:
-    sharded = "dp_shard" in mesh or "dp_replicate" in mesh
+    sharded = "dp_shard" in mesh or "dp_replicate" in mesh or "pp" in mesh  # pipeline stages save through DCP
     return {
         "strategies": {
             "precision": precision,
@@ -97,7 +98,13 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, i
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.xfail(strict=True)) if n in GAPS else n for n in CASES]
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=n in GAPS, reason="docs/BENCHMARKS.md"))
+        if n in GAPS | FLAKY
+        else n
+        for n in CASES
+    ],
 )
 def test_the_rank_trace_predicts_the_busiest_ranks_peak(
     name: str, compared: dict[str, tuple[int, int]]
