@@ -203,3 +203,32 @@ def test_grouped_mm_replaced_reaches_functional_grouped_mm() -> None:
         _fail("torch._grouped_mm", "F.grouped_mm no longer calls it")
     if torch._grouped_mm is not original:
         _fail("torch._grouped_mm", "not restored")
+
+
+def test_host_values_keep_real_values_and_read_fake_ones_as_placeholders() -> None:
+    """The rank trace's values (memtrain.training.rank_trace): an op on real tensors stays real under the fake
+    mode (a token count keeps its value), a fake tensor read as a number is 1, 1.0 or False."""
+    from memtrain.memory import HostValues, fake_tensors_with_real_inputs
+    from memtrain.memory._torch_private import is_fake
+
+    with fake_tensors_with_real_inputs(), HostValues():
+        fake = torch.empty(3)
+        counts = torch.tensor([4, 5])  # `lift_fresh` of a real tensor
+        assert is_fake(fake) and not is_fake(counts)
+        assert int(counts.sum()) == 9
+        assert int(fake.sum().long()) == 1 and float(fake.sum()) == 1.0 and not bool((fake > 0).any())
+
+
+def test_the_fake_process_group_joins_as_any_rank() -> None:
+    import torch.distributed as dist
+
+    from memtrain.memory import join_fake_process_group
+
+    assert not dist.is_initialized()
+    try:
+        join_fake_process_group(3, 8)
+        assert (dist.get_rank(), dist.get_world_size()) == (3, 8)
+        out = torch.zeros(2)
+        dist.all_reduce(out)  # returns at once, nothing sent
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,7 @@ from memtrain.memory.headroom import load_gpu, what_if_target
 from memtrain.mesh import MeshShape
 from memtrain.planner.mesh_cost import activation_share, in_flight_blocks, stages
 from memtrain.planner.mesh_explain import describe_meshes, meshes_to_json
-from memtrain.planner.mesh_search import candidate_meshes, mesh_constraints, plans_a_mesh, search_meshes
+from memtrain.planner.mesh_search import candidate_meshes, mesh_constraints, search_meshes, searches_meshes
 from memtrain.planner.model_probe import ModelProbe
 
 from helpers import probe_of
@@ -60,8 +60,12 @@ def test_every_factorisation_of_the_open_degrees(tmp_path: Path) -> None:
     }
     pinned = list(candidate_meshes(_recipe(tmp_path, dp_shard="auto", tp=2), 8))
     assert [(m.dp_shard, m.tp) for m in pinned] == [(4, 2)]
-    assert plans_a_mesh(_recipe(tmp_path, dp_shard="auto", tp=2))
-    assert not plans_a_mesh(planner_recipe(tmp_path))
+    assert searches_meshes(_recipe(tmp_path), what_if=False)  # tp and pp open
+    assert searches_meshes(_recipe(tmp_path, dp_shard="auto", tp=2), what_if=True)
+    assert not searches_meshes(
+        _recipe(tmp_path, dp_shard="auto", tp=2), what_if=False
+    )  # the run's rank trace
+    assert not searches_meshes(planner_recipe(tmp_path), what_if=True)
 
 
 def test_constraints_name_what_rules_a_mesh_out(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from memtrain.memory.headroom import GpuProfile, load_gpu, what_if_target
 from memtrain.planner import ModelSpec, PlanResult, here_target, plan_here, plan_meshes, plan_what_if
 from memtrain.planner.explain import describe, to_json
 from memtrain.planner.mesh_explain import describe_meshes, meshes_to_json
-from memtrain.planner.mesh_search import plans_a_mesh
+from memtrain.planner.mesh_search import searches_meshes
 from memtrain.recipe import MeshConfig, Recipe
 from memtrain.training.trainer import Trainer
 
@@ -60,10 +60,11 @@ def run(
         )
     trainer_cls = trainer_class(trainer)
     recipe = load_checked_recipe(recipe_path, overrides, trainer_cls)
-    if plans_a_mesh(recipe):
+    what_if = gpu is not None or memory is not None
+    if searches_meshes(recipe, what_if):
         target = (
             what_if_target(ranks, profile, memory, recipe.planner.safety_fraction, host_memory_bytes=host)
-            if gpu is not None or memory is not None
+            if what_if
             else here_target(recipe, ranks)
         )
         found = plan_meshes(

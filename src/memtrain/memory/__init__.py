@@ -4,7 +4,7 @@ Self-contained on purpose (torch, numpy, matplotlib and the standard library onl
 trainer and scripts can all use it without import cycles.
 """
 
-from ._torch_private import fake_tensors
+from ._torch_private import HostValues, fake_tensors, fake_tensors_with_real_inputs, join_fake_process_group
 from .budget import Budget, out_of_memory_error
 from .cheap import StepPeak, process_peak_rss_bytes
 from .tracker import MemoryTracker, SimulatedBudget
@@ -14,11 +14,14 @@ __all__ = [
     "COMPONENTS",
     "PHASES",
     "Budget",
+    "HostValues",
     "MemoryTracker",
     "SimulatedBudget",
     "StepMemory",
     "StepPeak",
     "fake_tensors",
+    "fake_tensors_with_real_inputs",
+    "join_fake_process_group",
     "format_bytes",
     "out_of_memory_error",
     "process_peak_rss_bytes",

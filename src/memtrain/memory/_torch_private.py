@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -20,11 +21,14 @@ __all__ = [
     "allocator_settings",
     "dump_memory_snapshot",
     "efficient_attention",
+    "HostValues",
     "fake_tensors",
+    "fake_tensors_with_real_inputs",
     "flash_attention",
     "grouped_mm",
     "grouped_mm_replaced",
     "is_fake",
+    "join_fake_process_group",
     "math_attention",
     "native_dropout",
     "record_memory_history",
@@ -38,6 +42,46 @@ def fake_tensors() -> FakeTensorMode:
     real step would (the storages it sees are the same, only on the meta device).
     """
     return FakeTensorMode()
+
+
+def fake_tensors_with_real_inputs() -> FakeTensorMode:
+    """`fake_tensors()` that also takes real tensors as op inputs (turned into fake ones): a fake model fed
+    real batches (the planner's rank trace, memtrain.training.rank_trace)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+class HostValues(TorchDispatchMode):
+    """Inside an active fake-tensor mode: an op whose tensor inputs are all real runs for real, outside the
+    fake mode, so the values a step reads from its batch keep them (token counts, a flag or a shape agreed
+    over ranks: `torch.tensor(...)` is an op on a real tensor); a fake tensor read as a Python number, which
+    has no value, reads as a placeholder: 1 for an integer (a count), 1.0 for a float (a norm, a loss), False
+    for a flag (nothing failed, nothing is non-finite). Ops without tensor inputs (`torch.empty`) stay fake.
+    Enter it after the fake mode (a mode entered later sees each op first)."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else 1.0 if dtype.is_floating_point else 1
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def join_fake_process_group(rank: int, world_size: int) -> None:
+    """Make this process rank `rank` of `world_size` in torch's fake process group (every collective
+    returns at once; nothing is sent): one rank of a mesh run in one process. Leaves a group this process
+    joined before first (the group is process-global)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

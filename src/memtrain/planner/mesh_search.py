@@ -85,11 +85,14 @@ def open_dims(recipe: Recipe) -> list[str]:
     return [dim for dim in DIMS if getattr(config, dim) == "auto"]
 
 
-def plans_a_mesh(recipe: Recipe) -> bool:
-    """Whether the recipe's mesh can be more than one data-parallel dimension (then `memtrain plan` runs the
-    mesh search)."""
+def searches_meshes(recipe: Recipe, what_if: bool) -> bool:
+    """Whether `memtrain plan` runs the mesh search: a degree other than dp_shard is open, or (for hardware that
+    is not here) the recipe pins a mesh of more than one data-parallel dimension. A pinned mesh planned for
+    this machine goes to the search a run makes, which traces each rank on this CPU (rank_trace.py)."""
     config = recipe.strategies.mesh
-    return any(getattr(config, dim) != 1 for dim in DIMS if dim != "dp_shard")
+    if set(open_dims(recipe)) - {"dp_shard"}:
+        return True
+    return what_if and any(getattr(config, dim) != 1 for dim in DIMS if dim != "dp_shard")
 
 
 def candidate_meshes(recipe: Recipe, world_size: int) -> Iterator[MeshShape]:

@@ -22,6 +22,9 @@ class Scored:
     prediction: Prediction
     cost: StepCost
     states: StateLevels
+    predicted_by: str = (
+        "trace"  # "rank trace" on a mesh (planner/rank_trace.py), or "formula" where it could not
+    )
 
     def short(self, usable: int) -> int:
         """Bytes over `usable` (0 when it fits)."""
@@ -36,6 +39,7 @@ class Scored:
             **self.plan.summary(),
             "predicted_peak": self.prediction.peak,
             "predicted_peak_is_lower_bound": self.prediction.lower_bound,
+            "predicted_by": self.predicted_by,
             "predicted_step_seconds": self.cost.total,
             "fits": self.short(usable) == 0,
             "short_bytes": self.short(usable),

@@ -36,6 +36,7 @@ from memtrain.planner.memory_model import (
     step_walk,
 )
 from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.rank_trace import RankTraces
 from memtrain.planner.result import PlanResult, Scored, rank
 from memtrain.planner.states import state_levels
 from memtrain.recipe import Recipe
@@ -69,7 +70,12 @@ def search(
     """Evaluate every candidate of the recipe on `target`; `PlanError` (with the table) when none fits.
     `correction` adjusts every candidate's prediction before ranking (a run that measured more than its
     plan predicted re-plans with it: memtrain.training.replan)."""
-    scoring = score_candidates(recipe, probe, target, device, cost=cost, correction=correction)
+    # a mesh pinned on this CPU: each candidate's busiest rank traced as the trainer runs it (rank_trace.py);
+    # its kernels are this CPU's, so a CUDA target keeps the traces of one device with the states divided
+    on_a_mesh = target.mesh is not None and not target.mesh.is_flat and target.device_type == "cpu"
+    scoring = score_candidates(
+        recipe, probe, target, device, cost=cost, correction=correction, rank_traces=on_a_mesh
+    )
     grid, evaluation, scored, excluded = scoring.grid, scoring.evaluation, scoring.scored, scoring.excluded
     untraceable = scoring.untraceable
     if untraceable is not None and not scored:  # not "no plan fits": no plan could be predicted at all
@@ -88,7 +94,9 @@ def search(
         infeasible=infeasible,
         excluded=tuple(excluded),
         full_fine_tuning=evaluation.full_fine_tuning(chosen.plan),
-        attention=_attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
+        attention=""
+        if chosen.predicted_by == "rank trace"
+        else _attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
     )
 
 
@@ -111,6 +119,7 @@ def score_candidates(
     *,
     cost: CostModel | None = None,
     correction: Callable[[Prediction], Prediction] | None = None,
+    rank_traces: bool = False,
 ) -> Scoring:
     """Predict every candidate of the recipe's grid on `target`; those that cannot be predicted (host
     memory, a trace that failed) become exclusions. The mesh search (mesh_search.py) scores each data-parallel
@@ -125,6 +134,9 @@ def score_candidates(
     )
     grid = build_grid(recipe, facts, device, probe.num_blocks)
     evaluation = Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
+    if rank_traces:  # per rank: the trainer's step, traced
+        evaluation.traces = RankTraces(probe.spec, probe.progress)
+        evaluation.traces.trace(grid.candidates)
     excluded = list(grid.excluded)
     scored: list[Scored] = []
     untraceable: Unsupported | None = None
@@ -162,9 +174,8 @@ class Evaluation:
         sizes = sorted({-(-c.micro_batching.tokens(seq) // seq) for c in grid.candidates}) or [1]
         self.rows = (sizes[0], sizes[-1])  # the traced micro-batch sizes: the ends of the range
         per_rank = per_rank_batch(recipe, target.shape.dp_size)
-        self.fixed = probe.buffer_bytes + probe.step_data_bytes(per_rank)
-        if target.device_type == "cpu":
-            self.fixed += probe.spec.host_bytes()
+        self.host = probe.spec.host_bytes() if target.device_type == "cpu" else 0  # host memory is the device
+        self.fixed = probe.buffer_bytes + probe.step_data_bytes(per_rank) + self.host
         self.workload = Workload(
             numel=probe.shape.numel,
             block_numel=sum(p.numel for p in probe.shape.params if p.block is not None),
@@ -181,6 +192,7 @@ class Evaluation:
         self.walks: dict[tuple[Any, ...], StepWalk] = {}
         self.states: dict[tuple[Any, ...], StateLevels] = {}
         self.kept: dict[tuple[Any, ...], tuple[float, float]] = {}
+        self.traces: RankTraces | None = None  # on a mesh: each candidate's traced rank
 
     def score(self, plan: Plan) -> Scored:
         probe, target = self.probe, self.target
@@ -194,8 +206,9 @@ class Evaluation:
                 f"more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of the --gpu profile)"
             )
         offloaded = 0
-        if predict(levels, STATES_ONLY).peak > target.budget.usable:
-            walk = STATES_ONLY  # the model states alone do not fit: no trace can change that
+        traced = self._traced(plan)
+        if traced is not None or predict(levels, STATES_ONLY).peak > target.budget.usable:
+            walk = STATES_ONLY  # traced per rank, or the model states alone do not fit: no walk needed
         else:
             weights = _weights_dtype(plan)
             traces = _traces(probe, plan, target, self.rows_of(plan), weights)
@@ -238,7 +251,21 @@ class Evaluation:
             device_type=target.device_type,
             host_bytes=levels.host,
         )
-        return Scored(plan, predict(levels, walk), step, levels)
+        if traced is not None:
+            return Scored(plan, traced, step, levels, "rank trace")
+        return Scored(
+            plan, predict(levels, walk), step, levels, "trace" if self.traces is None else "formula"
+        )
+
+    def _traced(self, plan: Plan) -> Prediction | None:
+        """`plan`'s rank trace on the target's mesh, or None (no mesh, or it could not be traced: why is in
+        the progress lines, `RankTraces.trace`; activations offloaded to the host are walked from traces)."""
+        if self.traces is None or plan.checkpointing.offloads_activations:
+            return None
+        try:
+            return self.traces.get(plan).prediction(self.host)
+        except Unsupported:
+            return None
 
     def block_activations(self, plan: Plan) -> tuple[float, float]:
         """(activations one block keeps for backward, the rest of the activations at the peak) for one

@@ -22,6 +22,7 @@ different order.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ def apply_strategies(
     optimizer_step: OptimizerStep | None = None,
     tensor_parallel: PlanHook | None = None,
     pipeline: PipelineSplit | None = None,
+    materialise_in: contextlib.AbstractContextManager[object] | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
@@ -83,7 +85,8 @@ def apply_strategies(
     backend wraps it, or, for a backend that shards meta models (FSDP2), after sharding, so that each
     rank reads only its shards. On a mesh with tp > 1, `tensor_parallel(model)` is the trainer's plan for
     splitting it; with pp > 1, `pipeline(model, stage, stages)` keeps this rank's stage of it (and `blocks`
-    keeps the blocks that stage holds)."""
+    keeps the blocks that stage holds). `materialise_in`: the context a meta model's parameters are
+    materialised in (the planner's rank trace: fake tensors, `memtrain.training.rank_trace`)."""
     adapters = adapters or Adapters()
     quantization = quantization or Quantization()
     if quantization.name != "none":  # after the weights are loaded (it reads them), before the adapters
@@ -131,16 +134,17 @@ def apply_strategies(
     device = env.device
 
     def materialise(target: nn.Module) -> None:
-        materialise_parameters(target, device)
+        with materialise_in or contextlib.nullcontext():
+            materialise_parameters(target, device)
         if load_weights is not None:
             load_weights(target)
         adapters.initialise(target)
 
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and not sharding.shards_meta_models:
-        materialise(model)
+        materialise(model)  # on the device already (a fake-tensor trace's cannot be moved again)
         on_meta = False
-    if not on_meta:
+    elif not on_meta:
         model = model.to(device)
     wrapped, optimizer = sharding.prepare(
         model,

@@ -52,7 +52,7 @@ from memtrain.recipe import Recipe
 from memtrain.run import Resume, RunDirectory
 from memtrain.run.checkpoints import Checkpoint
 from memtrain.schedules import due, lr_at
-from memtrain.strategies.apply import apply_strategies, switch_in_place
+from memtrain.strategies.apply import switch_in_place
 from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
@@ -60,6 +60,8 @@ from memtrain.strategies.pipeline import PipelineSplit, is_pipeline, run_step, s
 from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.strategies.tensor_parallel import TensorParallelPlan, clip_grad_norm, vocabulary_parallel_loss
 from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state, two_pass
+from memtrain.training.applying import apply_plan
+from memtrain.training.class_reference import class_reference
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
 from memtrain.training.results import FitResult, StepTotals, check_token_count, seed_everything, summary_of
 
@@ -78,7 +80,7 @@ class Trainer:
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = self.recipe_class.adopt(recipe)
-        self.env: DistEnv = arranged(init_distributed(), self.recipe)  # the mesh: `strategies.mesh`
+        self.env: DistEnv = init_distributed()  # arranged into `strategies.mesh` by `choose_plan`
         self.run = RunDirectory(self.recipe.output_path(), self.env)
         self.monitor = MemoryMonitor(self.env, self.run)
         self._plan: Plan | None = None
@@ -190,6 +192,7 @@ class Trainer:
         """The job the planner predicts: this trainer's own hooks."""
         clone = self.build_model_clone
         overridden = type(self).build_model_clone is not Trainer.build_model_clone
+        where = class_reference(type(self))
         return ModelSpec(
             build_model=self.build_model,
             blocks=self.blocks,
@@ -198,12 +201,16 @@ class Trainer:
             build_clone=clone if overridden else None,  # type: ignore[arg-type]
             host_bytes=self.host_data_bytes,
             name=f"{type(self).__name__}.build_model()",
+            rebuild=None if where is None else (where, self.recipe.to_dict()),
         )
 
     def choose_plan(self, free_bytes: int | None = None) -> PlanResult:
         """Plan the run (collective on several ranks when the recipe leaves choices open): the planner
         predicts this trainer's job; a recipe that pins every choice gets those strategies, checked.
-        `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom)."""
+        `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom). The ranks are
+        arranged into the recipe's mesh here, where the plan needs it (`memtrain plan --world-size N` builds
+        the trainer on one process for a mesh of N)."""
+        self.env = self.monitor.env = arranged(self.env, self.recipe)
         progress = preemption.interruptible(stderr_progress, self.env)  # a signal stops it between traces
         self.plan_result = make_plan(
             self.recipe, self.env, self.model_spec(), free_bytes=free_bytes, progress=progress
@@ -251,24 +258,7 @@ class Trainer:
         plan, sharding = self.plan, self._sharding
         seed_everything(self.recipe.run.seed)
         sharding.check(self.env)
-        model = self.build_model()
-        self._blocks = self.blocks(model)
-        applied = apply_strategies(
-            model,
-            self._blocks,
-            plan.precision,
-            plan.checkpointing,
-            sharding=sharding,
-            env=self.env,
-            build_optimizer=self.build_optimizer,
-            load_weights=self.load_weights,
-            adapters=plan.adapters,
-            quantization=plan.quantization,
-            loss=plan.loss,
-            optimizer_step=plan.optimizer_step,
-            tensor_parallel=self.tensor_parallel_plan,
-            pipeline=self.pipeline_split,
-        )
+        applied, self._blocks = apply_plan(self, self.build_model())
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         self.monitor.track(sharding.unwrap(self.model), self.optimizer, self.recipe.memory)
         # What would fail late (an output directory that cannot take a checkpoint, a full disk, a budget

@@ -1,0 +1,91 @@
+"""One rank of a mesh, traced: the trainer's own step on fake tensors over torch's fake process group.
+
+Why the trainer's own step: on a mesh, what a rank holds is what FSDP2's shards and gathers, the
+tensor-parallel plan (which pieces are split, which come back whole: the embedding's gradient, the norms),
+sequence parallelism and the step's collectives make of the model, micro-step by micro-step. A formula per
+combination drifts from torch; the step itself cannot. torch's fake process group lets one process be rank
+r of N (every collective returns at once with outputs of the right shapes), and fake tensors carry shapes
+and storages without memory, so the setup's `apply_plan` and `Trainer.train_step` run here as on the mesh while
+the `MemoryTracker` counts every storage, as it counts the run's.
+
+What differs from the run, and why the bytes do not:
+- the model is built on the meta device and its strategies applied there (slicing the `DeviceMesh` and
+  FSDP2's sharding read tensor values, which fake tensors lack); its parameters are then materialised as
+  fake tensors (`apply_strategies(materialise_in=...)`); no weights are read;
+- the step batch is `planning_batch(rows)` (the longest rows, what the planner predicts every plan for),
+  split as the trainer splits it before the fake mode starts (the split reads the rows' lengths);
+- values the step reads keep them where they come from the batch and are placeholders where they come
+  from fake tensors (`memtrain.memory.HostValues`);
+- steps 1 .. STEPS run (step 0 checks the loss's token count, which a fake loss has not) and the last
+  one's report is the rank's step: the optimizer states exist from the end of the first.
+
+The caller joins the fake group first, in a process of its own (the group is process-global):
+`memtrain.commands.rank_trace`, which the planner starts (`memtrain.planner.rank_trace`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memtrain.errors import Unsupported
+from memtrain.memory import HostValues, MemoryTracker, StepMemory, fake_tensors_with_real_inputs
+from memtrain.plan import Plan
+from memtrain.training.applying import apply_plan
+from memtrain.training.trainer import Trainer
+
+STEPS = 2
+
+
+def trace_step(trainer: Trainer, plan: Plan, rows: int | None = None) -> StepMemory:
+    """The tracker's report of one step of `plan` on this process's rank of the fake process group
+    (`rows`: the data-parallel rank's rows per step; default the recipe's). `Unsupported` for what does
+    not run under a fake process group."""
+    if plan.shape.pp > 1:
+        raise Unsupported("strategies.mesh.pp: a pipeline stage cannot be traced under a fake process group")
+    env = dataclasses.replace(
+        trainer.env, rank=dist.get_rank(), world_size=plan.shape.size, mesh=plan.shape, device_mesh=None
+    )
+    trainer.env = trainer.monitor.env = env
+    trainer.plan, trainer.sharding = plan, plan.sharding_backend(trainer.recipe.train.grad_clip)
+    trainer.sharding.check(env)
+    mode = fake_tensors_with_real_inputs()
+    with torch.device("meta"):
+        model = trainer.build_model()
+    applied, _ = apply_plan(trainer, model, materialise_in=mode)
+    tracker = MemoryTracker(trainer.sharding.unwrap(applied.model), applied.optimizer)
+    trainer.model, trainer.optimizer, trainer.scaler = applied.model, applied.optimizer, applied.grad_scaler
+    trainer.monitor.tracker = tracker
+    batch = trainer.planning_batch(rows or trainer.per_rank_batch_size)
+    micro_batches = trainer.split_batch(batch, plan.micro_batch_size)
+    try:
+        with _feeding(trainer, batch, micro_batches), mode, tracker, HostValues():
+            for step in range(1, STEPS + 1):
+                trainer.train_step(step)
+        return tracker.reports[-1]
+    finally:
+        trainer.model = trainer.optimizer = trainer.scaler = None
+        trainer.monitor.tracker = None
+        gc.collect()
+
+
+@contextlib.contextmanager
+def _feeding(trainer: Trainer, batch: dict[str, torch.Tensor], micro_batches: list[Any]) -> Iterator[None]:
+    """While open, every step of `trainer` reads `batch`, split into `micro_batches` (the hooks shadowed in
+    the instance's own attributes, removed on exit)."""
+    shadowed: dict[str, Any] = {
+        "step_batch": lambda _step: batch,
+        "split_batch": lambda _batch, _size: micro_batches,
+    }
+    vars(trainer).update(shadowed)
+    try:
+        yield
+    finally:
+        for name in shadowed:
+            del vars(trainer)[name]
