@@ -15,9 +15,10 @@ Entry points:
 - `plan_here(recipe, spec, world_size)` and `plan_what_if(recipe, spec, world_size, gpu=..., memory_bytes=...)`:
   the same search without a process group, for this machine or for hardware that is not here
   (`memtrain plan --gpu h100-80gb --world-size 64`).
-- `plan_meshes(recipe, spec_at, target, cluster)`: the mesh search (`memtrain plan` when `strategies.mesh`
-  leaves a degree other than dp_shard open or pins one above 1): every arrangement of the ranks, ranked by
-  predicted tokens/s per GPU on the described cluster (mesh_search.py, mesh_cost.py).
+- `plan_meshes(recipe, spec, target, cluster, spec_at=...)`: the mesh search (`memtrain plan` when
+  `strategies.mesh` leaves a degree other than dp_shard open, or pins a mesh for a what-if:
+  `mesh_search.searches_meshes`): every arrangement of the ranks, ranked by predicted tokens/s per GPU on
+  the described cluster (mesh_search.py, mesh_cost.py).
 - `calibration(result, measured)`: predicted against measured components, for the run's plan.json.
 
 A plan for the device of this process is ranked by step time with this machine's calibrated multipliers
