@@ -201,10 +201,11 @@ def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
     return problems
 
 
-def arranged(env: DistEnv, recipe: Recipe) -> DistEnv:
-    """`env` with the recipe's mesh over its ranks; `RecipeError` naming the key when the degrees cannot
-    arrange them or this version cannot run the mesh here (`mesh_problems`)."""
-    mesh = mesh_of(recipe, env.world_size)
+def arranged(env: DistEnv, recipe: Recipe, chosen: MeshShape | None = None) -> DistEnv:
+    """`env` with the recipe's mesh over its ranks (`chosen`: the mesh the planner chose for degrees the
+    recipe left open); `RecipeError` naming the key when the degrees cannot arrange them or this version
+    cannot run the mesh here (`mesh_problems`)."""
+    mesh = chosen or mesh_of(recipe, env.world_size)
     problems = mesh_problems(mesh, env.device.type)
     if problems:
         raise RecipeError(problems)

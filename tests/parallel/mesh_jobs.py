@@ -91,6 +91,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     mine = {
         "bytes": local_bytes(trainer),
         "coordinates": trainer.env.shape.coordinates(trainer.env.rank),
+        "mesh": trainer.env.shape.to_dict(),
         "tracked": dict(reports[-1].at_peak) if reports else None,  # under memory.track
         "sample_ids": getattr(trainer, "seen_ids", None),  # RecordingTrainer's, per step
     }

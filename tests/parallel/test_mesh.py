@@ -358,3 +358,17 @@ def test_the_planner_divides_states_by_the_shard_group_not_the_replicas(tmp_path
 
     flat, hsdp = states({}), states({"dp_replicate": 2})
     assert flat > 0 and hsdp > 1.9 * flat
+
+
+def test_a_run_trains_on_the_mesh_the_planner_chose_for_open_degrees(tmp_path: Path) -> None:
+    """`dp_shard: auto, pp: auto` on 2 ranks: written as is, dp_shard would take both ranks (`resolve`); under a
+    budget that only a 2-stage pipeline fits (the mesh search predicts 473 kB for the best dp 2 plan, 428 kB for
+    pp 2), the run trains on pp 2, the mesh `memtrain plan` chooses."""
+    sections = {
+        "strategies": {"precision": "fp32", "sharding": "zero3", "mesh": {"dp_shard": "auto", "pp": "auto"}},
+        "batch": {"global_size": 8, "micro_size": 2},
+        "memory": {"budget": 460_000},
+    }
+    (result,) = launch(tmp_path, 2, [{"run_dir": str(tmp_path / "open"), "sections": sections}], "open")
+    assert {rank["mesh"]["pp"] for rank in result["ranks"]} == {2}
+    assert {rank["mesh"]["dp_shard"] for rank in result["ranks"]} == {1}

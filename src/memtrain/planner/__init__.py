@@ -33,6 +33,7 @@ JSON). The budget comes from `memtrain.memory.headroom`.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -40,14 +41,15 @@ from typing import Any
 
 import torch
 
-from memtrain.cluster import Cluster
+from memtrain.cluster import DEFAULT_CLUSTER, Cluster
 from memtrain.distributed import DistEnv, broadcast_object
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
 from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
+from memtrain.mesh import MeshShape
 from memtrain.plan import Plan, adapters_of, is_open, mesh_of, pinned_plan, quantization_of
 from memtrain.planner.memory_model import Prediction
-from memtrain.planner.mesh_search import MeshResult, search_meshes
+from memtrain.planner.mesh_search import MeshResult, open_dims, search_meshes
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.result import PlanResult, Scored
 from memtrain.planner.search import search
@@ -62,6 +64,7 @@ __all__ = [
     "Scored",
     "Target",
     "calibration",
+    "choose_mesh",
     "here_target",
     "plan_meshes",
     "make_plan",
@@ -252,6 +255,35 @@ def plan_meshes(
         tensor_parallel_problems=spec.tensor_parallel_problems,
         cost=None if target.what_if else local_cost_model(device, probe_for(1), target.budget.usable),
     )
+
+
+def choose_mesh(
+    recipe: Recipe, env: DistEnv, spec: ModelSpec, *, progress: Progress = stderr_progress
+) -> MeshShape | None:
+    """The mesh a run trains on when its recipe leaves degrees beyond dp_shard open (None otherwise): the mesh
+    search on the measured budget (the minimum over ranks) and this launch's node (torchrun's
+    LOCAL_WORLD_SIZE GPUs per node), run by rank 0 and broadcast. Collective on several ranks. The plan on
+    that mesh is then made as for a pinned one (`make_plan`)."""
+    if not set(open_dims(recipe)) - {"dp_shard"}:
+        return None
+    budget = int(recipe.memory.budget) if recipe.memory.budget is not None else None
+    target = measured_target(env, budget, recipe.planner.safety_fraction)
+    outcome: dict[str, Any] | str = ""
+    if env.is_main:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+        cluster = replace(DEFAULT_CLUSTER, gpus_per_node=per_node)
+        try:
+            found = plan_meshes(recipe, spec, target, cluster, spec_at=lambda _seq: spec, progress=progress)
+            best = found.chosen or found.best_misfit
+            outcome = best.mesh.to_dict() if best is not None else "no mesh could be scored"
+        except MemtrainError as exc:
+            if not env.distributed:
+                raise
+            outcome = f"{type(exc).__name__}: {exc}"
+    outcome = broadcast_object(outcome, env)  # type: ignore[assignment]
+    if isinstance(outcome, str):
+        raise PlanError(f"rank 0 could not choose a mesh: {outcome}")
+    return MeshShape.from_dict(outcome)
 
 
 def calibration(result: PlanResult, measured: StepMemory) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from torch import nn
 from memtrain.distributed import DistEnv, any_rank, data_parallel_sum, init_distributed, shutdown
 from memtrain.errors import MemtrainError, TrainingStopped
 from memtrain.plan import Plan, arranged
-from memtrain.planner import ModelSpec, PlanResult, make_plan, stderr_progress
+from memtrain.planner import ModelSpec, PlanResult, choose_mesh, make_plan, stderr_progress
 from memtrain.recipe import Recipe
 from memtrain.run import Resume, RunDirectory
 from memtrain.run.checkpoints import Checkpoint
@@ -210,8 +210,9 @@ class Trainer:
         `free_bytes` replaces this rank's measured free memory (tests inject uneven headroom). The ranks are
         arranged into the recipe's mesh here, where the plan needs it (`memtrain plan --world-size N` builds
         the trainer on one process for a mesh of N)."""
-        self.env = self.monitor.env = arranged(self.env, self.recipe)
         progress = preemption.interruptible(stderr_progress, self.env)  # a signal stops it between traces
+        chosen = choose_mesh(self.recipe, self.env, self.model_spec(), progress=progress)  # open degrees
+        self.env = self.monitor.env = arranged(self.env, self.recipe, chosen)
         self.plan_result = make_plan(
             self.recipe, self.env, self.model_spec(), free_bytes=free_bytes, progress=progress
         )
