@@ -82,6 +82,44 @@ def test_plan_world_size_below_one_is_refused(ranks: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--nodes", "2", "--world-size", "8"],
+            "--world-size 8 disagrees with --nodes 2 x 8 GPUs per node = 16",
+        ),
+        (["--nodes", "0"], "--nodes: must be at least 1"),
+        (["--gpus-per-node", "0", "--nodes", "2"], "--gpus-per-node: must be at least 1"),
+    ],
+)
+def test_plan_cluster_flags_are_checked(flags: list[str], message: str) -> None:
+    rc, _, err = in_process(cli.main, ["plan", TINY_SFT, "--gpu", "h100-80gb", *flags])
+    assert rc == 2
+    assert message in err
+
+
+def test_plan_nodes_multiply_the_gpus_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes 2 --gpus-per-node 2: a mesh search over 4 ranks on two nodes of 2 (tensor parallel within)."""
+    argv = ["plan", TINY_SFT, "--gpu", "h100-80gb", "--nodes", "2", "--gpus-per-node", "2", "--json"]
+    overrides = [
+        "strategies.mesh.tp=auto",
+        "strategies.sharding=zero3",
+        "batch.global_size=16",
+        "batch.micro_size=4",
+    ]
+    assert cli.main([*argv, *overrides]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["world_size"] == 4 and found["cluster"] == {
+        **found["cluster"],
+        "gpus_per_node": 2,
+        "nodes": 2,
+    }
+    assert all(m["mesh"]["tp"] <= 2 for m in found["meshes"])
+    crossing = {tuple(m["crosses_nodes"]) for m in found["meshes"]}
+    assert ("dp_shard",) in crossing and not any("tp" in c for c in crossing)
+
+
+@pytest.mark.parametrize(
     ("size", "expected"),
     [
         ("24", 24 * GIB),

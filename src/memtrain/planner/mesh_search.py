@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from memtrain.cluster import Cluster
-from memtrain.errors import PlanError, RecipeError
+from memtrain.errors import PlanError, RecipeError, Unsupported
 from memtrain.memory.headroom import Target
 from memtrain.mesh import DIMS, MeshShape
 from memtrain.plan import mesh_problems, per_rank_batch
@@ -168,7 +168,7 @@ def search_meshes(
     started = time.perf_counter()
     base = probe_for(1)
     full_seq = base.seq_len
-    scorings: dict[tuple[int, int, int], Scoring] = {}
+    scorings: dict[tuple[int, int, int], Scoring | str] = {}
     excluded: list[tuple[str, str]] = []
     notes: set[str] = set()
     found: list[MeshScored] = []
@@ -188,8 +188,14 @@ def search_meshes(
         notes.update(mesh_problems(mesh, "cuda"))
         key = (mesh.dp_replicate, mesh.dp_shard, mesh.cp)
         if key not in scorings:
-            scorings[key] = _score_data_parallel(recipe, probe_for(mesh.cp), target, mesh, device, cost)
+            try:
+                scorings[key] = _score_data_parallel(recipe, probe_for(mesh.cp), target, mesh, device, cost)
+            except (RecipeError, PlanError, Unsupported) as exc:  # pinned strategies cannot run here
+                scorings[key] = str(exc)
         scoring = scorings[key]
+        if isinstance(scoring, str):
+            excluded.append((mesh.describe(), scoring))
+            continue
         probe = scoring.evaluation.probe
         for scored in scoring.scored:
             found.append(_on_mesh(scored, mesh, scoring.evaluation, probe, cluster, rows * full_seq))
