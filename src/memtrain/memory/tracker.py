@@ -198,6 +198,13 @@ class MemoryTracker:
         self._ledger.drain()
         return self._ledger.live
 
+    def record_allocations(self) -> list[tuple[int, int]]:
+        """Log, from now on, every storage counted (serial, bytes) and released (serial, 0), in the order
+        the live count changes (views and saved tensors share their storage: one entry). The list fills
+        as the tracker runs; `memory.caching_allocator.replay` turns it into reserved bytes."""
+        self._ledger.log = []
+        return self._ledger.log
+
     def first_step_report(self, device_peaks: Sequence[int] | None = None) -> dict[str, Any]:
         """Step 1's peak against the steady state (median of later steps), with the reasons from the data.
 
