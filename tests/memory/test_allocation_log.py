@@ -29,12 +29,16 @@ def test_logged_step_replays_to_the_trackers_peak() -> None:
                 optimizer.step()
             del loss
             report = tracker.end_step()
-    replayed = replay(log)
+    replayed = replay(log.events)
     assert replayed.allocated_peak + before == report.peak_bytes
-    frees = [sid for sid, n in log if n == 0]
+    frees = [sid for sid, n in log.events if n == 0]
     assert frees and len(set(frees)) == len(frees)  # every storage released once
+    grads = {sid for sid, n in log.events if n} & log.gradients  # this step's: one per parameter
+    assert sorted(n for sid, n in log.events if sid in grads) == sorted(
+        p.numel() * 4 for p in model.parameters()
+    )
     view = data.view(-1)  # a view shares its storage: no entry of its own
     with MemoryTracker(None) as viewer:
         log = viewer.record_allocations()
         _ = view.reshape(32, 64).t().add(0)
-    assert [n for _, n in log if n] == [32 * 64 * 4, 32 * 64 * 4]  # `data` seen as input, then the sum
+    assert [n for _, n in log.events if n] == [32 * 64 * 4, 32 * 64 * 4]  # `data` seen as input, then the sum

@@ -14,7 +14,7 @@ from memtrain.errors import PlanError
 from memtrain.memory.caching_allocator import replay
 from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.activations import trace_step
-from memtrain.planner.allocation_trace import whole_depth
+from memtrain.planner.allocation_trace import fit_allocations, whole_depth
 from memtrain.planner.explain import EXPANDABLE, describe, to_json
 from memtrain.planner.result import PlanResult, expandable_choice
 from memtrain.planner.search import search
@@ -51,6 +51,19 @@ def test_clone_sequence_at_depth_replays_like_the_whole_model(tmp_path: Path) ->
         for build in builds
     ]
     assert [t.depth for t in traces] == [3, 5]
+    # the gradients logged: one per parameter, made once (the later micro-step accumulates in place)
+    real = traces[1]
+    grads = [
+        n for _, events in real.allocations for sid, n in events if n and sid in real.gradient_allocations
+    ]
+    with torch.device("meta"):
+        assert sorted(grads) == sorted(4 * p.numel() for p in spec.build_model().parameters())
+    sharded = fit_allocations(real.allocations, 1, real.allocations, 2, real.gradient_allocations).at(
+        1, False
+    )
+    assert sum(n for _, e in sharded for _, n in e) == sum(
+        n for _, e in real.allocations for _, n in e
+    ) - sum(grads)
     made = [whole_depth(t.allocations, 5, t.depth, steps=2) for t in traces]
     assert [m.unmatched for m in made] == [0, 0]
     assert [n for _, n in made[0].events] == [n for _, n in made[1].events]

@@ -13,6 +13,7 @@ import itertools
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +47,17 @@ def tensors_in(values: Iterable[object]) -> Iterator[torch.Tensor]:
 Move = tuple[int, str, str, int]
 AllocationEvent = tuple[int, int]
 """(record serial, bytes): a storage counted with `bytes` (> 0), or its release (0); caching_allocator.Event."""
+
+
+@dataclass
+class AllocationLog:
+    """Every storage counted and released since logging began, in the order the live count changed, and
+    which of them were ever a parameter's gradient (a sharded plan reduce-scatters those instead)."""
+
+    events: list[AllocationEvent] = field(default_factory=list)
+    gradients: set[int] = field(default_factory=set)
+
+
 """(op clock when the storage was created, old component, new component, bytes)."""
 
 
@@ -80,8 +92,8 @@ class StorageLedger:
         self._freed: deque[_Record] = deque()
         self._by_identity: set[int] = set()
         self._serials = itertools.count()
-        self.log: list[AllocationEvent] | None = None
-        """When a list: every storage counted and released from now on, in the order the counts change."""
+        self.log: AllocationLog | None = None
+        """When set: every storage counted and released from now on (`AllocationLog`)."""
 
     def observe(self, st: torch.UntypedStorage, origin: str, allocation: bool) -> _Record | None:
         """Count `st` if it is new, or (an `allocation`) if it grew by `resize_`; None when not counted here.
@@ -99,9 +111,9 @@ class StorageLedger:
                 self._add(rec.component, nbytes - rec.nbytes)
                 rec.nbytes = nbytes
                 if self.log is not None:  # resize_: a new allocation in place of the old one
-                    self.log.append((rec.serial, 0))
+                    self.log.events.append((rec.serial, 0))
                     rec.serial = next(self._serials)
-                    self.log.append((rec.serial, nbytes))
+                    self.log.events.append((rec.serial, nbytes))
             return rec
         if nbytes == 0 or not self._on_device(st.device):
             return None
@@ -109,7 +121,7 @@ class StorageLedger:
             self.budget.check(self.live, nbytes, self.bytes)
         rec = _Record(id(st), nbytes, origin, self.clock, next(self._serials))
         if self.log is not None:
-            self.log.append((rec.serial, nbytes))
+            self.log.events.append((rec.serial, nbytes))
         freed = self._freed
         rec.ref = weakref.ref(st, lambda _ref: freed.append(rec))
         self._records[rec.key] = rec
@@ -160,6 +172,8 @@ class StorageLedger:
         return device == self.device or (self.device.index is None and device.type == self.device.type)
 
     def _move(self, rec: _Record, component: str) -> None:
+        if component == "gradients" and self.log is not None:
+            self.log.gradients.add(rec.serial)
         if rec.component != component:
             if not rec.moved:
                 self.first_moves.append((rec.born, rec.component, component, rec.nbytes))
@@ -178,7 +192,7 @@ class StorageLedger:
         rec.retired = True
         self._add(rec.component, -rec.nbytes)
         if self.log is not None:
-            self.log.append((rec.serial, 0))
+            self.log.events.append((rec.serial, 0))
         if self._records.get(rec.key) is rec:
             del self._records[rec.key]
         self._by_identity.discard(rec.key)

@@ -52,6 +52,7 @@ from torch import nn
 
 from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
 from memtrain.memory.footprint import COMPONENTS
+from memtrain.memory.ledger import AllocationLog
 from memtrain.memory.modules import graph_tensors
 from memtrain.planner.allocation_trace import AllocationFit, PieceKey, Pieces, fit_allocations
 from memtrain.planner.attention_kernels import Capability, traced_attention
@@ -105,6 +106,7 @@ class StepTrace:
     reentered: bool = False  # a block ran twice in a micro-step: its segments are unreliable
     no_grad: frozenset[ParamKey] = frozenset()  # trainable parameters left without a gradient
     allocations: Pieces = ()  # every storage made and freed, in order (allocation_trace.py)
+    gradient_allocations: frozenset[int] = frozenset()  # which of them were gradients
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,9 @@ def fit(small: StepTrace, large: StepTrace) -> FittedTrace:
         slope=slope,
         attention=small.attention,
         no_grad=small.no_grad,
-        allocations=fit_allocations(small.allocations, small.tokens, large.allocations, large.tokens)
+        allocations=fit_allocations(
+            small.allocations, small.tokens, large.allocations, large.tokens, large.gradient_allocations
+        )
         if small.allocations and large.allocations
         else None,
     )
@@ -241,6 +245,7 @@ def trace_step(
         reentered=recorder.reentered,
         no_grad=_without_gradient(model, blocks),
         allocations=recorder.pieces(),
+        gradient_allocations=frozenset(recorder.log.gradients),
     )
 
 
@@ -281,7 +286,7 @@ class _Recorder:
         self._start: Vec = ()
         self._entered: set[tuple[str, int]] = set()
         self.reentered = False  # a block's forward ran twice in one micro-step (cycles, shared blocks)
-        self.log: list[tuple[int, int]] = []  # the tracker's allocation log (`record_allocations`)
+        self.log = AllocationLog()  # the tracker's (`record_allocations`)
         self._cuts: list[tuple[PieceKey, int]] = [(PieceKey(), 0)]
 
     def mark(self, key: SegmentKey | None) -> None:
@@ -295,13 +300,14 @@ class _Recorder:
             self._start = _vec(tracker.snapshot())
             tracker.begin_step(0)
         piece = PieceKey(self.micro_step) if key is None else PieceKey(key.micro_step, key.phase, key.block)
-        self._cuts.append((piece, len(self.log)))
+        self._cuts.append((piece, len(self.log.events)))
 
     def pieces(self) -> Pieces:
         """The allocation log cut where the segments begin and end (outside them: phase "")."""
-        ends = [at for _, at in self._cuts[1:]] + [len(self.log)]
+        events = self.log.events
+        ends = [at for _, at in self._cuts[1:]] + [len(events)]
         return tuple(
-            (key, tuple(self.log[start:end])) for (key, start), end in zip(self._cuts, ends, strict=True)
+            (key, tuple(events[start:end])) for (key, start), end in zip(self._cuts, ends, strict=True)
         )
 
     def hooks(self) -> _Hooks:

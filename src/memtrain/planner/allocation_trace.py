@@ -52,14 +52,23 @@ Pieces = tuple[tuple[PieceKey, tuple[Event, ...]], ...]
 
 @dataclass(frozen=True)
 class AllocationFit:
-    """The pieces of two traces with each allocation's bytes as a + b·tokens (frees carry no size)."""
+    """The pieces of two traces with each allocation's bytes as a + b·tokens (frees carry no size), and
+    which storages were gradients."""
 
     keys: tuple[PieceKey, ...]
     ids: tuple[tuple[int, ...], ...]
     intercept: tuple[tuple[float, ...], ...]
     slope: tuple[tuple[float, ...], ...]
+    gradients: frozenset[int] = frozenset()
 
-    def at(self, tokens: int) -> Pieces:
+    def at(self, tokens: int, gradients: bool = True) -> Pieces:
+        """The pieces at `tokens`; without the gradients' storages when not `gradients` (a sharded plan's
+        backward reduce-scatters each gradient into its shard: those bytes are the backend's)."""
+        if not gradients:
+            return tuple(
+                (key, tuple(e for e in events if e[0] not in self.gradients))
+                for key, events in self.at(tokens)
+            )
         return tuple(
             (
                 key,
@@ -72,8 +81,11 @@ class AllocationFit:
         )
 
 
-def fit_allocations(small: Pieces, small_tokens: int, large: Pieces, large_tokens: int) -> AllocationFit:
-    """The line through two traces' sequences; the larger trace's sizes where the sequences differ."""
+def fit_allocations(
+    small: Pieces, small_tokens: int, large: Pieces, large_tokens: int, gradients: frozenset[int]
+) -> AllocationFit:
+    """The line through two traces' sequences; the larger trace's sizes where the sequences differ.
+    `gradients`: the larger trace's gradient storages."""
     same = len(small) == len(large) and all(
         ks == kl and [(s, n > 0) for s, n in es] == [(s, n > 0) for s, n in el]
         for (ks, es), (kl, el) in zip(small, large, strict=True)
@@ -82,12 +94,8 @@ def fit_allocations(small: Pieces, small_tokens: int, large: Pieces, large_token
     keys = tuple(k for k, _ in large)
     ids = tuple(tuple(s for s, _ in events) for _, events in large)
     if not same or span == 0:
-        return AllocationFit(
-            keys,
-            ids,
-            tuple(tuple(float(n) for _, n in e) for _, e in large),
-            tuple((0.0,) * len(e) for _, e in large),
-        )
+        sizes = tuple(tuple(float(n) for _, n in e) for _, e in large)
+        return AllocationFit(keys, ids, sizes, tuple((0.0,) * len(e) for _, e in large), gradients)
     slope = tuple(
         tuple((nl - ns) / span for (_, ns), (_, nl) in zip(es, el, strict=True))
         for (_, es), (_, el) in zip(small, large, strict=True)
@@ -96,7 +104,7 @@ def fit_allocations(small: Pieces, small_tokens: int, large: Pieces, large_token
         tuple(ns - b * small_tokens for (_, ns), b in zip(es, bs, strict=True))
         for (_, es), bs in zip(small, slope, strict=True)
     )
-    return AllocationFit(keys, ids, intercept, slope)
+    return AllocationFit(keys, ids, intercept, slope, gradients)
 
 
 @dataclass

@@ -19,8 +19,10 @@ Why lazily: a replay of 80 blocks costs about 0.35 s per allocator mode, so the 
 its rank order only until the chosen plan and its runners-up fit (search.py), each (trace, micro-batch,
 accumulation) once.
 
-Not modelled: sharded plans' gathers, reduce-scatters and bucket buffers (not traced: their bytes are in
-the peak by arithmetic, the fragmentation they cause is not), the optimizer step's temporaries (they
+A sharded plan (zero2/zero3) replays the sequence without the gradients' storages: its backward hands each
+gradient to a reduce-scatter into its shard, whose bytes the backend's arithmetic counts. Not modelled:
+sharded plans' gathers, reduce-scatters and bucket buffers (not traced: their bytes are in the peak by
+arithmetic, the fragmentation they cause is not), the optimizer step's temporaries (they
 reuse the cache the activations left), NCCL's and cuBLAS's own memory (outside the caching allocator: the
 budget's reserve), and what the allocator model leaves out (its docstring). `planner.reserved_margin`
 is the share added for these before a plan's reserved bytes are held to the budget.
@@ -59,13 +61,16 @@ class ReservedModel:
 
     def __init__(self, num_blocks: int, expandable: bool, margin: float) -> None:
         self.num_blocks, self.expandable, self.margin = num_blocks, expandable, margin
-        self._cache: dict[tuple[int, int, bool], Overhead] = {}
+        self._cache: dict[tuple[int, int, bool, bool], Overhead] = {}
         self._kept: dict[int, AllocationFit] = {}  # the fits the cache's ids name, kept alive
 
-    def apply(self, prediction: Prediction, traces: Traces, tokens: int, accumulated: bool) -> Prediction:
+    def apply(
+        self, prediction: Prediction, traces: Traces, tokens: int, accumulated: bool, replicated: bool
+    ) -> Prediction:
         """`prediction` with its reserved bytes in the mode in effect and with expandable segments; as it
-        was when no trace holds a sequence or the activations were not traced (a lower bound)."""
-        overhead = self.overhead(traces, tokens, accumulated)
+        was when no trace holds a sequence or the activations were not traced (a lower bound).
+        `replicated`: the plan keeps whole gradients (else they leave the sequence: `AllocationFit.at`)."""
+        overhead = self.overhead(traces, tokens, accumulated, replicated)
         if overhead is None or prediction.lower_bound:
             return prediction
         mine = overhead.expandable if self.expandable else overhead.default
@@ -76,11 +81,11 @@ class ReservedModel:
             margin=self.margin,
         )
 
-    def overhead(self, traces: Traces, tokens: int, accumulated: bool) -> Overhead | None:
+    def overhead(self, traces: Traces, tokens: int, accumulated: bool, replicated: bool) -> Overhead | None:
         """The largest overhead over the traced modes a plan is walked with (a mode mixing recomputed and
         plain blocks takes the larger of its two)."""
         found = [
-            self._of(trace.allocations, trace.depth, tokens, accumulated)
+            self._of(trace.allocations, trace.depth, tokens, accumulated, replicated)
             for trace in traces.values()
             if trace.allocations is not None
         ]
@@ -88,11 +93,13 @@ class ReservedModel:
             return None
         return Overhead(max(o.default for o in found), max(o.expandable for o in found))
 
-    def _of(self, fit: AllocationFit, depth: int, tokens: int, accumulated: bool) -> Overhead:
-        key = (id(fit), tokens, accumulated)
+    def _of(
+        self, fit: AllocationFit, depth: int, tokens: int, accumulated: bool, replicated: bool
+    ) -> Overhead:
+        key = (id(fit), tokens, accumulated, replicated)
         if key not in self._cache:
             self._kept[id(fit)] = fit
-            pieces = fit.at(tokens)
+            pieces = fit.at(tokens, gradients=replicated)
             if not accumulated:  # one micro-step a step: the later micro-step's pieces are not run
                 pieces = tuple(piece for piece in pieces if piece[0].micro_step != "later")
             events = whole_depth(pieces, self.num_blocks, depth, steps=STEPS).events

@@ -240,7 +240,8 @@ class _Evaluation:
         plan, seq = found.plan, self.probe.seq_len
         traces = _traces(self.probe, plan, self.target, self.rows_of(plan), _weights_dtype(plan))
         tokens, accumulated = plan.micro_batching.tokens(seq), plan.micro_batching.micro_steps(seq) > 1
-        return replace(found, prediction=model.apply(found.prediction, traces, tokens, accumulated))
+        prediction = model.apply(found.prediction, traces, tokens, accumulated, plan.sharding.replicated)
+        return replace(found, prediction=prediction)
 
     def rows_of(self, plan: Plan) -> tuple[int, int]:
         """The traced sizes `plan`'s fit is drawn through (`ModelProbe.fit_rows`)."""
