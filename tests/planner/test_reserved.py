@@ -61,9 +61,9 @@ def test_clone_sequence_at_depth_replays_like_the_whole_model(tmp_path: Path) ->
     sharded = fit_allocations(real.allocations, 1, real.allocations, 2, real.gradient_allocations).at(
         1, False
     )
-    assert sum(n for _, e in sharded for _, n in e) == sum(
-        n for _, e in real.allocations for _, n in e
-    ) - sum(grads)
+    for (_, kept), (_, freed) in zip(real.allocations, sharded, strict=True):  # each freed where it is made
+        made = [sid for sid, n in kept if n and sid in real.gradient_allocations]
+        assert list(freed) == [*kept, *((sid, 0) for sid in made)]
     made = [whole_depth(t.allocations, 5, t.depth, steps=2) for t in traces]
     assert [m.unmatched for m in made] == [0, 0]
     assert [n for _, n in made[0].events] == [n for _, n in made[1].events]

@@ -61,12 +61,13 @@ class AllocationFit:
     slope: tuple[tuple[float, ...], ...]
     gradients: frozenset[int] = frozenset()
 
-    def at(self, tokens: int, gradients: bool = True) -> Pieces:
-        """The pieces at `tokens`; without the gradients' storages when not `gradients` (a sharded plan's
-        backward reduce-scatters each gradient into its shard: those bytes are the backend's)."""
-        if not gradients:
+    def at(self, tokens: int, kept_gradients: bool = True) -> Pieces:
+        """The pieces at `tokens`. Without `kept_gradients` each gradient is freed at the end of the piece
+        that made it: a sharded plan reduce-scatters a block's unsharded gradients into their shards once
+        the block's backward is done (the shards are the backend's bytes, by arithmetic)."""
+        if not kept_gradients:
             return tuple(
-                (key, tuple(e for e in events if e[0] not in self.gradients))
+                (key, (*events, *((sid, 0) for sid, n in events if n and sid in self.gradients)))
                 for key, events in self.at(tokens)
             )
         return tuple(

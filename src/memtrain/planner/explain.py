@@ -24,7 +24,9 @@ EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
 def to_json(result: PlanResult) -> dict[str, Any]:
-    """The `memtrain plan --json` document (bytes as integers)."""
+    """The `memtrain plan --json` document (bytes as integers). On a CUDA target a candidate's
+    `predicted_reserved` is null when it was not replayed (a plan after the chosen one and its runners-up,
+    or one whose peak alone does not fit): its `fits` is by its peak."""
     plan = result.plan
     usable = result.budget.usable if result.budget is not None else 0
     return {

@@ -19,8 +19,10 @@ Why lazily: a replay of 80 blocks costs about 0.35 s per allocator mode, so the 
 its rank order only until the chosen plan and its runners-up fit (search.py), each (trace, micro-batch,
 accumulation) once.
 
-A sharded plan (zero2/zero3) replays the sequence without the gradients' storages: its backward hands each
-gradient to a reduce-scatter into its shard, whose bytes the backend's arithmetic counts. Not modelled:
+A sharded plan (zero2/zero3) replays the sequence with each unsharded gradient freed at the end of its
+block's backward: it is reduce-scattered into its shard then, whose bytes the backend's arithmetic counts
+(exact for a reduce-scatter every micro-step; a plan that accumulates unsharded gradients until the last
+micro-step keeps them longer). Not modelled:
 sharded plans' gathers, reduce-scatters and bucket buffers (not traced: their bytes are in the peak by
 arithmetic, the fragmentation they cause is not), the optimizer step's temporaries (they
 reuse the cache the activations left), NCCL's and cuBLAS's own memory (outside the caching allocator: the
@@ -69,7 +71,8 @@ class ReservedModel:
     ) -> Prediction:
         """`prediction` with its reserved bytes in the mode in effect and with expandable segments; as it
         was when no trace holds a sequence or the activations were not traced (a lower bound).
-        `replicated`: the plan keeps whole gradients (else they leave the sequence: `AllocationFit.at`)."""
+        `replicated`: the plan keeps whole gradients (else each lives through its block's backward only:
+        `AllocationFit.at`)."""
         overhead = self.overhead(traces, tokens, accumulated, replicated)
         if overhead is None or prediction.lower_bound:
             return prediction
@@ -99,7 +102,7 @@ class ReservedModel:
         key = (id(fit), tokens, accumulated, replicated)
         if key not in self._cache:
             self._kept[id(fit)] = fit
-            pieces = fit.at(tokens, gradients=replicated)
+            pieces = fit.at(tokens, kept_gradients=replicated)
             if not accumulated:  # one micro-step a step: the later micro-step's pieces are not run
                 pieces = tuple(piece for piece in pieces if piece[0].micro_step != "later")
             events = whole_depth(pieces, self.num_blocks, depth, steps=STEPS).events
