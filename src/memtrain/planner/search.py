@@ -239,6 +239,8 @@ class _Evaluation:
         """`found` with its reserved bytes, from the traces its score walked (cached: no new trace)."""
         plan, seq = found.plan, self.probe.seq_len
         traces = _traces(self.probe, plan, self.target, self.rows_of(plan), _weights_dtype(plan))
+        if plan.checkpointing.offloads_activations:  # the device keeps what a recomputed block keeps
+            traces = {m: t for m, t in traces.items() if m != NoCheckpointing()}
         tokens, accumulated = plan.micro_batching.tokens(seq), plan.micro_batching.micro_steps(seq) > 1
         prediction = model.apply(found.prediction, traces, tokens, accumulated, plan.sharding.replicated)
         return replace(found, prediction=prediction)
