@@ -15,14 +15,14 @@ from memtrain.memory.caching_allocator import replay
 from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.activations import trace_step
 from memtrain.planner.allocation_trace import fit_allocations, whole_depth
-from memtrain.planner.explain import EXPANDABLE, describe, to_json
+from memtrain.planner.explain import EXPANDABLE, describe, explain_failure, to_json
 from memtrain.planner.result import PlanResult, expandable_choice
 from memtrain.planner.search import search
 from memtrain.strategies.checkpointing import FullCheckpointing
 from memtrain.strategies.precision import Precision
 
 from helpers import probe_of
-from planner_cases import UNBOUNDED, planner_recipe
+from planner_cases import MODEL, UNBOUNDED, planner_recipe
 
 PINNED = {"precision": "fp32", "checkpointing": "full", "optimizer_states": "fp32", "loss": "standard"}
 
@@ -40,9 +40,10 @@ def plan(tmp_path: Path, usable: int, **batch: object) -> PlanResult:
 
 
 def test_clone_sequence_at_depth_replays_like_the_whole_model(tmp_path: Path) -> None:
-    # The 5-block model traced whole and as its 3-block clone: the clone's sequence synthesized at 5
-    # blocks is the whole model's, event for event in size, so both replay alike in both allocator modes.
-    spec = probe_of(planner_recipe(tmp_path)).spec
+    # A 4-block model traced whole and as its 3-block clone: the clone's sequence synthesized at 4 blocks
+    # (its middle block twice) is the whole model's, event for event in size, so both replay alike in both
+    # allocator modes.
+    spec = probe_of(planner_recipe(tmp_path, model={"config": {**MODEL, "num_hidden_layers": 4}})).spec
     assert spec.build_clone is not None
     clone = spec.build_clone
     builds = ((lambda: clone(3)), spec.build_model)
@@ -50,7 +51,7 @@ def test_clone_sequence_at_depth_replays_like_the_whole_model(tmp_path: Path) ->
         trace_step(build, spec.blocks, spec.micro_batch, spec.loss, Precision(), FullCheckpointing(), 1)
         for build in builds
     ]
-    assert [t.depth for t in traces] == [3, 5]
+    assert [t.depth for t in traces] == [3, 4]
     # the gradients logged: one per parameter, made once (the later micro-step accumulates in place)
     real = traces[1]
     grads = [
@@ -64,7 +65,7 @@ def test_clone_sequence_at_depth_replays_like_the_whole_model(tmp_path: Path) ->
     for (_, kept), (_, freed) in zip(real.allocations, sharded, strict=True):  # each freed where it is made
         made = [sid for sid, n in kept if n and sid in real.gradient_allocations]
         assert list(freed) == [*kept, *((sid, 0) for sid in made)]
-    made = [whole_depth(t.allocations, 5, t.depth, steps=2) for t in traces]
+    made = [whole_depth(t.allocations, 4, t.depth, steps=2) for t in traces]
     assert [m.unmatched for m in made] == [0, 0]
     assert [n for _, n in made[0].events] == [n for _, n in made[1].events]
     for expandable in (False, True):
@@ -139,3 +140,8 @@ def test_a_faster_plan_that_fits_only_with_expandable_segments_is_suggested(tmp_
     assert to_json(shown)["with_expandable_segments"]["predicted_reserved_expandable_segments"] == (
         chosen.prediction.peak
     )
+    # nothing fits as the allocator runs now: the first advice is the setting
+    budget = dataclasses.replace(result.budget, usable=usable)
+    message = explain_failure(planner_recipe(tmp_path), budget, (faster,), ())
+    advice = message.split("to make a plan fit, change one of:\n")[1].splitlines()
+    assert advice[0].startswith(f"  - with {EXPANDABLE} a plan fits: ")

@@ -103,7 +103,8 @@ def describe(result: PlanResult, title: str) -> str:
         lines += [
             "",
             f"fastest plan that does not fit: {_label(misfit.plan)}: peak {bound}"
-            f"{_gib(misfit.prediction.peak)}, {_gib(misfit.short(usable))} short, step {misfit.cost.total:.3g} s",
+            f"{_gib(misfit.prediction.peak)}{_reserved(misfit)}, {_gib(misfit.short(usable))} short, "
+            f"step {misfit.cost.total:.3g} s",
         ]
     if result.with_expandable is not None:
         lines += ["", _expandable_advice(result.with_expandable, usable, "faster ")]
@@ -157,7 +158,7 @@ def explain_failure(
         bound = "at least " if best.prediction.lower_bound else ""
         lines += [
             "",
-            f"closest: {_label(best.plan)} needs {bound}{_gib(best.prediction.peak)} "
+            f"closest: {_label(best.plan)} needs {bound}{_gib(best.prediction.peak)}{_reserved(best)} "
             f"({_gib(best.short(budget.usable))} short); peak at {best.prediction.where}",
             "  " + "  ".join(f"{c} {_gib(getattr(best.prediction.at_peak, c))}" for c in COMPONENTS),
             "",

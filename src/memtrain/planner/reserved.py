@@ -50,12 +50,10 @@ class Overhead:
     expandable: int
 
 
-def expandable_in_effect(device_type: str, what_if: bool) -> bool:
-    """Whether the planned run gets expandable segments: this process's allocator settings on its own GPU,
-    the environment the plan is made in for a what-if GPU (torch's default, off, when unset)."""
-    if what_if or device_type != "cuda":
-        return expandable_segments_in_environment()
-    return expandable_segments_enabled()
+def expandable_in_effect(what_if: bool) -> bool:
+    """Whether the planned CUDA run gets expandable segments: this process's allocator settings on its own
+    GPU, the environment the plan is made in for a what-if GPU (torch's default, off, when unset)."""
+    return expandable_segments_in_environment() if what_if else expandable_segments_enabled()
 
 
 class ReservedModel:

@@ -107,7 +107,7 @@ def search(
         raise untraceable
     expandable = None
     if target.device_type == "cuda":
-        expandable = expandable_in_effect(target.device_type, target.what_if)
+        expandable = expandable_in_effect(target.what_if)
         reserved = ReservedModel(probe.num_blocks, expandable, recipe.planner.reserved_margin)
         scored = _with_reserved(scored, evaluation, reserved, target.budget.usable)
     ranked, infeasible = rank(scored, target.budget.usable)
