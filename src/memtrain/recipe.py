@@ -419,6 +419,14 @@ class PlannerConfig(RecipeSection):
         description="Share of the free memory kept back for allocator slack and prediction error "
         "(default: 0.10 on CUDA, 0.02 on CPU, where the tracker counts exactly).",
     )
+    reserved_margin: float = Field(
+        default=0.03,
+        ge=0.0,
+        lt=1.0,
+        description="Share added to a plan's predicted reserved bytes (the CUDA caching allocator's segments, "
+        "replayed over the traced step) before they are held to the usable memory, for what the allocator "
+        "model leaves out (several streams, sharded plans' gathered buffers); CUDA targets only.",
+    )
     checkpointing_fractions: list[float] = Field(
         default=[0.25, 0.5, 0.75],
         min_length=1,

@@ -89,7 +89,17 @@ def expandable_segments_enabled() -> bool:
     try:
         settings = _torch_private.allocator_settings()
     except AttributeError:  # torch older than the pinned one: only the environment can say
-        settings = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        return expandable_segments_in_environment()
+    return _expandable(settings)
+
+
+def expandable_segments_in_environment() -> bool:
+    """Whether this process's environment asks for expandable segments (PYTORCH_ALLOC_CONF, else
+    PYTORCH_CUDA_ALLOC_CONF), read now: what a run launched from it gets, without a GPU here."""
+    return _expandable(os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+
+
+def _expandable(settings: str) -> bool:
     options = dict(item.split(":", 1) for item in settings.replace(" ", "").split(",") if ":" in item)
     return options.get("expandable_segments", "").lower() == "true"
 

@@ -9,9 +9,11 @@ middle of our own bookkeeping, so the callback only queues the record; `drain()`
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,14 +45,28 @@ def tensors_in(values: Iterable[object]) -> Iterator[torch.Tensor]:
 
 
 Move = tuple[int, str, str, int]
+AllocationEvent = tuple[int, int]
+"""(record serial, bytes): a storage counted with `bytes` (> 0), or its release (0); caching_allocator.Event."""
+
+
+@dataclass
+class AllocationLog:
+    """Every storage counted and released since logging began, in the order the live count changed, and
+    which of them were ever a parameter's gradient (a sharded plan reduce-scatters those instead)."""
+
+    events: list[AllocationEvent] = field(default_factory=list)
+    gradients: set[int] = field(default_factory=set)
+
+
 """(op clock when the storage was created, old component, new component, bytes)."""
 
 
 class _Record:
-    __slots__ = ("key", "ref", "nbytes", "origin", "component", "born", "moved", "retired")
+    __slots__ = ("key", "ref", "nbytes", "origin", "component", "born", "moved", "retired", "serial")
 
-    def __init__(self, key: int, nbytes: int, origin: str, born: int) -> None:
+    def __init__(self, key: int, nbytes: int, origin: str, born: int, serial: int) -> None:
         self.key = key
+        self.serial = serial
         self.ref: weakref.ref[torch.UntypedStorage] | None = None
         self.nbytes = nbytes
         self.origin = origin
@@ -75,6 +91,9 @@ class StorageLedger:
         self._records: dict[int, _Record] = {}
         self._freed: deque[_Record] = deque()
         self._by_identity: set[int] = set()
+        self._serials = itertools.count()
+        self.log: AllocationLog | None = None
+        """When set: every storage counted and released from now on (`AllocationLog`)."""
 
     def observe(self, st: torch.UntypedStorage, origin: str, allocation: bool) -> _Record | None:
         """Count `st` if it is new, or (an `allocation`) if it grew by `resize_`; None when not counted here.
@@ -91,12 +110,18 @@ class StorageLedger:
                     self.budget.check(self.live, nbytes - rec.nbytes, self.bytes)
                 self._add(rec.component, nbytes - rec.nbytes)
                 rec.nbytes = nbytes
+                if self.log is not None:  # resize_: a new allocation in place of the old one
+                    self.log.events.append((rec.serial, 0))
+                    rec.serial = next(self._serials)
+                    self.log.events.append((rec.serial, nbytes))
             return rec
         if nbytes == 0 or not self._on_device(st.device):
             return None
         if allocation and self.budget is not None:
             self.budget.check(self.live, nbytes, self.bytes)
-        rec = _Record(id(st), nbytes, origin, self.clock)
+        rec = _Record(id(st), nbytes, origin, self.clock, next(self._serials))
+        if self.log is not None:
+            self.log.events.append((rec.serial, nbytes))
         freed = self._freed
         rec.ref = weakref.ref(st, lambda _ref: freed.append(rec))
         self._records[rec.key] = rec
@@ -147,6 +172,8 @@ class StorageLedger:
         return device == self.device or (self.device.index is None and device.type == self.device.type)
 
     def _move(self, rec: _Record, component: str) -> None:
+        if component == "gradients" and self.log is not None:
+            self.log.gradients.add(rec.serial)
         if rec.component != component:
             if not rec.moved:
                 self.first_moves.append((rec.born, rec.component, component, rec.nbytes))
@@ -164,6 +191,8 @@ class StorageLedger:
             return
         rec.retired = True
         self._add(rec.component, -rec.nbytes)
+        if self.log is not None:
+            self.log.events.append((rec.serial, 0))
         if self._records.get(rec.key) is rec:
             del self._records[rec.key]
         self._by_identity.discard(rec.key)

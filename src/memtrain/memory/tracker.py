@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from ._torch_private import TorchDispatchMode
 from .budget import Budget
 from .first_step import explain_first_step
-from .ledger import StorageLedger, storages_of, tensors_in
+from .ledger import AllocationLog, StorageLedger, storages_of, tensors_in
 from .modules import ModuleAttribution
 from .timeline import Timeline
 from .values import PHASES, StepMemory
@@ -197,6 +197,14 @@ class MemoryTracker:
     def live_bytes(self) -> int:
         self._ledger.drain()
         return self._ledger.live
+
+    def record_allocations(self) -> AllocationLog:
+        """Log, from now on, every storage counted (serial, bytes) and released (serial, 0), in the order
+        the live count changes (views and saved tensors share their storage: one entry), and which were
+        gradients. It fills as the tracker runs; `memory.caching_allocator.replay` turns its events into
+        reserved bytes."""
+        self._ledger.log = AllocationLog()
+        return self._ledger.log
 
     def first_step_report(self, device_peaks: Sequence[int] | None = None) -> dict[str, Any]:
         """Step 1's peak against the steady state (median of later steps), with the reasons from the data.

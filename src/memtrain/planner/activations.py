@@ -52,7 +52,9 @@ from torch import nn
 
 from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
 from memtrain.memory.footprint import COMPONENTS
+from memtrain.memory.ledger import AllocationLog
 from memtrain.memory.modules import graph_tensors
+from memtrain.planner.allocation_trace import AllocationFit, PieceKey, Pieces, fit_allocations
 from memtrain.planner.attention_kernels import Capability, traced_attention
 from memtrain.planner.cuda_dropout import traced_dropout
 from memtrain.planner.grouped_mm_trace import traced_grouped_mm
@@ -103,6 +105,8 @@ class StepTrace:
     attention: str = ""  # which attention the trace ran (`KernelLog.describe`)
     reentered: bool = False  # a block ran twice in a micro-step: its segments are unreliable
     no_grad: frozenset[ParamKey] = frozenset()  # trainable parameters left without a gradient
+    allocations: Pieces = ()  # every storage made and freed, in order (allocation_trace.py)
+    gradient_allocations: frozenset[int] = frozenset()  # which of them were gradients
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class FittedTrace:
     slope: dict[SegmentKey, Segment]
     attention: str = ""  # the traces' (empty for a fit derived from others, memory_model.offload_trace)
     no_grad: frozenset[ParamKey] = frozenset()  # the traces' `StepTrace.no_grad`
+    allocations: AllocationFit | None = None  # None: derived from other fits, no sequence of its own
 
     def at(self, key: SegmentKey, tokens: int) -> Segment:
         """The segment `key` at `tokens`. In a trace without block segments (`trace_step(block_segments=
@@ -149,7 +154,16 @@ def fit(small: StepTrace, large: StepTrace) -> FittedTrace:
             *(_affine(getattr(s, f), b, -small.tokens) for f, b in zip(fields, slopes, strict=True))
         )
     return FittedTrace(
-        depth=small.depth, intercept=intercept, slope=slope, attention=small.attention, no_grad=small.no_grad
+        depth=small.depth,
+        intercept=intercept,
+        slope=slope,
+        attention=small.attention,
+        no_grad=small.no_grad,
+        allocations=fit_allocations(
+            small.allocations, small.tokens, large.allocations, large.tokens, large.gradient_allocations
+        )
+        if small.allocations and large.allocations
+        else None,
     )
 
 
@@ -206,6 +220,7 @@ def trace_step(
             traced_dropout(cuda_capability),
             traced_grouped_mm(),
         ):
+            recorder.log = tracker.record_allocations()  # from here: the model's states are not in it
             # Cloned under the tracker, so the batch is part of the level every segment starts from (as
             # the step's data is in the prediction's fixed bytes), not a first use inside a segment.
             batch: Batch = {k: mode.from_tensor(v).clone() for k, v in real_batch.items()}
@@ -229,6 +244,8 @@ def trace_step(
         attention=attention.describe(),
         reentered=recorder.reentered,
         no_grad=_without_gradient(model, blocks),
+        allocations=recorder.pieces(),
+        gradient_allocations=frozenset(recorder.log.gradients),
     )
 
 
@@ -269,6 +286,8 @@ class _Recorder:
         self._start: Vec = ()
         self._entered: set[tuple[str, int]] = set()
         self.reentered = False  # a block's forward ran twice in one micro-step (cycles, shared blocks)
+        self.log = AllocationLog()  # the tracker's (`record_allocations`)
+        self._cuts: list[tuple[PieceKey, int]] = [(PieceKey(), 0)]
 
     def mark(self, key: SegmentKey | None) -> None:
         """Close the open segment and open `key` (None: just close)."""
@@ -280,6 +299,16 @@ class _Recorder:
         if key is not None:
             self._start = _vec(tracker.snapshot())
             tracker.begin_step(0)
+        piece = PieceKey(self.micro_step) if key is None else PieceKey(key.micro_step, key.phase, key.block)
+        self._cuts.append((piece, len(self.log.events)))
+
+    def pieces(self) -> Pieces:
+        """The allocation log cut where the segments begin and end (outside them: phase "")."""
+        events = self.log.events
+        ends = [at for _, at in self._cuts[1:]] + [len(events)]
+        return tuple(
+            (key, tuple(events[start:end])) for (key, start), end in zip(self._cuts, ends, strict=True)
+        )
 
     def hooks(self) -> _Hooks:
         return _Hooks(self)

@@ -15,15 +15,18 @@ from memtrain.memory.footprint import COMPONENTS
 from memtrain.memory.headroom import MemoryBudget
 from memtrain.plan import Plan
 from memtrain.planner import rules
-from memtrain.planner.result import PlanResult, Scored
+from memtrain.planner.result import PlanResult, Scored, expandable_choice
 from memtrain.recipe import Recipe
 
 RUNNERS_UP = 5
 GiB = 2**30
+EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
 def to_json(result: PlanResult) -> dict[str, Any]:
-    """The `memtrain plan --json` document (bytes as integers)."""
+    """The `memtrain plan --json` document (bytes as integers). On a CUDA target a candidate's
+    `predicted_reserved` is null when it was not replayed (a plan after the chosen one and its runners-up,
+    or one whose peak alone does not fit): its `fits` is by its peak."""
     plan = result.plan
     usable = result.budget.usable if result.budget is not None else 0
     return {
@@ -46,6 +49,15 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "cheapest_infeasible": result.cheapest_infeasible.to_dict(usable)
         if result.cheapest_infeasible
         else None,
+        "allocator": {
+            "expandable_segments": result.expandable_segments,
+            "reserved_margin": result.chosen.prediction.margin if result.chosen is not None else None,
+        }
+        if result.expandable_segments is not None
+        else None,
+        "with_expandable_segments": result.with_expandable.to_dict(usable)
+        if result.with_expandable
+        else None,
     }
 
 
@@ -64,7 +76,8 @@ def describe(result: PlanResult, title: str) -> str:
     lines.append("  " + "  ".join(f"{c} {_gib(getattr(at_peak, c))}" for c in COMPONENTS))
     usable = budget.usable
     lines.append(
-        f"  peak {_gib(peak)} of {_gib(usable)} usable ({100 * peak / max(usable, 1):.0f}%), at "
+        f"  peak {_gib(peak)}{_reserved(chosen)} of {_gib(usable)} usable "
+        f"({100 * chosen.prediction.required / max(usable, 1):.0f}%), at "
         f"{chosen.prediction.where}; predicted step {chosen.cost.total:.3g} s"
     )
     stored = dict(zip(("weights", "gradients", "optimizer states"), chosen.states.stored, strict=True))
@@ -90,10 +103,30 @@ def describe(result: PlanResult, title: str) -> str:
         lines += [
             "",
             f"fastest plan that does not fit: {_label(misfit.plan)}: peak {bound}"
-            f"{_gib(misfit.prediction.peak)}, {_gib(misfit.short(usable))} short, step {misfit.cost.total:.3g} s",
+            f"{_gib(misfit.prediction.peak)}{_reserved(misfit)}, {_gib(misfit.short(usable))} short, "
+            f"step {misfit.cost.total:.3g} s",
         ]
+    if result.with_expandable is not None:
+        lines += ["", _expandable_advice(result.with_expandable, usable, "faster ")]
     lines += _excluded(result.excluded)
     return "\n".join(lines)
+
+
+def _reserved(s: Scored) -> str:
+    """`, X reserved (+m% margin)` where the allocator was replayed."""
+    p = s.prediction
+    if p.reserved is None:
+        return ""
+    return f" allocated, {_gib(p.reserved)} reserved (+{100 * p.margin:.0f}% margin: {_gib(p.required)})"
+
+
+def _expandable_advice(s: Scored, usable: int, kind: str = "") -> str:
+    p = s.prediction
+    assert p.reserved_expandable is not None
+    return (
+        f"with {EXPANDABLE} a {kind}plan fits: {_label(s.plan)}: reserved {_gib(p.reserved_expandable)} "
+        f"(now {_gib(p.reserved or p.peak)}, {_gib(s.short(usable))} short), step {s.cost.total:.3g} s"
+    )
 
 
 def explain_failure(
@@ -125,7 +158,7 @@ def explain_failure(
         bound = "at least " if best.prediction.lower_bound else ""
         lines += [
             "",
-            f"closest: {_label(best.plan)} needs {bound}{_gib(best.prediction.peak)} "
+            f"closest: {_label(best.plan)} needs {bound}{_gib(best.prediction.peak)}{_reserved(best)} "
             f"({_gib(best.short(budget.usable))} short); peak at {best.prediction.where}",
             "  " + "  ".join(f"{c} {_gib(getattr(best.prediction.at_peak, c))}" for c in COMPONENTS),
             "",
@@ -133,6 +166,9 @@ def explain_failure(
         ]
     lines += _excluded(excluded)
     advice = suggestions(recipe, budget, infeasible, excluded)
+    expandable = expandable_choice(infeasible, budget.usable)
+    if expandable is not None:
+        advice.insert(0, _expandable_advice(expandable, budget.usable))
     lines += ["", "to make a plan fit, change one of:", *(f"  - {s}" for s in advice)]
     return "\n".join(lines)
 
@@ -229,13 +265,14 @@ def table(rows: list[Scored], usable: int) -> list[str]:
 
     header = (
         f"  {'#':>2}  {strategies([t for t, _ in TABLE_COLUMNS])} "
-        f"{'micro x acc':<11} {'peak':>11} {'fits':<4} {'step s':>8}"
+        f"{'micro x acc':<11} {'peak':>11} {'reserved':>11} {'fits':<4} {'step s':>8}"
     )
     body = []
     for index, (s, row) in enumerate(zip(rows, cells, strict=True), 1):
         body.append(
             f"  {index:>2}  {strategies(row)} {s.plan.summary()['micro_batching']:<11} "
             f"{('>' if s.prediction.lower_bound else '') + _gib(s.prediction.peak):>11} "
+            f"{_gib(s.prediction.reserved) if s.prediction.reserved is not None else '-':>11} "
             f"{'yes' if not s.short(usable) else 'no':<4} {s.cost.total:>8.3g}"
         )
     return [header, *body]

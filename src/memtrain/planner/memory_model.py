@@ -66,6 +66,13 @@ class Prediction:
     maxima: Footprint
     where: str
     lower_bound: bool = False  # activations were not traced (the model states alone do not fit)
+    reserved: int | None = (
+        None  # the CUDA caching allocator's segments at this step (reserved.py); None: not replayed
+    )
+    reserved_expandable: int | None = None  # the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    margin: float = (
+        0.0  # planner.reserved_margin: the share added to `reserved` before it is held to a budget
+    )
     # the step's two highest moments: the micro-steps' (with the states at rest) and the optimizer step's;
     # the mesh search divides each by the mesh and takes the higher (planner/mesh_cost.py)
     moments: tuple[Footprint, ...] = ()
@@ -73,6 +80,24 @@ class Prediction:
     @property
     def peak(self) -> int:
         return self.at_peak.peak
+
+    @property
+    def required(self) -> int:
+        """The bytes that must fit: the peak, or with a replayed allocator its reserved bytes and margin."""
+        return (
+            self.peak if self.reserved is None else max(self.peak, _with_margin(self.reserved, self.margin))
+        )
+
+    @property
+    def required_expandable(self) -> int | None:
+        """`required` with expandable segments (None: not replayed)."""
+        if self.reserved_expandable is None:
+            return None
+        return max(self.peak, _with_margin(self.reserved_expandable, self.margin))
+
+
+def _with_margin(n: int, margin: float) -> int:
+    return n + int(n * margin)
 
 
 def offload_trace(none: FittedTrace, full: FittedTrace) -> FittedTrace:
@@ -288,8 +313,8 @@ def predict(levels: StateLevels, walks: StepWalk) -> Prediction:
     bound = not walks.traced
     highest = (_footprint(_plus(rest, best.at_peak)), _footprint(optimizer))
     if sum(optimizer) > sum(rest) + sum(best.at_peak):
-        return Prediction(highest[1], _footprint(maxima), "optimizer step", bound, highest)
-    return Prediction(highest[0], _footprint(maxima), best.where, bound, highest)
+        return Prediction(highest[1], _footprint(maxima), "optimizer step", bound, moments=highest)
+    return Prediction(highest[0], _footprint(maxima), best.where, bound, moments=highest)
 
 
 def optimizer_extra(

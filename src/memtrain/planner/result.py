@@ -27,8 +27,13 @@ class Scored:
     )
 
     def short(self, usable: int) -> int:
-        """Bytes over `usable` (0 when it fits)."""
-        return max(0, self.prediction.peak - usable)
+        """Bytes over `usable` (0 when it fits): the peak's, or the reserved bytes' with their margin."""
+        return max(0, self.prediction.required - usable)
+
+    def fits_expandable(self, usable: int) -> bool:
+        """Whether it would fit with expandable segments (False when its reserved bytes were not replayed)."""
+        needed = self.prediction.required_expandable
+        return needed is not None and needed <= usable
 
     def order(self) -> tuple[Any, ...]:
         """Faster first; then smaller; then the plan's strategies, so that the order is total."""
@@ -40,6 +45,8 @@ class Scored:
             "predicted_peak": self.prediction.peak,
             "predicted_peak_is_lower_bound": self.prediction.lower_bound,
             "predicted_by": self.predicted_by,
+            "predicted_reserved": self.prediction.reserved,
+            "predicted_reserved_expandable_segments": self.prediction.reserved_expandable,
             "predicted_step_seconds": self.cost.total,
             "fits": self.short(usable) == 0,
             "short_bytes": self.short(usable),
@@ -48,9 +55,20 @@ class Scored:
 
 def rank(scored: Sequence[Scored], usable: int) -> tuple[tuple[Scored, ...], tuple[Scored, ...]]:
     """(the plans that fit in `usable` bytes, those that do not), each fastest first."""
-    fits = tuple(sorted((s for s in scored if s.prediction.peak <= usable), key=Scored.order))
-    misfits = tuple(sorted((s for s in scored if s.prediction.peak > usable), key=Scored.order))
+    fits = tuple(sorted((s for s in scored if not s.short(usable)), key=Scored.order))
+    misfits = tuple(sorted((s for s in scored if s.short(usable)), key=Scored.order))
     return fits, misfits
+
+
+def expandable_choice(
+    infeasible: Sequence[Scored], usable: int, chosen: Scored | None = None
+) -> Scored | None:
+    """The fastest plan that does not fit as the allocator runs now but would with expandable segments,
+    when it is faster than `chosen` (or nothing fits); None otherwise."""
+    found = next((s for s in sorted(infeasible, key=Scored.order) if s.fits_expandable(usable)), None)
+    if found is None or (chosen is not None and found.order() >= chosen.order()):
+        return None
+    return found
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,8 @@ class PlanResult:
     excluded: tuple[tuple[str, str], ...] = ()  # (option, why it cannot run here)
     full_fine_tuning: tuple[int, int, int] | None = None  # the chosen plan's stored states without adapters
     attention: str = ""  # what the chosen plan's activation trace ran for attention (attention_kernels.py)
+    expandable_segments: bool | None = None  # the allocator mode planned for (None: no CUDA allocator)
+    with_expandable: Scored | None = None  # a faster plan that fits only with expandable segments
 
     @property
     def predicted(self) -> Footprint | None:

@@ -23,7 +23,7 @@ from memtrain.planner import in_backward as in_backward_memory
 from memtrain.planner.activations import FittedTrace, SegmentKey
 from memtrain.planner.candidates import Grid, build_grid
 from memtrain.planner.cost import CostModel, Workload
-from memtrain.planner.explain import explain_failure
+from memtrain.planner.explain import RUNNERS_UP, explain_failure
 from memtrain.planner.memory_model import (
     Prediction,
     StateLevels,
@@ -37,7 +37,8 @@ from memtrain.planner.memory_model import (
 )
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.rank_trace import RankTraces
-from memtrain.planner.result import PlanResult, Scored, rank
+from memtrain.planner.reserved import ReservedModel, expandable_in_effect
+from memtrain.planner.result import PlanResult, Scored, expandable_choice, rank
 from memtrain.planner.states import state_levels
 from memtrain.recipe import Recipe
 from memtrain.strategies.checkpointing import Checkpointing, FullCheckpointing, NoCheckpointing
@@ -80,6 +81,11 @@ def search(
     untraceable = scoring.untraceable
     if untraceable is not None and not scored:  # not "no plan fits": no plan could be predicted at all
         raise untraceable
+    expandable = None
+    if target.device_type == "cuda":
+        expandable = expandable_in_effect(target.what_if)
+        reserved = ReservedModel(probe.num_blocks, expandable, recipe.planner.reserved_margin)
+        scored = _with_reserved(scored, evaluation, reserved, target.budget.usable)
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
         raise PlanError(
@@ -97,6 +103,10 @@ def search(
         attention=""
         if chosen.predicted_by == "rank trace"
         else _attention(probe, chosen.plan, target, evaluation.rows_of(chosen.plan)),
+        expandable_segments=expandable,
+        with_expandable=expandable_choice(infeasible, target.budget.usable, chosen)
+        if expandable is False
+        else None,
     )
 
 
@@ -161,6 +171,21 @@ def score_candidates(
             if reason not in excluded:
                 excluded.append(reason)
     return Scoring(grid, evaluation, scored, excluded, untraceable)
+
+
+def _with_reserved(
+    scored: list[Scored], evaluation: Evaluation, model: ReservedModel, usable: int
+) -> list[Scored]:
+    """Reserved bytes (reserved.py) for the plans whose peak fits, fastest first, until the chosen plan
+    and its runners-up fit by them; the plans after those keep the peak alone (not replayed: a replay
+    of a deep model costs a fraction of a second, and a search has hundreds of candidates)."""
+    out, fitting = [], 0
+    for found in sorted(scored, key=Scored.order):
+        if fitting <= RUNNERS_UP and found.prediction.peak <= usable and not found.prediction.lower_bound:
+            found = evaluation.with_reserved(found, model)
+            fitting += not found.short(usable)
+        out.append(found)
+    return out
 
 
 class Evaluation:
@@ -302,6 +327,16 @@ class Evaluation:
             return whole / max(len(modes), 1), 0.0
         kept = max(0.0, whole - activations(len(modes) - 1))
         return kept, max(0.0, whole - kept * len(modes))
+
+    def with_reserved(self, found: Scored, model: ReservedModel) -> Scored:
+        """`found` with its reserved bytes, from the traces its score walked (cached: no new trace)."""
+        plan, seq = found.plan, self.probe.seq_len
+        traces = _traces(self.probe, plan, self.target, self.rows_of(plan), _weights_dtype(plan))
+        if plan.checkpointing.offloads_activations:  # the device keeps what a recomputed block keeps
+            traces = {m: t for m, t in traces.items() if m != NoCheckpointing()}
+        tokens, accumulated = plan.micro_batching.tokens(seq), plan.micro_batching.micro_steps(seq) > 1
+        prediction = model.apply(found.prediction, traces, tokens, accumulated, plan.sharding.replicated)
+        return replace(found, prediction=prediction)
 
     def rows_of(self, plan: Plan) -> tuple[int, int]:
         """The traced sizes `plan`'s fit is drawn through (`ModelProbe.fit_rows`)."""
