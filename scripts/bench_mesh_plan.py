@@ -170,11 +170,12 @@ def row(case: Case, result: MeshResult) -> str:
     fits = (
         "fits"
         if result.chosen is not None
-        else f"does not fit ({(best.peak - result.target.budget.usable) / GiB:.1f} GiB short)"
+        else f"does not fit ({(best.required - result.target.budget.usable) / GiB:.1f} GiB short)"
     )
     crossing = ",".join(best.mesh.crossing(result.cluster.gpus_per_node)) or "none"
+    reserved = f"{best.reserved / GiB:.1f}" if best.reserved is not None else "-"
     return (
-        f"| {case.name} | {case.world} x {case.gpu} | {best.mesh.describe()} | {best.peak / GiB:.1f} | {fits} | "
+        f"| {case.name} | {case.world} x {case.gpu} | {best.mesh.describe()} | {best.peak / GiB:.1f} | {reserved} | {fits} | "
         f"{case.published} | {best.tokens_per_second:,.0f} | {crossing} |"
     )
 
@@ -186,9 +187,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(
-        "| case | GPUs | mesh (busiest rank) | predicted peak GiB (allocated) | | published GiB (reserved) | tokens/s/GPU | crosses nodes |"
+        "| case | GPUs | mesh (busiest rank) | predicted allocated GiB | predicted reserved GiB | | published GiB (reserved) | tokens/s/GPU | crosses nodes |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for case in CASES[:-1] + ([] if args.quick else CONTEXT):
         print(row(case, plan(case)), flush=True)
     if args.quick:

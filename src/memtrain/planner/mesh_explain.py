@@ -50,13 +50,16 @@ def describe_meshes(result: MeshResult, title: str) -> str:
             *_detail(result, chosen),
         ]
     rows = best_per_mesh(result.ranked)
-    lines += ["", f"   #  {'mesh':44} {'crosses nodes':14} {'plan':34} {'peak':>10} {'tok/s/GPU':>10}"]
+    lines += [
+        "",
+        f"   #  {'mesh':44} {'crosses nodes':14} {'plan':34} {'peak':>10} {'reserved':>10} {'tok/s/GPU':>10}",
+    ]
     lines += [_row(i + 1, r, result) for i, r in enumerate(rows[:RUNNERS_UP])]
     if len(rows) > RUNNERS_UP:
         lines.append(f"  ... {len(rows) - RUNNERS_UP} more meshes fit")
     misfit = result.best_misfit
     if misfit is not None:
-        short = (misfit.peak - target.budget.usable) / GiB
+        short = (misfit.required - target.budget.usable) / GiB
         lines += [
             "",
             f"fastest mesh that does not fit: {misfit.mesh.describe()}, {misfit.scored.plan.describe()}: peak "
@@ -94,8 +97,9 @@ def _mesh_json(row: MeshScored, result: MeshResult, usable: int) -> dict[str, An
         "crosses_nodes": row.mesh.crossing(result.cluster.gpus_per_node),
         "plan": row.scored.plan.summary(),
         "predicted": cost.footprint.to_dict(),
-        "fits": row.peak <= usable,
-        "short_bytes": max(0, row.peak - usable),
+        "predicted_reserved": row.reserved,
+        "fits": row.required <= usable,
+        "short_bytes": max(0, row.required - usable),
         "step_seconds": cost.step_seconds,
         "compute_seconds": cost.compute_seconds,
         "pipeline_bubble_seconds": cost.bubble_seconds,
@@ -111,7 +115,8 @@ def _detail(result: MeshResult, row: MeshScored) -> list[str]:
     crossing = ", ".join(row.mesh.crossing(result.cluster.gpus_per_node)) or "none"
     return [
         f"  busiest rank: {parts}",
-        f"  peak {row.peak / GiB:.2f} GiB of {result.target.budget.usable / GiB:.2f} GiB usable; step "
+        f"  peak {row.peak / GiB:.2f} GiB allocated, {_gib(row.reserved)} reserved, of "
+        f"{result.target.budget.usable / GiB:.2f} GiB usable; step "
         f"{cost.step_seconds:.2f} s (compute {cost.compute_seconds:.2f} s, pipeline bubble "
         f"{cost.bubble_seconds:.2f} s), {row.tokens_per_second:,.0f} tokens/s per GPU",
         f"  dimensions crossing nodes: {crossing}; exposed communication per step: {exposed}",
@@ -124,5 +129,9 @@ def _row(index: int, row: MeshScored, result: MeshResult) -> str:
     label = f"{plan.precision.name} {plan.checkpointing.describe()} {plan.sharding.describe()} {plan.micro_batch_size}x{plan.accumulation_steps}"
     return (
         f"  {index:>2}  {row.mesh.describe():44.44} {crossing:14.14} {label:34.34} "
-        f"{row.peak / GiB:>6.2f} GiB {row.tokens_per_second:>10,.0f}"
+        f"{row.peak / GiB:>6.2f} GiB {_gib(row.reserved):>10} {row.tokens_per_second:>10,.0f}"
     )
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / GiB:.2f} GiB" if n is not None else "-"

@@ -34,8 +34,10 @@ from memtrain.memory.headroom import Target
 from memtrain.mesh import DIMS, MeshShape
 from memtrain.plan import mesh_problems, per_rank_batch
 from memtrain.planner.cost import CostModel
-from memtrain.planner.mesh_cost import MeshCost, mesh_cost
+from memtrain.planner.explain import RUNNERS_UP
+from memtrain.planner.mesh_cost import MeshCost, activation_share, mesh_cost
 from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.reserved import ReservedModel, expandable_in_effect
 from memtrain.planner.result import Scored
 from memtrain.planner.search import Evaluation, Scoring, score_candidates
 from memtrain.recipe import Recipe
@@ -54,9 +56,21 @@ class MeshScored:
     cost: MeshCost
     tokens_per_second: float  # per GPU
 
+    reserved: int | None = (
+        None  # the CUDA caching allocator's segments (see `_with_reserved`); None: not replayed
+    )
+    margin: float = 0.0  # planner.reserved_margin
+
     @property
     def peak(self) -> int:
         return self.cost.peak
+
+    @property
+    def required(self) -> int:
+        """What must fit: the peak, or the reserved bytes with their margin when replayed."""
+        if self.reserved is None:
+            return self.peak
+        return max(self.peak, self.reserved + int(self.reserved * self.margin))
 
     def order(self) -> tuple[Any, ...]:
         return (-round(self.tokens_per_second, 6), self.peak, self.mesh.degrees, self.scored.plan.key())
@@ -172,6 +186,7 @@ def search_meshes(
     excluded: list[tuple[str, str]] = []
     notes: set[str] = set()
     found: list[MeshScored] = []
+    owners: dict[int, Evaluation] = {}  # each scored plan's evaluation (its traces, for the reserved replay)
     rows = recipe.batch.global_size
     for mesh in candidate_meshes(recipe, target.world_size):
         problems = mesh_constraints(
@@ -198,13 +213,16 @@ def search_meshes(
             continue
         probe = scoring.evaluation.probe
         for scored in scoring.scored:
+            owners[id(scored)] = scoring.evaluation
             found.append(_on_mesh(scored, mesh, scoring.evaluation, probe, cluster, rows * full_seq))
     if not found:
         reasons = "\n".join(f"  {mesh}: {why}" for mesh, why in excluded) or "  (no candidate)"
         raise PlanError(f"no mesh of {target.world_size} ranks can run this job:\n{reasons}")
     usable = target.budget.usable
-    ranked = tuple(sorted((f for f in found if f.peak <= usable), key=MeshScored.order))
-    misfits = sorted((f for f in found if f.peak > usable), key=MeshScored.order)
+    if target.device_type == "cuda":
+        found = _with_reserved(found, recipe, target, base.num_blocks, owners)
+    ranked = tuple(sorted((f for f in found if f.required <= usable), key=MeshScored.order))
+    misfits = sorted((f for f in found if f.required > usable), key=MeshScored.order)
     return MeshResult(
         target=target,
         cluster=cluster,
@@ -214,6 +232,36 @@ def search_meshes(
         notes=tuple(sorted(notes)),
         seconds=time.perf_counter() - started,
     )
+
+
+def _with_reserved(
+    found: list[MeshScored], recipe: Recipe, target: Target, num_blocks: int, owners: dict[int, Evaluation]
+) -> list[MeshScored]:
+    """Reserved bytes for the fastest rows whose peak fits, until the chosen mesh and its runners-up fit by
+    them (a replay costs a fraction of a second: the rows after those keep their peak). A row's reserved
+    bytes are its peak plus the allocator's overhead over its data-parallel plan's traced step (reserved.py),
+    divided as the tensor ranks divide that step's activations (formula)."""
+    model = ReservedModel(num_blocks, expandable_in_effect(target.what_if), recipe.planner.reserved_margin)
+
+    def replayed(row: MeshScored) -> MeshScored:
+        flat = owners[id(row.scored)].with_reserved(row.scored, model).prediction
+        if flat.reserved is None:
+            return row
+        overhead = (flat.reserved - flat.peak) * activation_share(row.mesh)
+        return replace(row, reserved=row.peak + int(overhead), margin=flat.margin)
+
+    out: list[MeshScored] = []
+    meshes: set[tuple[int, ...]] = set()
+    misfit = False  # the fastest row that does not fit by its peak is replayed too (how short it is)
+    for row in sorted(found, key=MeshScored.order):
+        if len(meshes) <= RUNNERS_UP and row.peak <= target.budget.usable:
+            row = replayed(row)
+            if row.required <= target.budget.usable:
+                meshes.add(row.mesh.degrees)
+        elif not misfit and row.peak > target.budget.usable:
+            row, misfit = replayed(row), True
+        out.append(row)
+    return out
 
 
 def _score_data_parallel(
