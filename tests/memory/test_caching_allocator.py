@@ -97,6 +97,13 @@ def test_expandable_prefers_a_hole_to_the_tail() -> None:
     assert result.reserved_peak == 100 * MiB
 
 
+def test_expandable_tail_serves_an_oversize_request_without_new_pages() -> None:
+    # 100 MiB mapped and freed (the free tail); a 30 MiB request under max_split_size 64 MiB may not take
+    # that oversize block as a free block, but the segment hands the tail out as it grows: no new page.
+    events = [(1, 100 * MiB), (1, 0), (2, 30 * MiB)]
+    assert replay(events, expandable_segments=True, max_split_size=64 * MiB).reserved_peak == 100 * MiB
+
+
 @pytest.mark.parametrize("expandable", [False, True])
 def test_reserved_never_below_allocated(expandable: bool) -> None:
     sizes = [3 * MiB, 700 * 2**10, 33 * MiB, 12 * MiB + 7, 100, 48 * MiB]

@@ -14,7 +14,7 @@ from memtrain.errors import PlanError
 from memtrain.memory.caching_allocator import replay
 from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.activations import trace_step
-from memtrain.planner.allocation_trace import fit_allocations, whole_depth
+from memtrain.planner.allocation_trace import PieceKey, fit_allocations, whole_depth
 from memtrain.planner.explain import EXPANDABLE, describe, explain_failure, to_json
 from memtrain.planner.result import PlanResult, expandable_choice
 from memtrain.planner.search import search
@@ -145,3 +145,13 @@ def test_a_faster_plan_that_fits_only_with_expandable_segments_is_suggested(tmp_
     message = explain_failure(planner_recipe(tmp_path), budget, (faster,), ())
     advice = message.split("to make a plan fit, change one of:\n")[1].splitlines()
     assert advice[0].startswith(f"  - with {EXPANDABLE} a plan fits: ")
+
+
+def test_allocation_sizes_are_fitted_between_the_two_traces() -> None:
+    key = PieceKey("first", "fwd.block", 0)
+    small = ((key, ((1, 100), (2, 512), (1, 0))),)
+    large = ((key, ((1, 300), (2, 512), (1, 0))),)
+    fit = fit_allocations(small, 10, large, 30, frozenset())
+    assert fit.at(20) == ((key, ((1, 200), (2, 512), (1, 0))),)  # a + b * tokens; a constant stays
+    other = ((key, ((1, 300), (3, 64), (1, 0))),)  # another op sequence: the larger trace's sizes
+    assert fit_allocations(small, 10, other, 30, frozenset()).at(20) == other

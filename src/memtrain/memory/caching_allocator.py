@@ -212,7 +212,7 @@ class CachingAllocator:
         """Expandable: map pages at the end of the pool's segment, joined with a free tail."""
         tail = pool.last
         have = tail.size if tail is not None and tail.free else 0
-        pages = -(-(size - have) // pool.page) * pool.page
+        pages = max(0, -(-(size - have) // pool.page) * pool.page)  # 0: a free tail refused by max_split_size
         self.reserved += pages
         if pool.last is None:
             self._segments += 1

@@ -139,21 +139,23 @@ class _Synthesizer:
                 groups[(made, freed)].append(sid)
         self.groups = groups
         self.rank = {sid: i for members in groups.values() for i, sid in enumerate(members)}
-        self.freed_in = freed_in
 
     def run(self, steps: int) -> Synthesis:
         out = Synthesis()
         fresh = itertools.count()
         for _ in range(steps):
             live: dict[tuple[int, int], int] = {}
+            reals: dict[int, set[int]] = defaultdict(set)  # the real blocks a clone storage is live for
             for key, events, real, last in self._instances():
                 for sid, nbytes in events:
                     if nbytes:
                         live[(sid, real)] = new = next(fresh)
+                        reals[sid].add(real)
                         out.events.append((new, nbytes))
                     elif sid in self.made_in:
-                        for instance in self._freed(sid, key, real, last, live):
+                        for instance in self._freed(sid, key, real, last, reals[sid]):
                             target = live.pop(instance, None)
+                            reals[sid].discard(instance[1])
                             if target is None:
                                 out.unmatched += 1
                             else:
@@ -182,15 +184,14 @@ class _Synthesizer:
             return real
         return 0 if real == 0 else self.depth - 1 if real == n - 1 else 1
 
-    def _freed(
-        self, sid: int, key: PieceKey, real: int, last: bool, live: dict[tuple[int, int], int]
-    ) -> list[tuple[int, int]]:
-        """The real storages (clone id, real block) that the clone's free of `sid` in `key` frees."""
+    def _freed(self, sid: int, key: PieceKey, real: int, last: bool, live: set[int]) -> list[tuple[int, int]]:
+        """The real storages (clone id, real block) that the clone's free of `sid` in `key` frees; `live`:
+        the real blocks `sid` is live for."""
         made = self.made_in[sid]
         if not made.in_block:
             return [(sid, -1)] if last or not key.in_block else []
         if not key.in_block:  # every repetition's copy (the autocast cache released after the forward)
-            return [instance for instance in live if instance[0] == sid] or [(sid, made.block)]
+            return [(sid, owner) for owner in sorted(live)] or [(sid, made.block)]
         distance = key.block - made.block
         owner = real - distance
         if not 0 <= owner < self.count:

@@ -15,7 +15,7 @@ from the 3-block clone replays to the same allocated and reserved peaks as a tra
 byte; and the overhead is not linear in depth (bf16-mixed with full recompute at 6, 10, 18, 34 and 80
 blocks: 32, 37, 24, 32 and 95 MB), so no shorter replay stands for a deep model.
 
-Why lazily: a replay of 80 blocks costs about 0.35 s per allocator mode, so the search replays plans in
+Why lazily: a replay of 80 blocks in both modes costs about a second, so the search replays plans in
 its rank order only until the chosen plan and its runners-up fit (search.py), each (trace, micro-batch,
 accumulation) once.
 
