@@ -1,10 +1,12 @@
 """Every test in this process is one rank, whatever the shell that started pytest says. `shared_traces`:
 planner traces of the same job shared between the tests that use it. The tests listed in tests/slow.txt
 (slow by measurement: scripts/slow_tests.py) are marked `slow`, and the test files run longest first (by
-the seconds that file records), so the two workers of scripts/test.sh finish together."""
+the seconds that file records), so the two workers of scripts/test.sh finish together. A `gpu` test must
+sit in a file scripts/gpu_check.sh finds (it collects those files alone)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Hashable, Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 from memtrain.planner import model_probe
 
 SLOW = Path(__file__).with_name("slow.txt")
+GPU_FILE = re.compile(r"mark\.gpu\b")  # how scripts/gpu_check.sh finds the files of the `gpu` tests (grep -E)
 
 
 def _measured() -> tuple[set[str], dict[str, float]]:
@@ -39,6 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     yet goes first, as it may be long."""
     listed, file_seconds = _measured()
     _mark_slow(config, items, listed)
+    _check_gpu_files(items)
     yield
     items.sort(key=lambda item: -file_seconds.get(item.nodeid.split("::")[0], float("inf")))
 
@@ -61,6 +65,20 @@ def _mark_slow(config: pytest.Config, items: list[pytest.Item], listed: set[str]
                 "rewrite it with scripts/slow_tests.py"
             ),
             stacklevel=1,
+        )
+
+
+def _check_gpu_files(items: list[pytest.Item]) -> None:
+    """scripts/gpu_check.sh runs `pytest -m gpu` on the test files whose text matches GPU_FILE, not on the
+    whole suite (its collection cost 10 s of the step's 16): a `gpu` test elsewhere would never run."""
+    files = {item.path for item in items if item.get_closest_marker("gpu") is not None}
+    missed = sorted(
+        str(f) for f in files if not (f.name.startswith("test_") and GPU_FILE.search(f.read_text()))
+    )
+    if missed:
+        raise pytest.UsageError(
+            f"{missed[0]} holds a `gpu` test that scripts/gpu_check.sh would not collect: mark it with "
+            "`pytest.mark.gpu` in a file named test_*.py"
         )
 
 

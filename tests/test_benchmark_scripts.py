@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -149,3 +150,21 @@ def test_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
         assert steps[name]["reason"].startswith("needs CUDA"), steps[name]
     assert "SKIPPED" in (tmp_path / "pytest_gpu.log").read_text()  # each gpu test printed its reason
     assert (tmp_path / "summary.md").read_text().startswith("# GPU check")
+
+
+def test_a_gpu_test_that_gpu_check_would_not_collect_fails_the_collection(tmp_path: Path) -> None:
+    """gpu_check.sh collects only the files its grep finds; tests/conftest.py refuses a `gpu` test elsewhere
+    (here: the marker applied without being spelled out), and both use one pattern."""
+    from conftest import GPU_FILE, _check_gpu_files
+
+    assert (
+        f"grep -rlE '{GPU_FILE.pattern}' tests --include='test_*.py'"
+        in (SCRIPTS / "gpu_check.sh").read_text()
+    )
+    hidden = tmp_path / "test_hidden.py"
+    hidden.write_text("MARK = getattr(pytest.mark, 'g' + 'pu')\n")
+    item = SimpleNamespace(path=hidden, get_closest_marker=lambda name: name if name == "gpu" else None)
+    with pytest.raises(pytest.UsageError, match="test_hidden.py holds a `gpu` test"):
+        _check_gpu_files([item])  # type: ignore[list-item]
+    hidden.write_text("@pytest.mark.gpu\n")
+    _check_gpu_files([item])  # type: ignore[list-item]

@@ -185,19 +185,37 @@ def test_pretrained_config_generation_config_and_tokenizer_files(tmp_path: Path)
         export_hf(run, tmp_path / "hf2")
 
 
-def _torchrun(recipe: Path, *overrides: str) -> None:
-    run_two_ranks("-m", "memtrain", "train", str(recipe), *overrides)
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both two-rank runs of this module, in one torchrun launch (`cli_jobs.py`: a launch costs 6-8 s on
+    the 2-core CI machine): FSDP2 zero3 with the export at the end of the run in `fsdp2/`, DeepSpeed zero2 in
+    `deepspeed/` (when it is installed); each its own recipe and run directory."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    runs = {
+        "fsdp2": (
+            {"model": {"config": copy.deepcopy(TIED_LLAMA)}},
+            ["strategies.sharding=zero3", "output.export=hf"],
+        ),
+        "deepspeed": ({}, ["strategies.sharding=zero2", "strategies.sharding_backend=deepspeed"]),
+    }
+    jobs = []
+    for name, (sections, overrides) in runs.items():
+        if name == "deepspeed" and not HAVE_DEEPSPEED:
+            continue
+        recipe = tmp / name / "recipe.yaml"
+        recipe.parent.mkdir()
+        recipe.write_text(json.dumps(tiny_recipe_dict(tmp / name, **sections, **TWO_STEPS)))
+        jobs.append(["train", str(recipe), *overrides])
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    run_two_ranks(str(REPO / "tests/cli_jobs.py"), str(tmp / "jobs.json"))
+    return tmp
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp2_zero3_two_rank_checkpoint(tmp_path: Path) -> None:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(
-        json.dumps(tiny_recipe_dict(tmp_path, model={"config": copy.deepcopy(TIED_LLAMA)}, **TWO_STEPS))
-    )
-    _torchrun(path, "strategies.sharding=zero3", "output.export=hf")
-    step = tmp_path / "run/checkpoints/step_00000002"
+def test_fsdp2_zero3_two_rank_checkpoint(two_rank_runs: Path, tmp_path: Path) -> None:
+    run = two_rank_runs / "fsdp2/run"
+    step = run / "checkpoints/step_00000002"
     assert (step / "dcp/.metadata").is_file() and not (step / "model.pt").exists()
     # The reference: the same checkpoint as memtrain resumes it, on one unsharded rank.
     reference = CausalLMTrainer(
@@ -205,23 +223,21 @@ def test_fsdp2_zero3_two_rank_checkpoint(tmp_path: Path) -> None:
     )
     reference.fit(resume=step)
     assert reference.model is not None
-    exported = _exported(tmp_path / "run/hf")  # written by rank 0 at the end of the run
+    exported = _exported(run / "hf")  # written by rank 0 at the end of the run
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
     assert _max_diff(_logits(exported), _logits(reference.model)) <= TOLERANCE
-    out = export_hf(tmp_path / "run", tmp_path / "again")
+    out = export_hf(run, tmp_path / "again")
     assert _max_diff(_logits(_exported(out)), _logits(reference.model)) <= TOLERANCE
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
-def test_deepspeed_zero2_two_rank_checkpoint(tmp_path: Path) -> None:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(json.dumps(tiny_recipe_dict(tmp_path, **TWO_STEPS)))
-    _torchrun(path, "strategies.sharding=zero2", "strategies.sharding_backend=deepspeed")
-    step = tmp_path / "run/checkpoints/step_00000002"
+def test_deepspeed_zero2_two_rank_checkpoint(two_rank_runs: Path, tmp_path: Path) -> None:
+    run = two_rank_runs / "deepspeed/run"
+    step = run / "checkpoints/step_00000002"
     assert (step / "deepspeed").is_dir() and not (step / "model.pt").exists()
-    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
     # The reference: the whole fp32 module weights DeepSpeed's ZeRO-2 resumes from (DeepSpeed pickles them).
     saved = torch.load(step / "deepspeed/state/mp_rank_00_model_states.pt", weights_only=False)["module"]
     model = CausalLMTrainer(tiny_recipe(tmp_path)).build_model()

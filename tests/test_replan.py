@@ -19,6 +19,8 @@ from memtrain.training.trainer import Batch
 
 from helpers import REPO, TINY_LLAMA, tiny_recipe
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # tests/conftest.py: the same tiny jobs planned again
+
 MICRO_ONE = {"global_size": 4, "micro_size": 1}
 CHOICE = {"checkpointing": ["none", "full"], "loss": "standard", "optimizer_states": "fp32"}
 STEPS = {"steps": 4, "lr": 1e-3}

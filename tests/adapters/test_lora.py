@@ -27,6 +27,8 @@ from helpers import (
     tiny_recipe_dict,
 )
 
+pytestmark = pytest.mark.usefixtures("shared_traces")  # tests/conftest.py: alike jobs planned again
+
 MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "vocab_size": 256}
 LORA = {"kind": "lora", "r": 4, "alpha": 8}
 PLANS = {

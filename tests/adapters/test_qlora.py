@@ -16,6 +16,7 @@ from memtrain.errors import RecipeError
 from helpers import TINY_LLAMA, tiny_recipe
 
 pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.usefixtures("shared_traces")  # tests/conftest.py: alike jobs planned again
 
 MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "vocab_size": 256}
 PLANS = {
