@@ -70,7 +70,11 @@ def test_chunked_and_fused_equal_standard_fp32(config: dict[str, Any], kind: typ
     torch.testing.assert_close(chunked_loss, loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == chunked_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+        # the chunks sum the logits' gradients into the head (tied: the embedding) and on down in another
+        # order: fp32 rounding of sums whose terms reach the tensor's largest entries, a few ulps of those
+        # (measured on this machine's CPU: 2.9e-6 on a bias whose gradient reaches 8.5, 3 ulps)
+        scale = max(1.0, grad.abs().max().item())
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
 
 
 @pytest.mark.parametrize("kind", [Chunked, Fused])
