@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.tensor_parallel import tensor_parallel_problems
 from memtrain.cluster import DEFAULT_CLUSTER, Cluster, Link
 from memtrain.errors import PlanError
+from memtrain.memory.footprint import ModelShape, ParamInfo
 from memtrain.memory.headroom import load_gpu, what_if_target
 from memtrain.mesh import MeshShape
-from memtrain.planner.mesh_cost import activation_share, in_flight_blocks, stages
+from memtrain.planner.mesh_cost import Stage, activation_share, in_flight_blocks, stages
 from memtrain.planner.mesh_explain import describe_meshes, meshes_to_json
 from memtrain.planner.mesh_search import candidate_meshes, mesh_constraints, search_meshes, searches_meshes
 from memtrain.planner.model_probe import ModelProbe
@@ -70,44 +72,22 @@ def test_every_factorisation_of_the_open_degrees(tmp_path: Path) -> None:
 
 def test_constraints_name_what_rules_a_mesh_out(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path)
+
+    def problems(mesh: MeshShape, tp_problems: Any = None, cluster: Cluster = DEFAULT_CLUSTER) -> str:
+        found = mesh_constraints(
+            mesh, recipe, cluster=cluster, num_blocks=5, seq_len=32, tensor_parallel_problems=tp_problems
+        )
+        return "\n".join(found)
+
     small_nodes = dataclasses.replace(DEFAULT_CLUSTER, gpus_per_node=2)
-    problems = mesh_constraints(
-        MeshShape(tp=4, dp_shard=2),
-        recipe,
-        cluster=small_nodes,
-        num_blocks=5,
-        seq_len=32,
-        tensor_parallel_problems=lambda tp: [f"tp {tp} does not divide the heads"] if tp > 2 else [],
+    heads = problems(
+        MeshShape(tp=4, dp_shard=2), lambda tp: [f"tp {tp} does not divide the heads"], small_nodes
     )
-    assert any("within a node of 2 GPUs" in p for p in problems)
-    assert any("does not divide the heads" in p for p in problems)
-    pipeline = mesh_constraints(
-        MeshShape(pp=2, dp_shard=4),
-        recipe,
-        cluster=DEFAULT_CLUSTER,
-        num_blocks=5,
-        seq_len=32,
-        tensor_parallel_problems=None,
-    )
-    assert any("does not divide the model's 5 blocks" in p for p in pipeline)
-    batch = mesh_constraints(
-        MeshShape(dp_shard=32),
-        recipe,
-        cluster=DEFAULT_CLUSTER,
-        num_blocks=5,
-        seq_len=32,
-        tensor_parallel_problems=None,
-    )
-    assert any("batch.global_size" in p for p in batch)
-    no_plan = mesh_constraints(
-        MeshShape(tp=2, dp_shard=4),
-        recipe,
-        cluster=DEFAULT_CLUSTER,
-        num_blocks=5,
-        seq_len=32,
-        tensor_parallel_problems=None,
-    )
-    assert any("no tensor_parallel_plan" in p for p in no_plan)
+    assert "within a node of 2 GPUs" in heads and "does not divide the heads" in heads
+    assert "does not divide the model's 5 blocks" in problems(MeshShape(pp=2, dp_shard=4))
+    assert "batch.global_size" in problems(MeshShape(dp_shard=32))
+    assert "no tensor_parallel_plan" in problems(MeshShape(tp=2, dp_shard=4))
+    assert problems(MeshShape(dp_shard=8)) == ""
 
 
 def test_tensor_ranks_divide_matrices_and_keep_vectors_whole(probe: ModelProbe) -> None:
@@ -138,9 +118,8 @@ def test_schedules_hold_micro_batches_in_flight_as_torch_runs_them() -> None:
     assert activation_share(MeshShape(tp=4, sequence_parallel=False)) == pytest.approx(16 / 34)
 
 
-def stages_of(mesh: MeshShape) -> list:
-    from memtrain.memory.footprint import ModelShape, ParamInfo
-
+def stages_of(mesh: MeshShape) -> list[Stage]:
+    """The stages of 16 blocks of one 10 x 10 matrix each after a 5 x 10 embedding."""
     params = tuple(ParamInfo(f"layers.{i}.w", 100, i, dims=(10, 10)) for i in range(16))
     return stages(ModelShape((ParamInfo("embed_tokens.weight", 50, None, dims=(5, 10)), *params), 16), mesh)
 
