@@ -8,6 +8,7 @@ tests, not measurements (the figures are in docs/BENCHMARKS.md).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -155,7 +156,12 @@ def test_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
 def test_a_gpu_test_that_gpu_check_would_not_collect_fails_the_collection(tmp_path: Path) -> None:
     """gpu_check.sh collects only the files its grep finds; tests/conftest.py refuses a `gpu` test elsewhere
     (here: the marker applied without being spelled out), and both use one pattern."""
-    from conftest import GPU_FILE, _check_gpu_files
+    # tests/conftest.py by its path: under pytest-xdist another package's conftest can own the name
+    spec = importlib.util.spec_from_file_location("tests_conftest", REPO / "tests/conftest.py")
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    GPU_FILE, _check_gpu_files = conftest.GPU_FILE, conftest._check_gpu_files
 
     assert (
         f"grep -rlE '{GPU_FILE.pattern}' tests --include='test_*.py'"

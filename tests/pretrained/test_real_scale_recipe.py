@@ -31,6 +31,7 @@ RECIPES = sorted(str(p.relative_to(REPO / "recipes")) for p in (REPO / "recipes"
 TARGETS = {  # the what-if each recipe's comments plan it for (default: one H100)
     "gpt2-124m-24gb.yaml": ["--gpu", "rtx4090-24gb"],
     "llama-70b-64gpu.yaml": ["--gpu", "h100-80gb", "--world-size", "64"],
+    "llama-405b.yaml": ["--gpu", "h100-80gb", "--nodes", "128"],
     "llama3-8b-8xh100.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
     "llama3-8b-chat-sft.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
     "llama3-8b-lora-8gpu.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
@@ -110,6 +111,9 @@ def test_every_shipped_recipe_plans_from_its_config_alone(
         return
     assert rc == 0, err[-3000:]
     doc = json.loads(out)
+    if "meshes" in doc:  # a recipe that leaves mesh degrees open: the mesh search's document
+        assert doc["chosen"]["fits"] and doc["chosen"]["predicted"]["peak"] <= doc["budget"]["usable"]
+        return
     assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
 
 

@@ -75,6 +75,8 @@ def run(
             spec_at=lambda seq: _spec(trainer_cls, _at_sequence(recipe_path, overrides, trainer_cls, seq)),
         )
         title = f"memtrain plan: {recipe_path} on {ranks} rank{'s' if ranks != 1 else ''} (mesh search)"
+        if found.chosen is None:  # as the one-device plan: the table is the error
+            raise PlanError(f"no plan fits on any mesh of {ranks} ranks\n{describe_meshes(found, title)}")
         print(json_out.dumps(meshes_to_json(found), indent=2) if as_json else describe_meshes(found, title))
         return 0
     spec = for_recipe(trainer_cls, recipe)(recipe).model_spec()
