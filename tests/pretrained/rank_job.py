@@ -1,9 +1,5 @@
-"""One rank of tests/pretrained/test_pretrained.py (launched by torchrun): set up each pretrained recipe under
-its sharded plan, gather the full weights, and (rank 0) write whether they equal the checkpoint's.
-
-`rank_job.py DIRECTORY RECIPE OUT [RECIPE OUT ...]`: the recipes (FSDP2's and DeepSpeed's zero3) are set up
-one after the other in one launch, which costs 6-8 s on the 2-core CI machine; the process group is shut
-down after the last."""
+"""One rank of tests/pretrained/test_pretrained.py (launched by torchrun): set up a pretrained recipe under a
+sharded plan, gather the full weights, and (rank 0) write whether they equal the checkpoint's."""
 
 from __future__ import annotations
 
@@ -36,8 +32,8 @@ def full_weights(trainer: CausalLMTrainer) -> dict[str, torch.Tensor]:
     return {name: t.float() for name, t in state.items()}
 
 
-def compare(recipe_path: str, out: str, directory: str) -> CausalLMTrainer:
-    """Set up the recipe's trainer (its sharded load of `directory`) and compare the gathered weights."""
+def main() -> None:
+    recipe_path, out, directory = sys.argv[1:]
     trainer = CausalLMTrainer(CausalLMRecipe.from_dict(yaml.safe_load(Path(recipe_path).read_text())))
     trainer.setup()
     weights = full_weights(trainer)
@@ -48,14 +44,7 @@ def compare(recipe_path: str, out: str, directory: str) -> CausalLMTrainer:
         compared = {name: bool(torch.equal(files[name].float(), weights[name])) for name in files}
         Path(out).write_text(json.dumps({"compared": compared, "gathered": sorted(weights)}))
     barrier(trainer.env)
-    return trainer
-
-
-def main() -> None:
-    directory, *jobs = sys.argv[1:]
-    for recipe, out in zip(jobs[::2], jobs[1::2], strict=True):
-        env = compare(recipe, out, directory).env
-    shutdown(env)
+    shutdown(trainer.env)
 
 
 if __name__ == "__main__":
