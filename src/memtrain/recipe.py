@@ -427,6 +427,12 @@ class PlannerConfig(RecipeSection):
         "replayed over the traced step) before they are held to the usable memory, for what the allocator "
         "model leaves out (several streams, sharded plans' gathered buffers); CUDA targets only.",
     )
+    measure_links: bool = Field(
+        default=True,
+        description="On several ranks, time a few collectives per mesh dimension at the start of the run and "
+        "cache the fitted links ($MEMTRAIN_CACHE_DIR/links.json; off there: never), so the mesh search for "
+        "this machine ranks with them instead of the default NVLink and InfiniBand figures.",
+    )
     checkpointing_fractions: list[float] = Field(
         default=[0.25, 0.5, 0.75],
         min_length=1,

@@ -33,7 +33,6 @@ JSON). The budget comes from `memtrain.memory.headroom`.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,13 +40,14 @@ from typing import Any
 
 import torch
 
-from memtrain.cluster import DEFAULT_CLUSTER, Cluster
+from memtrain.cluster import Cluster
 from memtrain.distributed import DistEnv, broadcast_object
 from memtrain.errors import MemtrainError, PlanError
 from memtrain.memory import StepMemory
 from memtrain.memory.headroom import GpuProfile, MemoryBudget, Target, measured_target, what_if_target
 from memtrain.mesh import MeshShape
 from memtrain.plan import Plan, adapters_of, is_open, mesh_of, pinned_plan, quantization_of
+from memtrain.planner.link_calibration import here_cluster, launch_cluster
 from memtrain.planner.memory_model import Prediction
 from memtrain.planner.mesh_search import MeshResult, open_dims, search_meshes
 from memtrain.planner.model_probe import ModelProbe
@@ -236,9 +236,15 @@ def plan_meshes(
     progress: Progress = stderr_progress,
 ) -> MeshResult:
     """The mesh search (planner/mesh_search.py) for `target`'s ranks on `cluster`; `spec_at(seq_len)`: the
-    trainer's job at another sequence length (what one context-parallel rank runs; probed once per length)."""
+    trainer's job at another sequence length (what one context-parallel rank runs; probed once per length).
+    For a target that is here, the links a run on this machine measured replace `cluster`'s
+    (link_calibration.py)."""
     probes: dict[int, ModelProbe] = {}
     device = torch.device("cuda", 0) if target.device_type == "cuda" else torch.device("cpu")
+    if not target.what_if:
+        cluster, measured = here_cluster(cluster, target.world_size, device)
+        if measured is not None:
+            progress(measured)
 
     def probe_for(cp: int) -> ModelProbe:
         if cp not in probes:
@@ -270,8 +276,7 @@ def choose_mesh(
     target = measured_target(env, budget, recipe.planner.safety_fraction)
     outcome: dict[str, Any] | str = ""
     if env.is_main:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-        cluster = replace(DEFAULT_CLUSTER, gpus_per_node=per_node)
+        cluster = launch_cluster(env.world_size)
         try:
             found = plan_meshes(recipe, spec, target, cluster, spec_at=lambda _seq: spec, progress=progress)
             best = found.chosen or found.best_misfit

@@ -17,14 +17,14 @@ from typing import Any
 
 from torch import nn
 
-from memtrain.distributed import DistEnv, any_rank
+from memtrain.distributed import DistEnv, gather_objects
 from memtrain.errors import PlanError
 from memtrain.memory import MemoryTracker, StepMemory, StepPeak, format_bytes
 from memtrain.plan import Plan
 from memtrain.planner import ModelSpec, PlanResult, calibration, step_time_calibration
 from memtrain.recipe import MemoryConfig, Recipe
 from memtrain.run import RunDirectory
-from memtrain.training import replan
+from memtrain.training import link_timing, replan
 
 CALIBRATION_STEPS = 2  # the first step differs (lazy optimizer state, allocator warm-up): compare two
 STEP_TIME_STEPS = 3  # steps after a plan's first whose median time is compared with its predicted step time
@@ -52,6 +52,7 @@ class MemoryMonitor:
         self.device_peaks: list[int] = []  # the cheap per-step peak, kept beside tracked reports
         self.calibration: list[dict[str, Any]] = []  # the first steps: predicted against measured
         self.step_time: dict[str, Any] | None = None  # rank 0: predicted against measured step time
+        self.links: dict[str, Any] | None = None  # rank 0: each mesh dimension's link, timed at the start
         self._step_times: list[float] = []  # rank 0: seconds of the steps timed so far, of `_timed_plan`
         self._timed_plan: PlanResult | None = None
         self.oom_events: list[dict[str, Any]] = []  # out-of-memory errors recovered from, in order
@@ -60,6 +61,12 @@ class MemoryMonitor:
         self.calibrate_until = 0  # the steps before this one compare their measured peak with the plan
 
     # ------------------------------------------------------------------------------------ measuring
+
+    def measure_links(self, enabled: bool) -> DistEnv:
+        """Time each mesh dimension's link before the strategies are applied (training/link_timing.py; a
+        collective on several ranks); the run's environment, now holding its `DeviceMesh` on a mesh."""
+        self.env, self.links = link_timing.measure_links(self.env, enabled)
+        return self.env
 
     def track(self, model: nn.Module, optimizer: Any, memory: MemoryConfig) -> None:
         """Run the full tracker when the recipe asks for it (`memory.track`, or a simulated budget)."""
@@ -142,7 +149,8 @@ class MemoryMonitor:
 
         The measurement is the tracker's report when it runs (all components), else the allocator's
         peak on CUDA; on a CPU without the tracker, RSS is no per-tensor figure and only the budget
-        check is skipped."""
+        check is skipped. On several ranks each rank's figures are gathered (`_every_rank`) and a rank
+        over the budget re-plans every rank."""
         result = self.plan_result
         assert result is not None
         report = self.memory_reports[-1] if self.tracker is not None and self.memory_reports else None
@@ -156,18 +164,37 @@ class MemoryMonitor:
                 "predicted": predicted.to_dict() if predicted is not None else None,
                 "measured": {"peak": measured_peak} if measured_peak is not None else None,
             }
-        self.calibration.append({"step": step + 1, **entry})
         budget = result.budget
         over = budget is not None and measured_peak is not None and measured_peak > budget.usable
+        everyone = self._every_rank(entry, over)
+        if self.env.distributed:
+            entry["ranks"] = everyone
+            entry["over_ranks"] = [r["coordinates"] for r in everyone if r["over"]]
+        self.calibration.append({"step": step + 1, **entry})
         if self.env.is_main:
             self.run.write_plan(self.plan_record(plan))
-        if not any_rank(over, self.env):
+        if not any(r["over"] for r in everyone):
             return None
         reason = (
             f"measured peak {format_bytes(measured_peak or 0)} passed the "
             f"usable {format_bytes(budget.usable if budget else 0)}"
         )
         return OverBudget(reason, report if report is not None else measured_peak)
+
+    def _every_rank(self, entry: dict[str, Any], over: bool) -> list[dict[str, Any]]:
+        """Every rank's measured figures against the prediction, in rank order (a collective on several
+        ranks): its mesh coordinates, its measured peak and components, the relative error of the
+        prediction (the busiest rank's, traced or by formula: `predicted_where` names it) and whether it
+        passed the budget. A mesh's ranks hold different shares, so one rank's figures cannot speak for
+        the others."""
+        mine = {
+            "rank": self.env.rank,
+            "coordinates": self.env.shape.coordinates(self.env.rank),
+            "measured": entry["measured"],
+            "relative_error": entry.get("relative_error"),
+            "over": over,
+        }
+        return [dict(r) for r in gather_objects(mine, self.env) if isinstance(r, dict)]
 
     def _time_step(self, row: dict[str, Any], plan: Plan, last: bool) -> None:
         """Rank 0: time the plan's first steps after its first (lazy optimizer state, warm-up);
@@ -236,5 +263,6 @@ class MemoryMonitor:
             "budget": result.budget.to_dict() if result and result.budget is not None else None,
             "calibration": self.calibration,
             "step_time": self.step_time,
+            "links": self.links,
             "replans": self.replans,
         }

@@ -259,6 +259,7 @@ class Trainer:
         plan, sharding = self.plan, self._sharding
         seed_everything(self.recipe.run.seed)
         sharding.check(self.env)
+        self.env = self.monitor.measure_links(self.recipe.planner.measure_links)  # builds the DeviceMesh
         applied, self._blocks = apply_plan(self, self.build_model())
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         self.monitor.track(sharding.unwrap(self.model), self.optimizer, self.recipe.memory)
