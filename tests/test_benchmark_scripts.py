@@ -32,7 +32,14 @@ def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[st
 
 
 @pytest.mark.parametrize(
-    "script", ["bench_vs_peers.py", "bench_fit_budget.py", "estimator_accuracy.py", "bench_startup.py"]
+    "script",
+    [
+        "bench_vs_peers.py",
+        "bench_fit_budget.py",
+        "estimator_accuracy.py",
+        "bench_startup.py",
+        "bench_links.py",
+    ],
 )
 def test_command_lines_parse(script: str) -> None:
     done = run([sys.executable, str(SCRIPTS / script), "--help"])

@@ -45,7 +45,7 @@ RING_STEPS = {"all_gather": 1, "all_reduce": 2}
 @dataclass(frozen=True)
 class Timing:
     """One timed collective: its kind (a key of `RING_STEPS`), the ranks of its group, the bytes of the whole
-    (gathered or reduced) tensor and the median seconds it took."""
+    (gathered or reduced) tensor and the seconds it took."""
 
     collective: str
     ranks: int
