@@ -18,7 +18,7 @@ import torch
 
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
-from memtrain.cluster import Link
+from memtrain.cluster import DEFAULT_CLUSTER, Link
 from memtrain.distributed import DistEnv
 from memtrain.mesh import MeshShape
 from memtrain.planner import here_target, plan_meshes
@@ -73,9 +73,10 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 
 def test_a_run_on_a_mesh_caches_each_dimensions_link(four_ranks: tuple[Path, dict[str, Any]]) -> None:
+    """Under the key a plan of 4 ranks on a node of 8 reads: the same 4 ranks on one node."""
     cache, plan = four_ranks
     entries = json.loads((cache / links.CACHE_FILE).read_text())
-    key = links.layout_key(torch.device("cpu"), 4, 1)
+    key = links.layout_key(torch.device("cpu"), DEFAULT_CLUSTER, 4)
     assert list(entries) == [key]
     cached = entries[key]["links"]
     assert [m["dim"] for m in cached] == ["dp_shard", "tp"]
@@ -105,7 +106,7 @@ def test_a_plan_for_this_machine_ranks_with_the_measured_links(
     recipe = CausalLMRecipe.from_dict(tiny_recipe_dict(tmp_path, **SECTIONS))
     spec = CausalLMTrainer(recipe).model_spec()
     target = replace(here_target(recipe, 4), mesh=None)  # as `memtrain plan` searches
-    assumed_cluster = links.launch_cluster(4)
+    assumed_cluster = DEFAULT_CLUSTER  # 8 GPUs per node (`memtrain plan` without --gpus-per-node)
 
     def plan(progress: Any = lambda _line: None) -> MeshResult:
         return plan_meshes(recipe, spec, target, assumed_cluster, spec_at=lambda _s: spec, progress=progress)
@@ -125,7 +126,7 @@ def test_a_damaged_cache_is_ignored_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
-    key = links.layout_key(torch.device("cpu"), 4, 1)
+    key = links.layout_key(torch.device("cpu"), DEFAULT_CLUSTER, 4)
     (tmp_path / links.CACHE_FILE).write_text("{not json")
     assert links.load(key) is None
     assert "link calibration: ignoring the link cache" in capsys.readouterr().err

@@ -112,11 +112,15 @@ def launch_cluster(world_size: int) -> Cluster:
     return replace(DEFAULT_CLUSTER, gpus_per_node=per_node)
 
 
-def layout_key(device: torch.device, gpus_per_node: int, nodes: int) -> str:
-    """What the cache is keyed by: the device's name (the GPU's, or the CPU's model), the world's layout and
-    the torch version (a new torch can change every collective's speed)."""
+def layout_key(device: torch.device, cluster: Cluster, world_size: int) -> str:
+    """What the cache is keyed by: the device's name (the GPU's, or the CPU's model), the layout of
+    `world_size` ranks on `cluster` (nodes x the ranks a node holds: 4 ranks on a node of 8 are the 4 that
+    a launch of 4 per node measured) and the torch version (a new torch can change every collective's
+    speed)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    return f"{device.type}: {name}; {nodes} node(s) x {gpus_per_node}; torch {torch.__version__}"
+    per_node = min(cluster.gpus_per_node, world_size)
+    layout = f"{cluster.nodes(world_size)} node(s) x {per_node}"
+    return f"{device.type}: {name}; {layout}; torch {torch.__version__}"
 
 
 def links_path() -> Path | None:
@@ -188,7 +192,7 @@ def here_cluster(cluster: Cluster, world_size: int, device: torch.device) -> tup
     measured against assumed; `cluster` itself and None without a cached measurement."""
     if links_path() is None:
         return cluster, None
-    measured = load(layout_key(device, cluster.gpus_per_node, cluster.nodes(world_size)))
+    measured = load(layout_key(device, cluster, world_size))
     if not measured:
         return cluster, None
     here = with_links(cluster, measured)

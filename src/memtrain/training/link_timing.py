@@ -48,7 +48,7 @@ def measure_links(env: DistEnv, enabled: bool) -> tuple[DistEnv, dict[str, Any] 
         measured.append(MeasuredLink(dim, ranks, dim in crossing, links.fit_link(timings)))
     if not env.is_main:
         return env, None
-    key = links.layout_key(env.device, cluster.gpus_per_node, cluster.nodes(env.world_size))
+    key = links.layout_key(env.device, cluster, env.world_size)
     path = links.store(key, measured)
     seconds = time.perf_counter() - started
     print(
