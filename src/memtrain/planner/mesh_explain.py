@@ -36,7 +36,7 @@ def describe_meshes(result: MeshResult, title: str) -> str:
         title,
         budget_line(target.budget),
         f"cluster: {cluster.nodes(target.world_size)} node(s) x {cluster.gpus_per_node} GPUs; within a node "
-        f"{cluster.within.bandwidth / 1e9:.0f} GB/s, between nodes {cluster.between.bandwidth / 1e9:.0f} GB/s "
+        f"{cluster.within.bandwidth / 1e9:.3g} GB/s, between nodes {cluster.between.bandwidth / 1e9:.3g} GB/s "
         f"per GPU; {len(result.excluded)} meshes ruled out, searched in {result.seconds:.1f} s",
     ]
     lines += [f"note: {note}" for note in result.notes]
