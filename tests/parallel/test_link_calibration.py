@@ -11,6 +11,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,12 +21,15 @@ from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cluster import DEFAULT_CLUSTER, Link
 from memtrain.distributed import DistEnv
+from memtrain.memory.headroom import MemoryBudget
 from memtrain.mesh import MeshShape
-from memtrain.planner import here_target, plan_meshes
+from memtrain.planner import PlanResult, here_target, plan_meshes
 from memtrain.planner import link_calibration as links
 from memtrain.planner.link_calibration import MeasuredLink, Timing, fit_link
 from memtrain.planner.mesh_search import MeshResult
+from memtrain.training import memory_monitor
 from memtrain.training.link_timing import measure_links
+from memtrain.training.memory_monitor import MemoryMonitor
 
 from helpers import tiny_recipe_dict
 
@@ -149,3 +153,26 @@ def test_nothing_is_measured_when_the_cache_is_off_or_the_recipe_says_so(
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path))
     assert measure_links(env, enabled=False) == (env, None)
     assert not (tmp_path / links.CACHE_FILE).exists()
+
+
+def test_a_rank_over_the_budget_replans_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 within the budget learns from the gathered figures that rank 3 passed it: the calibration
+    entry names rank 3's coordinates and rank 0 re-plans too, with a reason naming rank 3."""
+    env = DistEnv(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), mesh=MeshShape(**MESH))
+    written: list[dict[str, Any]] = []
+    monitor = MemoryMonitor(env, SimpleNamespace(write_plan=written.append))  # type: ignore[arg-type]
+    budget = MemoryBudget(total=2000, free=2000, reserve=0, usable=1000, source="test")
+    monitor.plan_result = PlanResult(plan=SimpleNamespace(), budget=budget)  # type: ignore[arg-type]
+    plan = SimpleNamespace(to_dict=dict, summary=str)
+
+    def gathered(mine: dict[str, Any], _env: DistEnv) -> list[dict[str, Any]]:
+        over = {**mine, "rank": 3, "coordinates": env.shape.coordinates(3), "measured": {"peak": 1500}}
+        return [mine, {**mine, "rank": 1}, {**mine, "rank": 2}, {**over, "over": True}]
+
+    monkeypatch.setattr(memory_monitor, "gather_objects", gathered)
+    monitor.start_at(0)
+    why = monitor.after_step(0, {"peak_memory_bytes": 0}, plan, last=False)  # type: ignore[arg-type]
+    assert why is not None and why.reason.startswith("measured peak 1.46 KiB on rank 3 (dp_shard 1, tp 1)")
+    entry = written[-1]["calibration"][-1]
+    assert entry["over_ranks"] == [env.shape.coordinates(3)]
+    assert [r["over"] for r in entry["ranks"]] == [False, False, False, True]

@@ -173,10 +173,15 @@ class MemoryMonitor:
         self.calibration.append({"step": step + 1, **entry})
         if self.env.is_main:
             self.run.write_plan(self.plan_record(plan))
-        if not any(r["over"] for r in everyone):
+        over_ranks = [r for r in everyone if r["over"]]
+        if not over_ranks:
             return None
+        worst = max(over_ranks, key=lambda r: r["measured"]["peak"])
+        shape = self.env.shape
+        at = ", ".join(f"{d} {c}" for d, c in worst["coordinates"].items() if getattr(shape, d) > 1)
+        where = f" on rank {worst['rank']} ({at})" if self.env.distributed else ""
         reason = (
-            f"measured peak {format_bytes(measured_peak or 0)} passed the "
+            f"measured peak {format_bytes(worst['measured']['peak'])}{where} passed the "
             f"usable {format_bytes(budget.usable if budget else 0)}"
         )
         return OverBudget(reason, report if report is not None else measured_peak)
