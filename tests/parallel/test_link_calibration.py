@@ -121,7 +121,9 @@ def test_a_plan_for_this_machine_ranks_with_the_measured_links(
     assert any(line.startswith("links measured here: dp_shard (within a node)") for line in said)
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path / "empty"))
     assumed = plan()
-    assert assumed.cluster == assumed_cluster and here.cluster.within != assumed_cluster.within
+    first = json.loads((cache / links.CACHE_FILE).read_text()).popitem()[1]["links"][0]  # dp_shard, 2 ranks
+    assert here.cluster.within == Link(first["bandwidth"], first["latency"])
+    assert here.cluster.between == assumed.cluster.between and assumed.cluster == assumed_cluster
     assert here.chosen is not None and assumed.chosen is not None
     assert here.chosen.cost.exposed["tp"] > 10 * assumed.chosen.cost.exposed["tp"]
 
