@@ -3,8 +3,8 @@
 `torchrun --nproc_per_node=N tests/parallel/mesh_jobs.py SPEC.json OUT.json`: each job of SPEC trains the
 tiny recipe of tests/helpers.py with its own sections (a `strategies.mesh`, a resume) and rank 0 writes, per
 job, the losses, the whole fp32 weights (gathered from every shard), each rank's bytes of parameters
-and optimizer states as its shards hold them, and the sample ids each rank read per step (a
-`RecordingTrainer` job). A job's `resume` (a run directory or checkpoint) continues another job's run. `trainer` names a class in tests/parallel/mesh_trainers.py
+and optimizer states as its shards hold them, the sample ids each rank read per step (a
+`RecordingTrainer` job), and the plan each rank ended with and the re-plans it made. A job's `resume` (a run directory or checkpoint) continues another job's run. `trainer` names a class in tests/parallel/mesh_trainers.py
 instead of the built-in causal-LM one.
 """
 
@@ -94,6 +94,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "mesh": trainer.env.shape.to_dict(),
         "tracked": dict(reports[-1].at_peak) if reports else None,  # under memory.track
         "sample_ids": getattr(trainer, "seen_ids", None),  # RecordingTrainer's, per step
+        "plan": trainer.plan.summary(),  # the plan this rank ended with
+        "replans": [{"step": r["step"], "to": r["to"]} for r in trainer.monitor.replans],
     }
     everyone: list[Any] = [None] * trainer.env.world_size
     dist.all_gather_object(everyone, mine)

@@ -5,6 +5,7 @@ trainer noting the sample ids each step reads on this rank (the resume tests).""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -84,3 +85,24 @@ class RecordingTrainer(CausalLMTrainer):
             self.seen_ids = {}
         self.seen_ids[step] = batch["sample_ids"].tolist()
         return batch
+
+
+class OverBudgetRank(RecordingTrainer):
+    """`RecordingTrainer` whose rank `OVER` reports step 1's tracked memory 1% over the usable budget (more
+    activations than the step really had, still under the simulated device budget), as
+    tests/test_replan.py's `InflatedFirstStep` does on one device: a prediction that was low on one rank of
+    a mesh, which the first step's calibration gathers from every rank (not an out-of-memory error)."""
+
+    OVER = 3
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        row = super().train_step(step)
+        if step == 0 and self.env.rank == self.OVER:
+            assert self.plan_result is not None and self.plan_result.budget is not None
+            report = self.monitor.memory_reports[-1]
+            extra = int(self.plan_result.budget.usable * 1.01) - report.peak_bytes
+            at_peak = {**report.at_peak, "activations": report.at_peak["activations"] + extra}
+            self.monitor.memory_reports[-1] = dataclasses.replace(
+                report, peak_bytes=report.peak_bytes + extra, at_peak=at_peak
+            )
+        return row

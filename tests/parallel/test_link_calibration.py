@@ -2,8 +2,9 @@
 (planner/link_calibration.py, training/link_timing.py), a later plan for this machine ranked with it, and
 the first steps' memory compared with the prediction on every rank.
 
-One torchrun launch of 4 ranks (dp_shard 2 x tp 2, the planner choosing among one checkpointing mode so the
-run has a prediction) writes the cache the other tests read."""
+One torchrun launch of 4 ranks (dp_shard 2 x tp 2) runs two jobs: the first (the planner choosing among one
+checkpointing mode so the run has a prediction) writes the cache the other tests read; in the second, one
+rank's first step passes the usable budget and every rank re-plans (`OverBudgetRank`)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,20 @@ from helpers import tiny_recipe_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mesh_jobs import launch  # noqa: E402
+from mesh_trainers import OverBudgetRank  # noqa: E402
 
 MESH = {"dp_shard": 2, "tp": 2}
 SECTIONS: dict[str, Any] = {
     "strategies": {"sharding": "zero3", "checkpointing": ["none"], "mesh": MESH},
     "batch": {"global_size": 8, "micro_size": 2},
-    "train": {"steps": 2},
+    "train": {"steps": 3},
     "memory": {"track": True},
+}
+OVER_BUDGET: dict[str, Any] = {  # the same job, free to recompute, under a simulated budget
+    **SECTIONS,
+    "strategies": {**SECTIONS["strategies"], "checkpointing": ["none", "full"], "loss": "standard"},
+    "memory": {"budget": 2**20},  # ~3x the busiest rank's predicted peak (~0.3 MB): every plan fits
+    "planner": {"measure_links": False},  # the first job's links are cached
 }
 
 
@@ -65,15 +73,28 @@ def test_a_link_is_fitted_from_timings_of_two_sizes() -> None:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """(the cache directory, plan.json) of a 4-rank run on dp_shard 2 x tp 2 with the cache on."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """(the launch's directory, each job's results) of the two 4-rank jobs, with the cache on."""
     tmp = tmp_path_factory.mktemp("links")
-    cache = tmp / "cache"
+    jobs = [
+        {"run_dir": str(tmp / "job"), "sections": SECTIONS, "trainer": "RecordingTrainer"},
+        {"run_dir": str(tmp / "over"), "sections": OVER_BUDGET, "trainer": "OverBudgetRank"},
+    ]
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("MEMTRAIN_CACHE_DIR", str(cache))
-        launch(tmp, 4, [{"run_dir": str(tmp / "job"), "sections": SECTIONS}], "links")
-    raw = tiny_recipe_dict(tmp / "job", **SECTIONS)
-    return cache, json.loads((Path(raw["run"]["output_dir"]) / "plan.json").read_text())
+        env.setenv("MEMTRAIN_CACHE_DIR", str(tmp / "cache"))
+        return tmp, launch(tmp, 4, jobs, "links")
+
+
+def _read(tmp: Path, job: str, name: str) -> dict[str, Any]:
+    """A json file of job `job`'s run directory."""
+    return dict(json.loads((Path(tiny_recipe_dict(tmp / job)["run"]["output_dir"]) / name).read_text()))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(launched: tuple[Path, list[dict[str, Any]]]) -> tuple[Path, dict[str, Any]]:
+    """(the cache directory, plan.json) of the first job: dp_shard 2 x tp 2 with the cache on."""
+    tmp, _ = launched
+    return tmp / "cache", _read(tmp, "job", "plan.json")
 
 
 def test_a_run_on_a_mesh_caches_each_dimensions_link(four_ranks: tuple[Path, dict[str, Any]]) -> None:
@@ -178,3 +199,52 @@ def test_a_rank_over_the_budget_replans_every_rank(monkeypatch: pytest.MonkeyPat
     entry = written[-1]["calibration"][-1]
     assert entry["over_ranks"] == [env.shape.coordinates(3)]
     assert [r["over"] for r in entry["ranks"]] == [False, False, False, True]
+
+
+def _read_ids(ranks: list[dict[str, Any]], steps: int) -> list[list[int]]:
+    """Per step, the ids the data-parallel ranks read together (tensor ranks of one agreeing), sorted."""
+    read = []
+    for step in range(steps):
+        by_dp: dict[tuple[int, int], list[int]] = {}
+        for rank in ranks:
+            coordinates, ids = rank["coordinates"], rank["sample_ids"][str(step)]
+            key = (coordinates["dp_replicate"], coordinates["dp_shard"])
+            assert by_dp.setdefault(key, ids) == ids, (step, coordinates)  # a tensor rank read other rows
+        read.append(sorted(i for ids in by_dp.values() for i in ids))
+    return read
+
+
+def test_a_rank_over_the_budget_in_a_run_replans_every_rank_at_the_same_step(
+    launched: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """A real run of `test_a_rank_over_the_budget_replans_every_rank`: rank 3 alone measures step 1 over
+    the usable budget; the calibration entry names its coordinates, every rank switches to the same plan
+    after step 1 (the fastest that fits once the predictions carry rank 3's excess) and the run ends with
+    all its steps, each step's samples read once, as the first job (no re-plan) read them."""
+    tmp, (plain, over) = launched
+    plan, summary = _read(tmp, "over", "plan.json"), _read(tmp, "over", "summary.json")
+    usable = plan["budget"]["usable"]
+    first = plan["calibration"][0]
+    assert first["step"] == 1 and first["predicted"]["peak"] < usable
+    three = MeshShape(**MESH).coordinates(OverBudgetRank.OVER)
+    assert first["over_ranks"] == [three]
+    peaks = [r["measured"]["peak"] for r in first["ranks"]]
+    assert peaks[3] == int(usable * 1.01) and max(peaks[:3]) < usable
+    (record,) = plan["replans"]
+    assert record["step"] == 1 and record["reason"].startswith("measured peak ")
+    assert " on rank 3 (dp_shard 1, tp 1) passed the usable " in record["reason"]
+    assert record["from"]["checkpointing"] == "none" and record["to"] != record["from"]
+    assert record["predicted_peak"] <= usable and record["correction"]["activation_ratio"] > 1
+    for rank in over["ranks"]:  # every rank re-planned once, after step 1, to the same plan
+        assert rank["replans"] == [{"step": 1, "to": record["to"]}] and rank["plan"] == record["to"]
+    assert plan["summary"] == record["to"] and summary["plan"] == plan["plan"]
+    later = plan["calibration"][1:]  # the new plan's first steps: compared again, on every rank, none over
+    assert [e["step"] for e in later] == [2, 3] and all(e["over_ranks"] == [] for e in later)
+    assert all(r["measured"]["peak"] < usable for e in later for r in e["ranks"])
+    steps = SECTIONS["train"]["steps"]
+    assert summary["steps"] == steps and len(over["losses"]) == steps
+    read = _read_ids(over["ranks"], steps)
+    assert read == _read_ids(plain["ranks"], steps)
+    assert all(len(ids) == SECTIONS["batch"]["global_size"] for ids in read)
+    assert len({i for ids in read for i in ids}) == steps * SECTIONS["batch"]["global_size"]
+    assert over["losses"] == pytest.approx(plain["losses"], rel=1e-5)
