@@ -1,22 +1,25 @@
 """The planner's rank trace of a mesh (planner/rank_trace.py) against the tracker of the same rank in a real
-gloo run: HSDP 2 x 2, FSDP 2 x TP 2, TP 2 with and without sequence parallel, in fp32 and bf16-mixed, with
-and without full recompute. Acceptance (issue 25): the predicted per-rank peak within 3% of the measured,
-never under by more than 0.5%. The measured side is every rank's tracked peak of the last of 2 steps
+gloo run: HSDP 2 x 2, FSDP 2 x TP 2, TP 2 with and without sequence parallel, pipelines of 2 stages (GPipe
+and 1F1B, and 1F1B x FSDP 2), in fp32 and bf16-mixed, with and without full recompute. Acceptance (issue
+25): the predicted per-rank peak within 3% of the measured, never under by more than 0.5%. The measured side is every rank's tracked peak of the last of 2 steps
 (`mesh_jobs.py`, as `memtrain profile` reports them); the prediction is the busiest traced rank's, plus the
 host data a CPU run counts, as the search scores it. Full-length rows: the planner predicts the longest
 rows, and variable-length ones would make every plan an over-prediction of the run.
 
-Two gaps this measured and does not close (docs/BENCHMARKS.md): HSDP (the real run's peak holds buffers of
+Gaps this measured and does not close (docs/BENCHMARKS.md): HSDP (the real run's peak holds buffers of
 gloo's asynchronous all-reduce across replicas that torch's fake process group completes at once: up to 7%
-under: a strict xfail, so a fix shows here) and tensor parallel without sequence parallel in bf16 without
-recompute (1% under in one run, within bounds in another: the real peak moves with the collectives' timing).
+under: a strict xfail, so a fix shows here), tensor parallel without sequence parallel in bf16 without
+recompute (1% under in one run, within bounds in another: the real peak moves with the collectives' timing)
+and GPipe in fp32 without recompute (3.4% over: the trace's model builds a causal mask per layer, and its
+grouped-query keys and values expanded, where the run's attention needs neither, once per micro-batch in
+flight, all four of them under GPipe: a strict xfail).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -35,8 +38,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mesh_jobs import launch  # noqa: E402
 
 UNDER, OVER = -0.005, 0.03
+
+
+class Compared(NamedTuple):
+    """One case: the busiest traced rank's predicted peak and the busiest rank's measured one, and the
+    pipeline stages of those ranks."""
+
+    predicted: int
+    measured: int
+    predicted_stage: int
+    measured_stage: int
+
+
 DATA = {"source": "synthetic", "seq_len": 16, "synthetic": {"num_samples": 8, "min_len": 16}}
-GAPS = {"hsdp_bf16_none"}
+GAPS = {"hsdp_bf16_none", "pp_gpipe_fp32_none"}
 # -1.02% and -0.90% once each, in bounds in other runs: the real bf16 peak moves with the collectives' timing
 FLAKY = {"tp_no_sp_bf16_none", "tp_sp_bf16_full"}
 CASES = {  # name -> (ranks, mesh, precision, checkpointing)
@@ -45,10 +60,15 @@ CASES = {  # name -> (ranks, mesh, precision, checkpointing)
     "hsdp_bf16_full": (4, {"dp_replicate": 2, "dp_shard": 2}, "bf16-mixed", "full"),
     "fsdp_x_tp_fp32_none": (4, {"dp_shard": 2, "tp": 2}, "fp32", "none"),
     "fsdp_x_tp_bf16_full": (4, {"dp_shard": 2, "tp": 2}, "bf16-mixed", "full"),
+    "pp_x_dp_1f1b_fp32_none": (4, {"pp": 2, "dp_shard": 2, "pp_schedule": "1f1b"}, "fp32", "none"),
     "tp_sp_fp32_none": (2, {"tp": 2}, "fp32", "none"),
     "tp_sp_bf16_full": (2, {"tp": 2}, "bf16-mixed", "full"),
     "tp_no_sp_fp32_full": (2, {"tp": 2, "sequence_parallel": False}, "fp32", "full"),
     "tp_no_sp_bf16_none": (2, {"tp": 2, "sequence_parallel": False}, "bf16-mixed", "none"),
+    "pp_gpipe_fp32_none": (2, {"pp": 2, "pp_schedule": "gpipe"}, "fp32", "none"),
+    "pp_gpipe_bf16_none": (2, {"pp": 2, "pp_schedule": "gpipe"}, "bf16-mixed", "none"),
+    "pp_1f1b_fp32_full": (2, {"pp": 2, "pp_schedule": "1f1b"}, "fp32", "full"),
+    "pp_1f1b_bf16_full": (2, {"pp": 2, "pp_schedule": "1f1b"}, "bf16-mixed", "full"),
 }
 
 
@@ -73,10 +93,10 @@ def _plan(recipe: CausalLMRecipe, ranks: int) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, int]]:
-    """Case -> (predicted peak of its busiest traced rank, measured peak of its busiest rank)."""
+def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Compared]:
+    """Case -> the predicted peak of its busiest traced rank and the measured peak of its busiest rank."""
     tmp = tmp_path_factory.mktemp("rank_trace")
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, Compared] = {}
     for ranks in (4, 2):
         names = [n for n, case in CASES.items() if case[0] == ranks]
         jobs = []
@@ -91,10 +111,17 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, i
         spec = CausalLMTrainer(recipes[0]).model_spec()  # the job; each plan names its own strategies
         traces = RankTraces(spec, progress=lambda _line: None)
         plans = [_plan(recipe, ranks) for recipe in recipes]
-        traces.trace(plans)
+        by_ranks: dict[tuple[int, ...], list[Plan]] = {}  # `RankTraces.trace` traces its plans on one set
+        for plan in plans:
+            by_ranks.setdefault(tuple(traced_ranks(plan.shape)), []).append(plan)
+        for some in by_ranks.values():
+            traces.trace(some)
         for name, plan, result in zip(names, plans, measured, strict=True):
-            predicted = traces.get(plan).prediction(spec.host_bytes()).peak
-            out[name] = predicted, max(sum(rank["tracked"].values()) for rank in result["ranks"])
+            trace = traces.get(plan)
+            peaks = [sum(rank["tracked"].values()) for rank in result["ranks"]]
+            busiest = max(range(ranks), key=peaks.__getitem__)
+            stages = [plan.shape.coordinates(rank)["pp"] for rank in (trace.rank, busiest)]
+            out[name] = Compared(trace.prediction(spec.host_bytes()).peak, peaks[busiest], *stages)
     return out
 
 
@@ -107,13 +134,11 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, i
         for n in CASES
     ],
 )
-def test_the_rank_trace_predicts_the_busiest_ranks_peak(
-    name: str, compared: dict[str, tuple[int, int]]
-) -> None:
+def test_the_rank_trace_predicts_the_busiest_ranks_peak(name: str, compared: dict[str, Compared]) -> None:
     """Within 3% of the tracker's peak of the same step, never under by more than 0.5%. The hole it closes:
     on a mesh the search divided states by the shard group and kept activations whole (an over-prediction
     of everything tensor parallelism splits), and nothing checked a mesh's prediction against a run."""
-    predicted, measured = compared[name]
+    predicted, measured = compared[name].predicted, compared[name].measured
     error = (predicted - measured) / measured
     assert UNDER <= error <= OVER, (name, predicted, measured, f"{error:+.2%}")
 
@@ -133,21 +158,18 @@ def test_the_search_scores_a_pinned_mesh_by_the_rank_trace(tmp_path: Path) -> No
     assert result.chosen.prediction.peak < formula.chosen.prediction.peak
 
 
-def test_pipeline_stages_are_traced_ranks_but_predicted_by_formula(tmp_path: Path) -> None:
-    """One traced rank per pipeline stage (the first of each); a pipeline cannot run under a fake process
-    group (its stages exchange pickled shapes), so its candidates keep the formula, said why."""
+def test_each_pipeline_stage_is_traced_on_its_first_rank(compared: dict[str, Compared]) -> None:
+    """One traced rank per pipeline stage (the first of each), the plan's prediction the busiest of them,
+    which is on the run's busiest stage (here the last: the logits and the loss on top of its micro-batches
+    in flight). The hole: a pipeline could not run under the fake process group (its stages sent their
+    tensors' shapes as pickled objects, which that group cannot carry), so its plans kept the formula; its
+    stages are now built with those shapes (`strategies.pipeline`) and traced as every other mesh."""
     from memtrain.mesh import MeshShape
 
     assert traced_ranks(MeshShape(pp=2, dp_shard=2)) == [0, 2]
     assert traced_ranks(MeshShape(dp_replicate=2, dp_shard=2, tp=2)) == [0]
-    recipe = CausalLMRecipe.from_dict(tiny_recipe_dict(tmp_path, **_sections({"pp": 2}, "fp32", "none")))
-    lines: list[str] = []
-    traces = RankTraces(CausalLMTrainer(recipe).model_spec(), progress=lines.append)
-    plan = _plan(recipe, 2)
-    traces.trace([plan])
-    with pytest.raises(Exception, match="pickled objects"):
-        traces.get(plan)
-    assert any("predicted by formula" in line for line in lines)
+    staged = {name: compared[name] for name in CASES if "pp" in CASES[name][1]}
+    assert {(c.predicted_stage, c.measured_stage) for c in staged.values()} == {(1, 1)}, staged
 
 
 def test_a_trainer_class_is_named_for_another_process() -> None:

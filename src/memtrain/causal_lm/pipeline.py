@@ -11,6 +11,8 @@ iterates the whole list; a middle stage's norm and head are identities, a later 
 The stage's forward is the model's own forward: a hook feeds a later stage's input (the previous stage's
 hidden states) in as `inputs_embeds`, and another hands on the output's `logits` (on a stage before the
 last: the hidden states, the head being an identity), the one tensor torch's `PipelineStage` passes on.
+Its shape past the micro-batch's rows and columns is the embedding's width, which the split returns: the
+stage is built with that shape (`memtrain.strategies.pipeline`), not told it by its neighbour.
 """
 
 from __future__ import annotations
@@ -63,17 +65,16 @@ def pipeline_problems(config: Any, stages: int, recipe: Any) -> list[str]:
     return problems
 
 
-def split_causal_lm(model: nn.Module, stage: int, stages: int) -> bool:
-    """Keep stage `stage`'s part of a transformers causal LM (of `STRUCTURE`) in place; False for a model of
-    another structure."""
+def split_causal_lm(model: nn.Module, stage: int, stages: int) -> tuple[int, ...] | None:
+    """Keep stage `stage`'s part of a transformers causal LM (of `STRUCTURE`) in place; the hidden states'
+    width, what one stage hands the next past its rows and columns. None for a model of another structure."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not all(
-        hasattr(inner, name) for name in ("embed_tokens", "norm")
-    ):
-        return False
-    if not isinstance(getattr(model, "lm_head", None), nn.Module):
-        return False
+    embedding = getattr(inner, "embed_tokens", None)
+    if not isinstance(layers, nn.ModuleList) or not isinstance(embedding, nn.Embedding):
+        return None
+    if not hasattr(inner, "norm") or not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return None
     assert inner is not None
     share = len(layers) // stages
     kept = nn.ModuleList()
@@ -87,7 +88,7 @@ def split_causal_lm(model: nn.Module, stage: int, stages: int) -> bool:
         model.lm_head = nn.Identity()
     model.register_forward_pre_hook(_stage_inputs if stage > 0 else _first_inputs, with_kwargs=True)
     model.register_forward_hook(_logits_only)
-    return True
+    return (embedding.embedding_dim,)
 
 
 def _first_inputs(_model: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -556,8 +556,9 @@ class CausalLMTrainer(Trainer):
             raise Unsupported(problems[0])
         return causal_lm_plan(model, self.env.shape.sequence_parallel)
 
-    def pipeline_split(self, model: nn.Module, stage: int, stages: int) -> bool:
-        """Keep stage `stage`'s part of the model for `strategies.mesh.pp > 1` (`memtrain.causal_lm.pipeline`)."""
+    def pipeline_split(self, model: nn.Module, stage: int, stages: int) -> tuple[int, ...] | None:
+        """Keep stage `stage`'s part of the model for `strategies.mesh.pp > 1` (`memtrain.causal_lm.pipeline`);
+        the hidden states' width, what one stage hands the next."""
         return split_causal_lm(model, stage, stages)
 
     def step_batch(self, step: int) -> Batch:

@@ -17,8 +17,9 @@ is process-global, and the planning process may be a rank of a real group), whic
 `ModelSpec.rebuild` and traces every plan asked for. Its cost is a process start (imports, the trainer's
 data: seconds) and about a second per plan for a small model, so a search asks once for all its candidates
 (`RankTraces`), and only up to `MAX_TRACED_PLANS` of them. What cannot be traced (a trainer without
-`rebuild`, a pipeline, whose stages exchange pickled shapes the fake group cannot carry, a step that fails
-under fake tensors) is an `Unsupported` naming why; the search then keeps the formula and says so.
+`rebuild`, a step that fails under fake tensors) is an `Unsupported` naming why; the search then keeps the
+formula and says so. Pipelines are traced too: their stages are built with the shapes they exchange
+(`memtrain.strategies.pipeline`), so the schedule runs over the fake group's sends and receives.
 """
 
 from __future__ import annotations
@@ -43,10 +44,6 @@ from memtrain.planner.spec import ModelSpec
 WORKER = "memtrain.commands.rank_trace"
 MAX_TRACED_PLANS = 32  # a search with more candidates on a mesh keeps the formula (minutes of traces)
 TIMEOUT_S = 1800.0
-PIPELINE_UNTRACEABLE = (
-    "strategies.mesh.pp: pipeline stages exchange their tensors' shapes as pickled objects, which torch's fake "
-    "process group cannot carry"
-)
 
 
 @dataclass(frozen=True)
@@ -129,12 +126,8 @@ def _run(
     spec: ModelSpec, world_size: int, rank: int, plans: Sequence[Plan], rows: int | None = None
 ) -> list[RankTrace | Unsupported]:
     """Each plan's step on `rank` of `world_size`, traced in a process of its own (`WORKER`)."""
-    if spec.rebuild is None or any(plan.shape.pp > 1 for plan in plans):
-        failed = Unsupported(
-            f"{spec.name}: its trainer cannot be built again in another process"
-            if spec.rebuild is None
-            else PIPELINE_UNTRACEABLE
-        )
+    if spec.rebuild is None:
+        failed = Unsupported(f"{spec.name}: its trainer cannot be built again in another process")
         return [failed for _ in plans]
     trainer, recipe = spec.rebuild
     request = {

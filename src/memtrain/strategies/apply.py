@@ -111,8 +111,9 @@ def apply_strategies(
     if env is not None and not env.shape.is_flat:  # the mesh, built once for every strategy that needs it
         ensure_process_group(env)
         env = with_device_mesh(env)
+    handed: tuple[int, ...] = ()  # what a pipeline stage hands the next, past rows and columns
     if env is not None and env.shape.pp > 1:  # first: every later strategy sees only this stage's part
-        split_for_stage(model, blocks, pipeline, env, sharding.checkpoint_format if sharding else "")
+        handed = split_for_stage(model, blocks, pipeline, env, sharding.checkpoint_format if sharding else "")
     if env is not None and env.shape.tp > 1:
         if not any(p.is_meta for p in model.parameters()):
             model.to(env.device)
@@ -153,8 +154,8 @@ def apply_strategies(
         lambda m: precision.build_optimizer(m, build),
         materialise=materialise if on_meta else None,
     )
-    if env.shape.pp > 1:
-        attach(wrapped, env)
+    if env.shape.pp > 1:  # the stages compute (and hand on) in the precision's forward dtype (FSDP2's casts)
+        attach(wrapped, env, handed, precision.autocast_dtype or precision.stored_dtype)
     return Applied(wrapped, optimizer, precision.grad_scaler(device))
 
 

@@ -18,8 +18,15 @@ counts token sums. The gradient norm over parameters spread over stages is summe
 
 Micro-batches are padded to one shape (rows and columns: ignored labels, which add nothing to the loss or
 the gradients; a causal model's real tokens never attend to the padding after them), as a stage passes
-tensors of the shape it inferred on its first micro-batch: the largest any rank has had so far, agreed each
-step, so a larger step rebuilds every stage at once. The pipeline does not enter the precision's autocast
+tensors of one shape: the largest any rank has had so far, agreed each step, so a larger step rebuilds every
+stage at once. Each stage is built with its tensors' shapes (static `input_args`/`output_args`): the token
+ids' for the first stage's input, and between stages the micro-batch's rows and columns times what the
+split says a stage hands the next (`PipelineSplit`), in the dtype the stages compute in. Left to infer
+them, torch would run a forward and backward of the first micro-batch on every stage and send the shapes
+to the next stage as pickled objects, which torch's fake process group cannot carry: the planner's rank
+trace runs this step as one rank of that group (`memtrain.training.rank_trace`), where the schedule's own
+recv buffers (one per micro-batch, from the stage's build on) and in-flight micro-batches are what the
+tracker counts, as in the run. The pipeline does not enter the precision's autocast
 (its schedule runs forwards and backwards interleaved; FSDP2's mixed-precision policy casts the compute),
 and an out-of-memory error in it is not redone with another plan. torch.distributed.pipelining is
 imported only when a run has pp > 1.
@@ -41,8 +48,10 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.strategies.loss import bound_loss
 
-PipelineSplit = Callable[[nn.Module, int, int], bool]
-"""(model, stage, stages) -> keep stage `stage`'s part of `model` in place; False: the model cannot split."""
+PipelineSplit = Callable[[nn.Module, int, int], tuple[int, ...] | None]
+"""(model, stage, stages) -> keep stage `stage`'s part of `model` in place and return the shape, past the
+micro-batch's rows and columns, of the tensor a stage hands the next (a causal LM's: its hidden width);
+None: the model cannot split."""
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
 INPUT, TARGET = "input_ids", "labels"  # the batch keys a stage reads (the causal-LM trainer's)
@@ -50,17 +59,19 @@ INPUT, TARGET = "input_ids", "labels"  # the batch keys a stage reads (the causa
 
 def split_for_stage(
     model: nn.Module, blocks: list[nn.Module], split: PipelineSplit | None, env: DistEnv, sharding: str
-) -> None:
-    """Keep this rank's stage of `model` (in place) and, in `blocks`, the blocks it still holds;
-    `Unsupported` naming the key when the trainer has no split, the model cannot split or the sharding
-    (`sharding`: its checkpoint format) would save one stage's parameters only."""
+) -> tuple[int, ...]:
+    """Keep this rank's stage of `model` (in place) and, in `blocks`, the blocks it still holds; the shape
+    past rows and columns of what a stage hands the next. `Unsupported` naming the key when the trainer has
+    no split, the model cannot split or the sharding (`sharding`: its checkpoint format) would save one
+    stage's parameters only."""
     stage, stages = env.shape.coordinates(env.rank)["pp"], env.shape.pp
     if sharding != "dcp":
         raise Unsupported(
             f"strategies.sharding: pipeline stages (strategies.mesh.pp={stages}) hold different parameters, "
             "which only FSDP2's sharded checkpoints keep; set strategies.sharding=zero3 or zero2"
         )
-    if split is None or not split(model, stage, stages):
+    handed = split(model, stage, stages) if split is not None else None
+    if handed is None:
         owner = type(getattr(split, "__self__", None)).__name__ if split is not None else "the trainer"
         raise Unsupported(
             f"strategies.mesh.pp: {owner} cannot split this model into pipeline stages (the built-in "
@@ -69,16 +80,20 @@ def split_for_stage(
         )
     held = {id(module) for module in model.modules()}
     blocks[:] = [block for block in blocks if id(block) in held]
+    return handed
 
 
 @dataclass
 class Pipeline:
-    """A stage's model, its place in the pipeline and what one step's loss function records."""
+    """A stage's model, its place in the pipeline, the shape and dtype past rows and columns of what a stage
+    hands the next, and what one step's loss function records."""
 
     model: nn.Module
     env: DistEnv
     group: dist.ProcessGroup
     schedule_name: str
+    handed: tuple[int, ...]
+    dtype: torch.dtype
     scale: float = 0.0
     loss_sums: list[torch.Tensor] = field(default_factory=list)
     built: tuple[tuple[int, ...], Any] | None = None  # (micro-batch shape and count, schedule)
@@ -97,13 +112,24 @@ class Pipeline:
         self.loss_sums.append(loss_sum.detach().double())
         return loss_sum * self.scale
 
-    def schedule(self, key: tuple[int, ...], micro_batches: int) -> Any:
-        """The schedule for micro-batches of `key`'s shape, built (with a new stage) when it changes."""
+    def schedule(self, key: tuple[int, int, int], micro_batches: int) -> Any:
+        """The schedule for `micro_batches` micro-batches of `key`'s rows and columns, built (with a new
+        stage, told its tensors' shapes) when it changes."""
         if self.built is None or self.built[0] != key:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+            rows, columns = key[1:]
+            handed = torch.empty(rows, columns, *self.handed, dtype=self.dtype, device="meta")
+            handed.requires_grad_()  # its gradient goes back: torch makes a buffer for it only then
+            ids = torch.empty(rows, columns, dtype=torch.long, device="meta")
             stage = PipelineStage(
-                self.model, self.stage, self.env.shape.pp, self.env.device, group=self.group
+                self.model,
+                self.stage,
+                self.env.shape.pp,
+                self.env.device,
+                input_args=ids if self.stage == 0 else handed,
+                output_args=handed,  # the last stage's (its loss's input) is never sent: torch counts it only
+                group=self.group,
             )
             kind = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
             self.built = key, kind(stage, micro_batches, loss_fn=self.loss, scale_grads=False)
@@ -113,8 +139,10 @@ class Pipeline:
 _PIPELINES: weakref.WeakKeyDictionary[nn.Module, Pipeline] = weakref.WeakKeyDictionary()
 
 
-def attach(model: nn.Module, env: DistEnv) -> None:
-    """Make the (wrapped) stage model `model` a pipeline stage over the mesh's `pp` group."""
+def attach(model: nn.Module, env: DistEnv, handed: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Make the (wrapped) stage model `model` a pipeline stage over the mesh's `pp` group, handing the next
+    stage tensors of `handed`'s shape past rows and columns in `dtype` (`split_for_stage`'s, the compute
+    dtype)."""
     assert env.device_mesh is not None, "apply_strategies builds the run's device mesh"
     if bound_loss(model).strategy.applies_bare_head:
         raise Unsupported(
@@ -122,7 +150,7 @@ def attach(model: nn.Module, env: DistEnv) -> None:
             "computes the loss from the logits; set strategies.loss=standard"
         )
     group = env.device_mesh["pp"].get_group()
-    _PIPELINES[model] = Pipeline(model, env, group, env.shape.pp_schedule)
+    _PIPELINES[model] = Pipeline(model, env, group, env.shape.pp_schedule, handed, dtype)
 
 
 def is_pipeline(model: nn.Module | None) -> bool:
@@ -147,8 +175,7 @@ def run_step(model: nn.Module, micro_batches: list[Batch], scale: float) -> torc
     inputs = (padded[INPUT],) if pipeline.stage == 0 else ()
     schedule.step(*inputs, target=padded[TARGET] if pipeline.last else None, **extra)
     device = pipeline.env.device
-    sums = pipeline.loss_sums[-count:]  # a new stage's shape inference ran the loss first
-    total = torch.stack(sums).sum() if pipeline.last else torch.zeros((), device=device)
+    total = torch.stack(pipeline.loss_sums).sum() if pipeline.last else torch.zeros((), device=device)
     total = total.to(device=device, dtype=torch.float64)
     last_rank = dist.get_global_rank(pipeline.group, pipeline.env.shape.pp - 1)
     dist.broadcast(total, src=last_rank, group=pipeline.group)
@@ -157,8 +184,9 @@ def run_step(model: nn.Module, micro_batches: list[Batch], scale: float) -> torc
 
 def _agreed_shape(pipeline: Pipeline, micro_batches: list[Batch]) -> tuple[int, int, int]:
     """Micro-batches per step, rows and columns every rank pads to: the largest of any rank's this step and
-    of the stage's so far. Every rank then rebuilds its stage at the same step (a new stage runs a forward
-    to infer its shapes, which gathers FSDP's shards: a collective), and only when a step is larger."""
+    of the stage's so far. Every rank then rebuilds its stage at the same step (a stage receives into
+    buffers of the shape it was built with, which must be the shape its neighbour sends), and only when a
+    step is larger."""
     mine = [len(micro_batches), *(max(mb[INPUT].shape[dim] for mb in micro_batches) for dim in (0, 1))]
     agreed = torch.tensor(mine, dtype=torch.long, device=pipeline.env.device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)

@@ -17,7 +17,12 @@ What differs from the run, and why the bytes do not:
 - values the step reads keep them where they come from the batch and are placeholders where they come
   from fake tensors (`memtrain.memory.HostValues`);
 - steps 1 .. STEPS run (step 0 checks the loss's token count, which a fake loss has not) and the last
-  one's report is the rank's step: the optimizer states exist from the end of the first.
+  one's report is the rank's step: the optimizer states exist from the end of the first;
+- a pipeline stage runs torch's schedule as in the run: its sends return at once and its receives leave
+  their buffers as they are, which is all the step needs of them, as the stage is built with the shapes it
+  exchanges (`memtrain.strategies.pipeline`; torch's vote on whether every stage has them reads a fake
+  value, which `HostValues` reads as 1: yes): its receive buffers, one per micro-batch, and the
+  micro-batches the schedule keeps in flight are what the tracker counts, as on the mesh.
 
 The caller joins the fake group first, in a process of its own (the group is process-global):
 `memtrain.commands.rank_trace`, which the planner starts (`memtrain.planner.rank_trace`).
@@ -34,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from memtrain.errors import Unsupported
 from memtrain.memory import HostValues, MemoryTracker, StepMemory, fake_tensors_with_real_inputs
 from memtrain.plan import Plan
 from memtrain.training.applying import apply_plan
@@ -45,10 +49,8 @@ STEPS = 2
 
 def trace_step(trainer: Trainer, plan: Plan, rows: int | None = None) -> StepMemory:
     """The tracker's report of one step of `plan` on this process's rank of the fake process group
-    (`rows`: the data-parallel rank's rows per step; default the recipe's). `Unsupported` for what does
-    not run under a fake process group."""
-    if plan.shape.pp > 1:
-        raise Unsupported("strategies.mesh.pp: a pipeline stage cannot be traced under a fake process group")
+    (`rows`: the data-parallel rank's rows per step; default the recipe's); `Unsupported` for a plan
+    its sharding refuses on the mesh."""
     env = dataclasses.replace(
         trainer.env, rank=dist.get_rank(), world_size=plan.shape.size, mesh=plan.shape, device_mesh=None
     )

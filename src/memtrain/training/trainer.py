@@ -13,7 +13,8 @@ Hooks (override in a subclass):
     build_optimizer(params)           -> torch.optim.Optimizer   (default: AdamW from `train:`)
     step_batch(step)                  -> dict of tensors: this rank's share of the step's global batch
     tensor_parallel_plan(model)       -> module name -> ParallelStyle (default None: no tensor parallel)
-    pipeline_split(model, s, p)       -> keep stage s of p in place (default None: pp > 1 refused)
+    pipeline_split(model, s, p)       -> keep stage s of p in place; the trailing shape of what it hands
+                                         stage s + 1 (default None: pp > 1 refused)
     loss(model, micro_batch)          -> (loss_sum, num_tokens)
     count_tokens(micro_batch)         -> int                     (default: labels != -100)
     split_batch(batch, micro_size)    -> list of micro-batches   (default: slices along dim 0)
