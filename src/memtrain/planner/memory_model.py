@@ -84,20 +84,21 @@ class Prediction:
     @property
     def required(self) -> int:
         """The bytes that must fit: the peak, or with a replayed allocator its reserved bytes and margin."""
-        return (
-            self.peak if self.reserved is None else max(self.peak, _with_margin(self.reserved, self.margin))
-        )
+        return required_bytes(self.peak, self.reserved, self.margin)
 
     @property
     def required_expandable(self) -> int | None:
         """`required` with expandable segments (None: not replayed)."""
         if self.reserved_expandable is None:
             return None
-        return max(self.peak, _with_margin(self.reserved_expandable, self.margin))
+        return required_bytes(self.peak, self.reserved_expandable, self.margin)
 
 
-def _with_margin(n: int, margin: float) -> int:
-    return n + int(n * margin)
+def required_bytes(peak: int, reserved: int | None, margin: float) -> int:
+    """What must fit a budget: the allocated `peak`, or, when the caching allocator was replayed, its
+    `reserved` bytes plus the `margin` share (planner.reserved_margin) if that is more. One rule for a
+    one-device plan (`Prediction`) and a mesh plan (`mesh_search.MeshScored`)."""
+    return peak if reserved is None else max(peak, reserved + int(reserved * margin))
 
 
 def offload_trace(none: FittedTrace, full: FittedTrace) -> FittedTrace:

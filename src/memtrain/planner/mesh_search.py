@@ -35,6 +35,7 @@ from memtrain.mesh import DIMS, MeshShape
 from memtrain.plan import mesh_problems, per_rank_batch
 from memtrain.planner.cost import CostModel
 from memtrain.planner.explain import RUNNERS_UP
+from memtrain.planner.memory_model import required_bytes
 from memtrain.planner.mesh_cost import MeshCost, activation_share, mesh_cost
 from memtrain.planner.model_probe import ModelProbe
 from memtrain.planner.reserved import ReservedModel, expandable_in_effect
@@ -68,9 +69,7 @@ class MeshScored:
     @property
     def required(self) -> int:
         """What must fit: the peak, or the reserved bytes with their margin when replayed."""
-        if self.reserved is None:
-            return self.peak
-        return max(self.peak, self.reserved + int(self.reserved * self.margin))
+        return required_bytes(self.peak, self.reserved, self.margin)
 
     def order(self) -> tuple[Any, ...]:
         return (-round(self.tokens_per_second, 6), self.peak, self.mesh.degrees, self.scored.plan.key())
