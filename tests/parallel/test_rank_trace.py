@@ -8,11 +8,11 @@ rows, and variable-length ones would make every plan an over-prediction of the r
 
 What the fake process group does not hold and a gloo run does, the trace holds for a CPU target
 (`memtrain.memory.gloo_buffers`): gloo's copy of each reduce-scatter's input (the HSDP bf16 step without
-recompute peaks during FSDP2's gradient reduce-scatter: 7% under before), and a finished collective's tensors
-until this rank's next collective (gloo's worker thread lets go of them a while after the wait returns: TP's
-all-reduce of the lm_head's input gradient was alive at the final norm's backward in some runs, 1% under
-there; the trace holds it always, so the prediction covers both timings). Measured errors per case:
-docs/BENCHMARKS.md.
+recompute peaks during FSDP2's gradient reduce-scatter: 7% under before), and an asynchronous
+(tensor-parallel) collective's tensors until this rank's next collective (gloo's worker thread lets go of them
+a while after the wait returns: TP's all-reduce of the lm_head's input gradient was alive at the final norm's
+backward in some runs, 1% under there; the trace holds it always, so the prediction covers both timings).
+Measured errors per case: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

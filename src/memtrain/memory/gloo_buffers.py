@@ -10,12 +10,15 @@ what the caller allocates. A gloo run holds two things more, both measured by th
   output when the work is waited on; the clone dies with the work. For FSDP2's gradient reduce-scatter that is
   the whole unsharded gradient of a layer group in the reduce dtype, live beside its input and output: the
   HSDP bf16 step peaks there, and its trace was 7% under without it;
-- the tensors of a finished collective, a while after its wait returned: gloo's worker thread holds the work
-  (and so its tensors) until it is scheduled again after completing it, and the waiting thread may run ahead
-  meanwhile. Tensor parallelism's all-reduce of the lm_head's input gradient was alive through the final
-  norm's backward in some runs and not in others (1% of the step's peak). The trace holds a finished
-  collective's tensors until this rank issues its next collective: deterministic where the run's timing is
-  not, and an upper bound for every run measured.
+- the tensors of a finished asynchronous collective (tensor parallelism's functional ones, waited on by
+  `wait_tensor`), a while after the wait returned: gloo's worker thread holds the work (and so its tensors)
+  until it is scheduled again after completing it, and the waiting thread may run ahead meanwhile. The
+  all-reduce of the lm_head's input gradient (TP without sequence parallelism) was alive through the final
+  norm's backward in some runs and not in others (1% of the step's peak). The trace holds such a collective's
+  tensors until this rank issues its next collective: deterministic where the run's timing is not, and an
+  upper bound for every run measured. c10d's collectives, waited on before they return (FSDP2's), are not
+  held so: the same hold keeps the last block's all-gather output of the forward through the loss (HSDP fp32
+  without recompute predicted 7% over), which no run measured.
 
 Both are gloo's own (NCCL reduce-scatters without copying the input; whether its work outlives a wait is
 not measured here, with no GPU), so only a trace of a gloo run enters this mode.
@@ -30,7 +33,8 @@ import torch
 
 from ._torch_private import TorchDispatchMode, tree_leaves
 
-COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+ASYNC_NAMESPACE = "_c10d_functional"  # collectives waited on apart (`wait_tensor`): tensor parallelism's
+COLLECTIVE_NAMESPACES = ("c10d", ASYNC_NAMESPACE)  # c10d's are waited on before they return: FSDP2's
 NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # in those namespaces, but nothing is sent
 # c10d's, waited on before they return (FSDP2's): (outputs, inputs, ...)
 SYNC_REDUCE_SCATTERS = ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_")
@@ -41,12 +45,12 @@ COPYING_ALL_REDUCES = ("all_reduce", "all_reduce_coalesced")  # functional: gloo
 
 class GlooBuffers(TorchDispatchMode):
     """While open (entered after a `MemoryTracker`, so that it counts them): the copies gloo makes of a
-    reduce-scatter's inputs, alive until the reduce-scatter is waited on, and every collective's tensors,
-    alive until the next collective is issued (module docstring)."""
+    reduce-scatter's inputs, alive until the reduce-scatter is waited on, and an asynchronous collective's
+    tensors, alive until the next collective is issued (module docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._finished: list[torch.Tensor] = []  # the latest collectives' tensors, held by gloo's thread
+        self._finished: list[torch.Tensor] = []  # the latest async collective's tensors: gloo's thread's
         # an async reduce-scatter's output (by storage) -> the output and gloo's copies, until its wait
         self._in_flight: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
@@ -66,12 +70,13 @@ class GlooBuffers(TorchDispatchMode):
         self._finished = []  # gloo's thread has let go of the previous works by now
         copies = _reduce_scatter_copies(name, args)
         out = func(*args, **kwargs)
-        tensors = _held_by_work(name, args, out)
+        if func.namespace != ASYNC_NAMESPACE:
+            return out  # waited on before it returned: gloo's copies die here
         if name in ASYNC_REDUCE_SCATTERS:
             outputs = out if isinstance(out, (list, tuple)) else [out]
             self._in_flight.update((_key(o), (o, copies)) for o in outputs)
             copies = []
-        self._finished += [*tensors, *copies]
+        self._finished += [*_held_by_work(name, args, out), *copies]
         return out
 
 
@@ -87,10 +92,8 @@ def _reduce_scatter_copies(name: str, args: Sequence[Any]) -> list[torch.Tensor]
 
 
 def _held_by_work(name: str, args: Sequence[Any], out: Any) -> list[torch.Tensor]:
-    """The tensors gloo's work of a collective refers to: its inputs and outputs, but not the input of a
-    reduce-scatter or of a functional all-reduce, which gloo (or the functional op) copies first."""
-    if name in SYNC_REDUCE_SCATTERS:
-        return _tensors(args[0])
+    """The tensors gloo's work of an asynchronous collective refers to: its inputs and outputs, but not the
+    input of a reduce-scatter or of an all-reduce, which gloo (or the functional op) copies first."""
     if name in ASYNC_REDUCE_SCATTERS or name in COPYING_ALL_REDUCES:
         return _tensors(out)
     return _tensors((args, out))

@@ -17,7 +17,7 @@ What differs from the run, and why the bytes do not:
 - values the step reads keep them where they come from the batch and are placeholders where they come
   from fake tensors (`memtrain.memory.HostValues`);
 - what the run's backend holds that the fake group does not (gloo, the backend of a CPU run: its copy of a
-  reduce-scatter's input, and a finished collective's tensors until its worker thread lets go of them) is
+  reduce-scatter's input, and an asynchronous collective's tensors until its worker thread lets go of them) is
   held by `GlooBuffers`, entered when `collective_backend` of the trainer's device is gloo;
 - steps 1 .. STEPS run (step 0 checks the loss's token count, which a fake loss has not) and the last
   one's report is the rank's step: the optimizer states exist from the end of the first.
