@@ -37,12 +37,11 @@ def _extra_peak(gloo: bool) -> int:
         held = tracker.live_bytes + (NUMEL + NUMEL // 2) * 4  # the arguments, counted when first seen
         tracker.begin_step(0)
         with GlooBuffers() if gloo else nullcontext():
-            dist.reduce_scatter_tensor(out, inp)
+            dist.reduce_scatter_single(out, inp)  # FSDP2's call
         peak = tracker.end_step().peak_bytes
     return peak - held
 
 
-@pytest.mark.filterwarnings("ignore:.*reduce_scatter_tensor. is deprecated")  # FSDP2 calls it too
 def test_a_reduce_scatter_holds_gloos_copy_of_its_input(fake_group: None) -> None:
     """FSDP2's gradient reduce-scatter: gloo clones the input (the fake group allocates nothing)."""
     assert _extra_peak(gloo=False) == 0
@@ -67,3 +66,24 @@ def test_a_finished_collectives_output_is_held_until_the_next_collective(fake_gr
 def test_only_a_cpu_run_uses_gloo() -> None:
     assert collective_backend(torch.device("cpu")) == "gloo"
     assert collective_backend(torch.device("cuda", 0)) == "nccl"
+
+
+def test_an_async_reduce_scatter_holds_gloos_copy_until_the_next_collective_after_its_wait(
+    fake_group: None,
+) -> None:
+    """Sequence parallelism's reduce-scatter (functional, waited on apart): gloo's copy of the input lives
+    while it is in flight, and after the wait until the next collective (as its output would)."""
+    tracker = MemoryTracker(None, device="cpu")
+    with tracker, GlooBuffers():
+        activation = torch.ones(NUMEL)
+        before = tracker.live_bytes
+        pending = funcol.reduce_scatter_single(activation, "sum", 0, dist.group.WORLD)
+        in_flight = tracker.live_bytes - before
+        shard = pending.wait()
+        del pending, activation
+        waited = tracker.live_bytes - before
+        funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD).wait()
+        after = tracker.live_bytes - before
+    assert in_flight == NUMEL * 4 // 2 + NUMEL * 4  # the output and gloo's copy
+    assert waited == in_flight - NUMEL * 4  # the input freed, the copy still held
+    assert after <= NUMEL * 4 // 2 + 8 and shard.numel() == NUMEL // 2  # the copy released
