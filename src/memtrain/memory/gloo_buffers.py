@@ -64,9 +64,13 @@ class GlooBuffers(TorchDispatchMode):
         if name == "wait_tensor":
             _, copies = self._in_flight.pop(_key(args[0]), (None, []))
             self._finished += copies
-            return func(*args, **kwargs)
         if name in NOT_COLLECTIVES:
             return func(*args, **kwargs)
+        return self._collective(func, name, args, kwargs)
+
+    def _collective(self, func: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Issue `func` with gloo's copies of a reduce-scatter's inputs alive; keep what an asynchronous
+        collective's work holds (and the copies, until its wait) after it."""
         self._finished = []  # gloo's thread has let go of the previous works by now
         copies = _reduce_scatter_copies(name, args)
         out = func(*args, **kwargs)
@@ -105,4 +109,5 @@ def _key(tensor: torch.Tensor) -> int:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result, at any depth (lists of tensors: the coalesced ops)."""
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
