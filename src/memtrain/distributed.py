@@ -78,7 +78,7 @@ def init_distributed() -> DistEnv:
         device = torch.device("cpu")
     group_before = dist.is_initialized()
     if world_size > 1 and not group_before:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = collective_backend(device)
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(
             backend=backend,
@@ -91,6 +91,12 @@ def init_distributed() -> DistEnv:
     return DistEnv(
         rank=rank, world_size=world_size, local_rank=local_rank, device=device, group_before=group_before
     )
+
+
+def collective_backend(device: torch.device) -> str:
+    """The process-group backend a run on `device` joins: nccl on CUDA, gloo otherwise (what a rank trace
+    models: `memtrain.memory.gloo_buffers`)."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _attempt_store(rank: int, world_size: int) -> dist.Store:

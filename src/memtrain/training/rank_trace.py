@@ -16,6 +16,9 @@ What differs from the run, and why the bytes do not:
   split as the trainer splits it before the fake mode starts (the split reads the rows' lengths);
 - values the step reads keep them where they come from the batch and are placeholders where they come
   from fake tensors (`memtrain.memory.HostValues`);
+- what the run's backend holds that the fake group does not (gloo, the backend of a CPU run: its copy of a
+  reduce-scatter's input, and an asynchronous collective's tensors until its worker thread lets go of them) is
+  held by `GlooBuffers`, entered when `collective_backend` of the trainer's device is gloo;
 - steps 1 .. STEPS run (step 0 checks the loss's token count, which a fake loss has not) and the last
   one's report is the rank's step: the optimizer states exist from the end of the first;
 - a pipeline stage runs torch's schedule as in the run: its sends return at once and its receives leave
@@ -39,7 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memtrain.distributed import collective_backend
 from memtrain.memory import HostValues, MemoryTracker, StepMemory, fake_tensors_with_real_inputs
+from memtrain.memory.gloo_buffers import GlooBuffers
 from memtrain.plan import Plan
 from memtrain.training.applying import apply_plan
 from memtrain.training.trainer import Trainer
@@ -67,7 +72,13 @@ def trace_step(trainer: Trainer, plan: Plan, rows: int | None = None) -> StepMem
     batch = trainer.planning_batch(rows or trainer.per_rank_batch_size)
     micro_batches = trainer.split_batch(batch, plan.micro_batch_size)
     try:
-        with _feeding(trainer, batch, micro_batches), mode, tracker, HostValues():
+        with (
+            _feeding(trainer, batch, micro_batches),
+            mode,
+            tracker,
+            HostValues(),
+            _backend_buffers(env.device),
+        ):
             for step in range(1, STEPS + 1):
                 trainer.train_step(step)
         return tracker.reports[-1]
@@ -75,6 +86,12 @@ def trace_step(trainer: Trainer, plan: Plan, rows: int | None = None) -> StepMem
         trainer.model = trainer.optimizer = trainer.scaler = None
         trainer.monitor.tracker = None
         gc.collect()
+
+
+def _backend_buffers(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """What the run's process-group backend holds beyond the fake group, for the tracker to count (entered
+    after it): gloo's buffers on a gloo device, nothing for NCCL (`memtrain.memory.gloo_buffers`)."""
+    return GlooBuffers() if collective_backend(device) == "gloo" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,113 @@
+"""What gloo's collectives hold in memory that torch's fake process group does not: for a rank trace whose
+run would use gloo (a CPU run: `memtrain.distributed.collective_backend`).
+
+The fake process group completes every collective at once and allocates nothing, so a traced step holds only
+what the caller allocates. A gloo run holds two things more, both measured by the tracker on real gloo runs
+(tests/parallel/test_rank_trace.py, docs/BENCHMARKS.md):
+
+- a copy of every reduce-scatter's input. gloo has no reduce-scatter: `ProcessGroupGloo::_reduce_scatter_base`
+  (and the coalesced one) clones each input, all-reduces the clone and copies this rank's chunk of it into the
+  output when the work is waited on; the clone dies with the work. For FSDP2's gradient reduce-scatter that is
+  the whole unsharded gradient of a layer group in the reduce dtype, live beside its input and output: the
+  HSDP bf16 step peaks there, and its trace was 7% under without it;
+- the tensors of a finished asynchronous collective (tensor parallelism's functional ones, waited on by
+  `wait_tensor`), a while after the wait returned: gloo's worker thread holds the work (and so its tensors)
+  until it is scheduled again after completing it, and the waiting thread may run ahead meanwhile. The
+  all-reduce of the lm_head's input gradient (TP without sequence parallelism) was alive through the final
+  norm's backward in some runs and not in others (1% of the step's peak). The trace holds such a collective's
+  tensors until this rank issues its next collective: deterministic where the run's timing is not, and an
+  upper bound for every run measured. c10d's collectives, waited on before they return (FSDP2's), are not
+  held so: the same hold keeps the last block's all-gather output of the forward through the loss (HSDP fp32
+  without recompute predicted 7% over), which no run measured.
+
+Both are gloo's own (NCCL reduce-scatters without copying the input; whether its work outlives a wait is
+not measured here, with no GPU), so only a trace of a gloo run enters this mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._torch_private import TorchDispatchMode, tree_leaves
+
+ASYNC_NAMESPACE = "_c10d_functional"  # collectives waited on apart (`wait_tensor`): tensor parallelism's
+COLLECTIVE_NAMESPACES = ("c10d", ASYNC_NAMESPACE)  # c10d's are waited on before they return: FSDP2's
+NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # in those namespaces, but nothing is sent
+# c10d's, waited on before they return (FSDP2's): (outputs, inputs, ...)
+SYNC_REDUCE_SCATTERS = ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_")
+# functional ones, waited on by `wait_tensor` of their outputs (tensor parallelism's): (inputs, ...) -> outputs
+ASYNC_REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")
+COPYING_ALL_REDUCES = ("all_reduce", "all_reduce_coalesced")  # functional: gloo reduces a copy, the output
+
+
+class GlooBuffers(TorchDispatchMode):
+    """While open (entered after a `MemoryTracker`, so that it counts them): the copies gloo makes of a
+    reduce-scatter's inputs, alive until the reduce-scatter is waited on, and an asynchronous collective's
+    tensors, alive until the next collective is issued (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._finished: list[torch.Tensor] = []  # the latest async collective's tensors: gloo's thread's
+        # an async reduce-scatter's output (by storage) -> the output and gloo's copies, until its wait
+        self._in_flight: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if getattr(func, "namespace", None) not in COLLECTIVE_NAMESPACES:
+            return func(*args, **kwargs)
+        if name == "wait_tensor":
+            _, copies = self._in_flight.pop(_key(args[0]), (None, []))
+            self._finished += copies
+        if name in NOT_COLLECTIVES:
+            return func(*args, **kwargs)
+        return self._collective(func, name, args, kwargs)
+
+    def _collective(self, func: Any, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Issue `func` with gloo's copies of a reduce-scatter's inputs alive; keep what an asynchronous
+        collective's work holds (and the copies, until its wait) after it."""
+        self._finished = []  # gloo's thread has let go of the previous works by now
+        copies = _reduce_scatter_copies(name, args)
+        out = func(*args, **kwargs)
+        if func.namespace != ASYNC_NAMESPACE:
+            return out  # waited on before it returned: gloo's copies die here
+        if name in ASYNC_REDUCE_SCATTERS:
+            outputs = out if isinstance(out, (list, tuple)) else [out]
+            self._in_flight.update((_key(o), (o, copies)) for o in outputs)
+            copies = []
+        self._finished += [*_held_by_work(name, args, out), *copies]
+        return out
+
+
+def _reduce_scatter_copies(name: str, args: Sequence[Any]) -> list[torch.Tensor]:
+    """gloo's clones of a reduce-scatter's inputs (empty for any other collective)."""
+    if name in SYNC_REDUCE_SCATTERS:
+        inputs = args[1]
+    elif name in ASYNC_REDUCE_SCATTERS:
+        inputs = args[0]
+    else:
+        return []
+    return [t.clone() for t in _tensors(inputs)]
+
+
+def _held_by_work(name: str, args: Sequence[Any], out: Any) -> list[torch.Tensor]:
+    """The tensors gloo's work of an asynchronous collective refers to: its inputs and outputs, but not the
+    input of a reduce-scatter or of an all-reduce, which gloo (or the functional op) copies first."""
+    if name in ASYNC_REDUCE_SCATTERS or name in COPYING_ALL_REDUCES:
+        return _tensors(out)
+    return _tensors((args, out))
+
+
+def _key(tensor: torch.Tensor) -> int:
+    """A tensor's storage, by identity (a wait may get another tensor object of the same output)."""
+    return id(tensor.untyped_storage())
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result, at any depth (lists of tensors: the coalesced ops)."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
