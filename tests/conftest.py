@@ -7,6 +7,7 @@ sit in a file scripts/gpu_check.sh finds (it collects those files alone)."""
 from __future__ import annotations
 
 import re
+import signal
 import warnings
 from collections.abc import Hashable, Iterator
 from pathlib import Path
@@ -32,6 +33,16 @@ def _measured() -> tuple[set[str], dict[str, float]]:
         else:
             files[name] = float(seconds[0])
     return slow, files
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C reaches the processes the tests start, however pytest was started (in each xdist worker too).
+    A test run started in the background (`cmd &` in a script, nohup) ignores SIGINT and every child
+    inherits that; memtrain keeps an inherited SIG_IGN while it imports (as a shell's background job
+    should), so the tests that send a child Ctrl-C timed out (test_signals: a run under `nohup ... &`).
+    A Python handler here makes each child start with the default action, as a terminal's foreground job."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(wrapper=True)
