@@ -13,7 +13,7 @@ Why 3 s: the fast tier must run in under 4 minutes on the 2-core machine, lint a
 (about 40 s with setup and collection); the tests of at most 3 s summed to about 140 s in the measured run.
 
 The file also holds each test file's measured seconds (a line with a path and no `::`): scripts/test.sh
-runs the suite on two workers (pytest-xdist, whole files per worker), and tests/conftest.py hands out the
+runs the suite on several workers (pytest-xdist, whole files per worker), and tests/conftest.py hands out the
 longest files first, so the last file to finish is a short one.
 """
 

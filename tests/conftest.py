@@ -1,7 +1,7 @@
 """Every test in this process is one rank, whatever the shell that started pytest says. `shared_traces`:
 planner traces of the same job shared between the tests that use it. The tests listed in tests/slow.txt
 (slow by measurement: scripts/slow_tests.py) are marked `slow`, and the test files run longest first (by
-the seconds that file records), so the two workers of scripts/test.sh finish together. A `gpu` test must
+the seconds that file records), so the workers of scripts/test.sh finish together. A `gpu` test must
 sit in a file scripts/gpu_check.sh finds (it collects those files alone)."""
 
 from __future__ import annotations
