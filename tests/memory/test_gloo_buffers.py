@@ -87,3 +87,19 @@ def test_an_async_reduce_scatter_holds_gloos_copy_until_the_next_collective_afte
     assert in_flight == NUMEL * 4 // 2 + NUMEL * 4  # the output and gloo's copy
     assert waited == in_flight - NUMEL * 4  # the input freed, the copy still held
     assert after <= NUMEL * 4 // 2 + 8 and shard.numel() == NUMEL // 2  # the copy released
+
+
+def test_a_sends_tensor_lives_while_its_work_does(fake_group: None) -> None:
+    """A pipeline stage's send: gloo's work refers to the sent tensor, and torch's 1F1B keeps a warm-up send's
+    works through its steady phase, so the tensor outlives the caller's last reference until the work dies
+    (the fake group's work holds nothing)."""
+    tracker = MemoryTracker(None, device="cpu")
+    with tracker, GlooBuffers():
+        output = torch.ones(NUMEL)
+        before = tracker.live_bytes
+        works = [dist.isend(output, dst=1)]
+        del output
+        assert tracker.live_bytes == before  # held by the work
+        del works
+        torch.ones(1)  # the next op: the tracker counts the free (and the mode lets go of the work it handed)
+        assert tracker.live_bytes == before - NUMEL * 4

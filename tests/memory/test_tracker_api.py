@@ -53,3 +53,12 @@ def test_only_storages_on_the_tracked_device_count() -> None:
         kept = torch.empty(100, device="meta"), torch.empty(100)
         assert tracker.live_bytes == 100 * 4  # the meta tensor; the CPU tensor and CPU weights are elsewhere
     del kept
+
+
+def test_host_counts_real_cpu_storages_beside_the_tracked_device() -> None:
+    """The rank trace of a CPU run: its model's storages are fake (meta), its batch real host tensors, which
+    the run's tracker counts (host memory is a CPU run's device)."""
+    with MemoryTracker(None, device="meta", host=True) as tracker:
+        kept = torch.empty(100, device="meta"), torch.empty(100)
+        assert tracker.live_bytes == 2 * 100 * 4
+    del kept

@@ -86,7 +86,10 @@ def split_causal_lm(model: nn.Module, stage: int, stages: int) -> tuple[int, ...
     if stage < stages - 1:
         inner.norm = nn.Identity()
         model.lm_head = nn.Identity()
-    model.register_forward_pre_hook(_stage_inputs if stage > 0 else _first_inputs, with_kwargs=True)
+    # prepended: hooks registered at the build (the planner's all-ones mask) read the named inputs
+    model.register_forward_pre_hook(
+        _stage_inputs if stage > 0 else _first_inputs, with_kwargs=True, prepend=True
+    )
     model.register_forward_hook(_logits_only)
     return (embedding.embedding_dim,)
 

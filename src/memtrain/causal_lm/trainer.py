@@ -655,10 +655,15 @@ def _freeze_cross_attention(model: nn.Module) -> None:
 
 def _all_ones_mask(_model: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The traced `sdpa` model's inputs with an all-ones padding mask (what real tensors show: no padding),
-    so transformers never guesses packed rows from unreadable position ids (`trace_sdpa`)."""
-    ids = kwargs.get("input_ids")
-    if isinstance(ids, torch.Tensor) and kwargs.get("attention_mask") is None:
-        kwargs = {**kwargs, "attention_mask": torch.ones_like(ids, dtype=torch.bool)}
+    so transformers never guesses packed rows from unreadable position ids (`trace_sdpa`); its rows and
+    columns from the token ids, or, on a later pipeline stage, the hidden states it reads instead (the
+    rank trace of a pipeline, whose split's input hook runs first: `memtrain.causal_lm.pipeline`)."""
+    inputs = kwargs.get("input_ids")
+    if inputs is None:  # a later pipeline stage's hidden states (`memtrain.causal_lm.pipeline`)
+        inputs = kwargs.get("inputs_embeds")
+    if isinstance(inputs, torch.Tensor) and kwargs.get("attention_mask") is None:
+        mask = torch.ones(inputs.shape[:2], dtype=torch.bool, device=inputs.device)
+        kwargs = {**kwargs, "attention_mask": mask}
     return args, kwargs
 
 

@@ -84,6 +84,11 @@ def join_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def in_backward() -> bool:
+    """Whether this thread runs an autograd backward now (a hook or op the engine calls)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def is_fake(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a `fake_tensors()` tensor (shape, dtype and a meta storage, no data)."""
     return isinstance(tensor, FakeTensor)

@@ -77,10 +77,12 @@ class _Record:
 
 
 class StorageLedger:
-    """Bytes of live storages on one device, per component; optionally under a simulated budget."""
+    """Bytes of live storages on one device (and, with `host`, real CPU storages besides: `MemoryTracker`'s
+    `host`), per component; optionally under a simulated budget."""
 
-    def __init__(self, device: torch.device, budget: Budget | None = None) -> None:
+    def __init__(self, device: torch.device, budget: Budget | None = None, host: bool = False) -> None:
         self.device = device
+        self.host = host
         self.budget = budget
         self.bytes: dict[str, int] = dict.fromkeys(COMPONENTS, 0)
         self.live = 0
@@ -169,7 +171,11 @@ class StorageLedger:
 
     def _on_device(self, device: torch.device) -> bool:
         # device equality first: `.type` builds a string, which costs more than the rest of observe()
-        return device == self.device or (self.device.index is None and device.type == self.device.type)
+        return (
+            device == self.device
+            or (self.device.index is None and device.type == self.device.type)
+            or (self.host and device.type == "cpu")
+        )
 
     def _move(self, rec: _Record, component: str) -> None:
         if component == "gradients" and self.log is not None:

@@ -53,7 +53,9 @@ class MemoryTracker:
     ``with tracker:`` starts counting (pre-existing parameters, buffers, gradients and optimizer state
     included); ``begin_step`` / ``phase`` / ``end_step`` delimit what a step report covers. With
     ``budget_bytes`` the allocation that would take live bytes past it raises ``torch.OutOfMemoryError``.
-    Only storages on ``device`` count (default: the device of the model's first parameter, else CPU).
+    Only storages on ``device`` count (default: the device of the model's first parameter, else CPU), and,
+    with ``host``, real host (CPU) storages too: a fake model's trace of a CPU run, whose real batch is in
+    the memory the run's device is (`memtrain.training.rank_trace`).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class MemoryTracker:
         budget_bytes: int | None = None,
         *,
         device: torch.device | str | None = None,
+        host: bool = False,
         samples_per_step: int = 2000,
         timeline_steps: int = 8,
     ) -> None:
@@ -77,7 +80,7 @@ class MemoryTracker:
         self.budget = Budget(budget_bytes) if budget_bytes is not None else None
         self.reports: list[StepMemory] = []
         self.timeline = Timeline(samples_per_step, timeline_steps)
-        self._ledger = StorageLedger(self.device, self.budget)
+        self._ledger = StorageLedger(self.device, self.budget, host)
         self._modules = ModuleAttribution(model)
         self._mode: _Watch | None = None
         self._handles: list[RemovableHandle] = []

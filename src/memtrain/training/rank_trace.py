@@ -11,18 +11,26 @@ the `MemoryTracker` counts every storage, as it counts the run's.
 What differs from the run, and why the bytes do not:
 - the model is built on the meta device and its strategies applied there (slicing the `DeviceMesh` and
   FSDP2's sharding read tensor values, which fake tensors lack); its parameters are then materialised as
-  fake tensors (`apply_strategies(materialise_in=...)`); no weights are read;
+  fake tensors (`apply_strategies(materialise_in=...)`); no weights are read. It is the model the planner's
+  single-process trace builds (`ModelSpec.build_model`: a causal LM's `trace_sdpa`, given an all-ones mask),
+  as transformers cannot tell from fake position ids that a row is one sequence: the run's model then builds
+  no causal mask and keeps grouped-query keys and values unexpanded, which the trainer's own `build_model`
+  traced would not (6 KB per layer and micro-batch over, x4 under GPipe: 3.4%);
 - the step batch is `planning_batch(rows)` (the longest rows, what the planner predicts every plan for),
-  split as the trainer splits it before the fake mode starts (the split reads the rows' lengths);
+  split as the trainer splits it before the fake mode starts (the split reads the rows' lengths). Those
+  tensors and what the step makes of them alone (a pipeline's padded copy) are real host tensors, which a
+  CPU run's tracker counts (host memory is its device), so the trace's tracker counts real CPU storages
+  besides its fake ones for a CPU run (`MemoryTracker(host=True)`: 4.2 KB of `other` under without);
 - values the step reads keep them where they come from the batch and are placeholders where they come
   from fake tensors (`memtrain.memory.HostValues`);
 - what the run's backend holds that the fake group does not (gloo, the backend of a CPU run: its copy of a
-  reduce-scatter's input, and an asynchronous collective's tensors until its worker thread lets go of them) is
+  reduce-scatter's input, an asynchronous collective's or an all-gather's tensors until its worker thread
+  lets go of them, a send's tensor while the caller keeps its work) is
   held by `GlooBuffers`, entered when `collective_backend` of the trainer's device is gloo;
 - steps 1 .. STEPS run (step 0 checks the loss's token count, which a fake loss has not) and the last
   one's report is the rank's step: the optimizer states exist from the end of the first;
-- a pipeline stage runs torch's schedule as in the run: its sends return at once and its receives leave
-  their buffers as they are, which is all the step needs of them, as the stage is built with the shapes it
+- a pipeline stage runs torch's schedule as in the run: its sends return at once (their tensors held by
+  `GlooBuffers` for a gloo run) and its receives leave their buffers as they are, which is all the step needs of them, as the stage is built with the shapes it
   exchanges (`memtrain.strategies.pipeline`; torch's vote on whether every stage has them reads a fake
   value, which `HostValues` reads as 1: yes): its receive buffers, one per micro-batch, and the
   micro-batches the schedule keeps in flight are what the tracker counts, as on the mesh.
@@ -64,9 +72,10 @@ def trace_step(trainer: Trainer, plan: Plan, rows: int | None = None) -> StepMem
     trainer.sharding.check(env)
     mode = fake_tensors_with_real_inputs()
     with torch.device("meta"):
-        model = trainer.build_model()
+        model = trainer.model_spec().build_model()  # as the planner traces it (`CausalLMTrainer.model_spec`)
     applied, _ = apply_plan(trainer, model, materialise_in=mode)
-    tracker = MemoryTracker(trainer.sharding.unwrap(applied.model), applied.optimizer)
+    host = env.device.type == "cpu"  # a CPU run's tracker counts its real batch: host memory is its device
+    tracker = MemoryTracker(trainer.sharding.unwrap(applied.model), applied.optimizer, host=host)
     trainer.model, trainer.optimizer, trainer.scaler = applied.model, applied.optimizer, applied.grad_scaler
     trainer.monitor.tracker = tracker
     batch = trainer.planning_batch(rows or trainer.per_rank_batch_size)
