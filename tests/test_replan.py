@@ -5,7 +5,6 @@ run finishes under its budget or is refused before step 1."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.errors import PlanError
 from memtrain.training.trainer import Batch
 
-from helpers import REPO, TINY_LLAMA, tiny_recipe
+from helpers import REPO, TINY_LLAMA, inflate_last_report, tiny_recipe
 
 pytestmark = pytest.mark.usefixtures("shared_traces")  # tests/conftest.py: the same tiny jobs planned again
 
@@ -113,13 +112,7 @@ class InflatedFirstStep(CausalLMTrainer):
     def train_step(self, step: int) -> dict[str, Any]:
         row = super().train_step(step)
         if step == 0:
-            assert self.plan_result is not None and self.plan_result.budget is not None
-            report = self.monitor.memory_reports[-1]
-            extra = int(self.plan_result.budget.usable * 1.01) - report.peak_bytes
-            at_peak = {**report.at_peak, "activations": report.at_peak["activations"] + extra}
-            self.monitor.memory_reports[-1] = dataclasses.replace(
-                report, peak_bytes=report.peak_bytes + extra, at_peak=at_peak
-            )
+            inflate_last_report(self)
         return row
 
 

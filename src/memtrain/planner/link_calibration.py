@@ -33,8 +33,7 @@ import torch
 from memtrain.cluster import DEFAULT_CLUSTER, Cluster, Link
 from memtrain.errors import MemtrainError
 from memtrain.json_out import write_atomic
-from memtrain.jsonfile import read_json_object
-from memtrain.planner.step_time_calibration import CACHE_ENV, cache_path, cpu_model
+from memtrain.planner.step_time_calibration import CACHE_ENV, cache_path, cpu_model, read_cache
 
 CACHE_FILE = "links.json"
 VERSION = 1  # of the cache's layout: an entry of another version is ignored
@@ -219,14 +218,7 @@ def _positive(value: float) -> bool:
 
 
 def _read_all() -> dict[str, Any]:
-    path = links_path()
-    if path is None or not path.is_file():
-        return {}
-    try:
-        return read_json_object(str(path), CACHE_ENV)
-    except MemtrainError as exc:
-        _warn(f"ignoring the link cache: {exc}")
-        return {}
+    return read_cache(links_path(), _warn, "the link cache")
 
 
 def _warn(message: str) -> None:

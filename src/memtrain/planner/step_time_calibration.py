@@ -36,7 +36,7 @@ import platform
 import statistics
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -282,13 +282,18 @@ def _sample(raw: dict[str, Any]) -> Sample:
 
 
 def _read_all() -> dict[str, Any]:
-    path = cache_path()
+    return read_cache(cache_path(), _warn, "the step-time cache")
+
+
+def read_cache(path: Path | None, warn: Callable[[str], None], name: str) -> dict[str, Any]:
+    """The entries of the JSON cache at `path`: {} when the cache is off or missing, and when it cannot be
+    read (`warn` says why): a cache only ever makes a prediction better, never stops a run."""
     if path is None or not path.is_file():
         return {}
     try:
         return read_json_object(str(path), CACHE_ENV)
     except MemtrainError as exc:
-        _warn(f"ignoring the step-time cache: {exc}")
+        warn(f"ignoring {name}: {exc}")
         return {}
 
 
