@@ -178,7 +178,10 @@ def test_qlora_on_one_24gb_gpu(config_alone: Callable[[str, str], Outcome]) -> N
     printed = out.splitlines()
     sample = readme_sample("memtrain plan recipes/llama3-8b-qlora-24gb.yaml")
     assert sample[0].startswith("chosen: ") and len(sample) >= 5
-    assert [line for line in sample if line not in printed] == [], "regenerate the README's sample"
+    missing = [line for line in sample if line not in printed]
+    # once, in a full run on three workers (not alone, not on two): the peak line differed; the printed
+    # lines say how, next time
+    assert missing == [], ("regenerate the README's sample", printed[: len(sample) + 2])
 
 
 def _lora_numel() -> int:
