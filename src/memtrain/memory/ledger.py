@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -91,7 +90,7 @@ class StorageLedger:
         self.first_moves: list[Move] = []
         """Storages that left their origin for the first time (to be shown as such since creation)."""
         self._records: dict[int, _Record] = {}
-        self._freed: deque[_Record] = deque()
+        self._freed: list[_Record] = []
         self._by_identity: set[int] = set()
         self._serials = itertools.count()
         self.log: AllocationLog | None = None
@@ -156,9 +155,14 @@ class StorageLedger:
                 self._move(rec, rec.origin)
 
     def drain(self) -> None:
-        """Apply the frees the weakref callbacks queued."""
+        """Apply the frees the weakref callbacks queued, oldest storage first: storages that die together
+        (a container's tensors) call back in an order that follows their addresses, which differs from run
+        to run, and the allocator model's reserved bytes depend on the order of the frees it replays."""
         while self._freed:
-            self._retire(self._freed.popleft())
+            batch = sorted(self._freed, key=lambda rec: rec.serial)
+            self._freed.clear()
+            for rec in batch:
+                self._retire(rec)
 
     def _lookup(self, st: torch.UntypedStorage) -> _Record | None:
         rec = self._records.get(id(st))
