@@ -153,8 +153,29 @@ def test_allocation_sizes_are_fitted_between_the_two_traces() -> None:
     large = ((key, ((1, 300), (2, 512), (1, 0))),)
     fit = fit_allocations(small, 10, large, 30, frozenset())
     assert fit.at(20) == ((key, ((1, 200), (2, 512), (1, 0))),)  # a + b * tokens; a constant stays
-    other = ((key, ((1, 300), (3, 64), (1, 0))),)  # another op sequence: the larger trace's sizes
+    other = ((key, ((1, 300), (3, 64), (3, 0), (1, 0))),)  # another op sequence: the larger trace's sizes
     assert fit_allocations(small, 10, other, 30, frozenset()).at(20) == other
+    freed = ((key, ((1, 300), (2, 512), (2, 0))),)  # frees another storage: differs too
+    assert fit_allocations(small, 10, freed, 30, frozenset()).at(20) == freed
+
+
+def test_pieces_after_one_that_differs_are_still_fitted() -> None:
+    # A loss cut in chunks of fixed tokens: the larger trace's head makes more chunks (storages 2 and 3
+    # against 2), so every later storage has another serial there; the blocks' pieces are fitted as a
+    # line all the same (the hole: one differing piece sent every piece to the larger trace's sizes), the
+    # head keeps the larger trace's sizes, and a free of a head storage in a later piece is still matched.
+    block, head = PieceKey("first", "fwd.block", 0), PieceKey("first", "fwd.head")
+    back = PieceKey("first", "bwd.block", 0)
+    small = ((block, ((1, 100),)), (head, ((2, 64),)), (back, ((3, 10), (3, 0), (2, 0), (1, 0))))
+    large = ((block, ((1, 300),)), (head, ((2, 64), (3, 64))), (back, ((4, 30), (4, 0), (2, 0), (1, 0))))
+    fitted = fit_allocations(small, 10, large, 30, frozenset()).at(20)
+    assert fitted == (
+        (block, ((1, 200),)),
+        (head, ((2, 64), (3, 64))),
+        (back, ((4, 20), (4, 0), (2, 0), (1, 0))),
+    )
+    moved = ((block, ((1, 300),)), (head, ((2, 64), (3, 64))), (back, ((4, 30), (4, 0), (1, 0), (2, 0))))
+    assert fit_allocations(small, 10, moved, 30, frozenset()).at(20)[2] == moved[2]  # frees in another order
 
 
 @pytest.mark.parametrize("checkpointing", [NoCheckpointing(), FullCheckpointing()], ids=["none", "full"])

@@ -17,7 +17,8 @@ middle block are freed by the last repetition; storages of a block freed outside
 autocast cache at the end of the forward) are freed in every repetition.
 
 Why two micro-batch sizes: every size is fitted as a + b·tokens between the two traces the activation
-fit uses (their op sequences are the same; where they are not, the larger trace's sizes are used).
+fit uses, piece by piece (where a piece's op sequence differs between them, the larger trace's sizes
+are used for that piece).
 """
 
 from __future__ import annotations
@@ -85,27 +86,62 @@ class AllocationFit:
 def fit_allocations(
     small: Pieces, small_tokens: int, large: Pieces, large_tokens: int, gradients: frozenset[int]
 ) -> AllocationFit:
-    """The line through two traces' sequences; the larger trace's sizes where the sequences differ.
-    `gradients`: the larger trace's gradient storages."""
-    same = len(small) == len(large) and all(
-        ks == kl and [(s, n > 0) for s, n in es] == [(s, n > 0) for s, n in el]
-        for (ks, es), (kl, el) in zip(small, large, strict=True)
-    )
+    """The line through two traces' sequences, piece by piece; a piece whose sequence differs between them
+    keeps the larger trace's sizes (a loss cut into chunks of fixed tokens makes more chunks in the larger
+    trace). Pieces are compared up to the storages' ids: a storage of the smaller trace is the one the
+    larger makes at the same place of a piece that matches, so the pieces after a differing one (whose
+    storages took other serials) still match. `gradients`: the larger trace's gradient storages."""
     span = large_tokens - small_tokens
     keys = tuple(k for k, _ in large)
     ids = tuple(tuple(s for s, _ in events) for _, events in large)
-    if not same or span == 0:
-        sizes = tuple(tuple(float(n) for _, n in e) for _, e in large)
-        return AllocationFit(keys, ids, sizes, tuple((0.0,) * len(e) for _, e in large), gradients)
-    slope = tuple(
-        tuple((nl - ns) / span for (_, ns), (_, nl) in zip(es, el, strict=True))
-        for (_, es), (_, el) in zip(small, large, strict=True)
-    )
-    intercept = tuple(
-        tuple(ns - b * small_tokens for (_, ns), b in zip(es, bs, strict=True))
-        for (_, es), bs in zip(small, slope, strict=True)
-    )
-    return AllocationFit(keys, ids, intercept, slope, gradients)
+    comparable = span != 0 and tuple(k for k, _ in small) == keys
+    matched = _matching_pieces(small, large) if comparable else [False] * len(large)
+    intercept: list[tuple[float, ...]] = []
+    slope: list[tuple[float, ...]] = []
+    for (_, es), (_, el), same in zip(small if comparable else large, large, matched, strict=True):
+        if not same:
+            intercept.append(tuple(float(n) for _, n in el))
+            slope.append((0.0,) * len(el))
+            continue
+        bs = tuple((nl - ns) / span for (_, ns), (_, nl) in zip(es, el, strict=True))
+        slope.append(bs)
+        intercept.append(tuple(ns - b * small_tokens for (_, ns), b in zip(es, bs, strict=True)))
+    return AllocationFit(keys, ids, tuple(intercept), tuple(slope), gradients)
+
+
+def _matching_pieces(small: Pieces, large: Pieces) -> list[bool]:
+    """Per piece: whether the two traces make and free the same storages in the same order there (each
+    storage of the smaller trace standing for the one the larger makes at its place in a matching piece)."""
+    twin: dict[int, int] = {}  # the smaller trace's storage -> the larger's, from the matching pieces
+    matched: list[bool] = []
+    for (_, es), (_, el) in zip(small, large, strict=True):
+        found = _twins(es, el, twin, set(twin.values()))
+        matched.append(found is not None)
+        twin |= found or {}
+    return matched
+
+
+def _twins(
+    small: tuple[Event, ...], large: tuple[Event, ...], twin: dict[int, int], taken: set[int]
+) -> dict[int, int] | None:
+    """The storages one piece makes, the smaller trace's to the larger's; None when the pieces differ: in
+    length, in where they allocate, or in which storage a free releases (one made in a matching piece must
+    be its twin; any other must not be a twin of another). `taken`: the larger trace's twins so far (a set
+    this piece's own are added to)."""
+    if len(small) != len(large):
+        return None
+    made: dict[int, int] = {}
+    for (mine, mine_bytes), (theirs, their_bytes) in zip(small, large, strict=True):
+        if (mine_bytes > 0) != (their_bytes > 0):
+            return None
+        if mine_bytes:
+            made[mine] = theirs
+            taken.add(theirs)
+            continue
+        known = made.get(mine, twin.get(mine))
+        if known != theirs and (known is not None or theirs in taken):
+            return None
+    return made
 
 
 @dataclass
