@@ -28,6 +28,7 @@ from memtrain.recipe import Recipe
 from memtrain.strategies.adapters import ADAPTERS, Adapters
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 from memtrain.strategies.checkpointing import CHECKPOINTING, Checkpointing
+from memtrain.strategies.context_parallel import RING_ATTENTION_DEVICES
 from memtrain.strategies.loss import LOSS, Loss
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
@@ -181,13 +182,17 @@ def mesh_of(recipe: Recipe, world_size: int) -> MeshShape:
 def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
     """What this version cannot run of a resolved mesh on `device_type`, one line each naming the key."""
     problems = []
-    if mesh.cp > 1:
-        where = (
-            "torch has no context-parallel sharding rule for the CPU attention kernel"
-            if device_type != "cuda"
-            else "this version plans context parallelism but does not apply it yet"
+    if mesh.cp > 1 and device_type not in RING_ATTENTION_DEVICES:
+        problems.append(
+            f"strategies.mesh.cp: {mesh.cp} ranks of context parallelism: torch has no context-parallel ring "
+            f"for the {device_type.upper()} attention kernels (CUDA only); set it to 1"
         )
-        problems.append(f"strategies.mesh.cp: {mesh.cp} ranks of context parallelism: {where}; set it to 1")
+    for other, degree in (("tp", mesh.tp), ("pp", mesh.pp)):
+        if mesh.cp > 1 and degree > 1:
+            problems.append(
+                f"strategies.mesh.cp: {mesh.cp} context-parallel ranks with strategies.mesh.{other}={degree} "
+                "are not run by this version; set one of them to 1"
+            )
     if mesh.pp > 1 and mesh.tp > 1:
         problems.append(
             f"strategies.mesh.pp: {mesh.pp} pipeline stages with tensor parallelism (strategies.mesh.tp="

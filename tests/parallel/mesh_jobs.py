@@ -5,7 +5,7 @@ tiny recipe of tests/helpers.py with its own sections (a `strategies.mesh`, a re
 job, the losses, the whole fp32 weights (gathered from every shard), each rank's bytes of parameters
 and optimizer states as its shards hold them, the sample ids each rank read per step (a
 `RecordingTrainer` job), and the plan each rank ended with and the re-plans it made. A job's `resume` (a run directory or checkpoint) continues another job's run. `trainer` names a class in tests/parallel/mesh_trainers.py
-instead of the built-in causal-LM one.
+instead of the built-in causal-LM one; `ring_standin` runs context parallelism on CPU (ring_standin.py).
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    if job.get("ring_standin"):  # a cp job on CPU: torch's ring runs on CUDA only (ring_standin.py)
+        import ring_standin
+
+        ring_standin.install()
     raw = tiny_recipe_dict(Path(job["run_dir"]), **job.get("sections", {}))
     if job.get("trainer"):
         import mesh_trainers
@@ -96,6 +100,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "sample_ids": getattr(trainer, "seen_ids", None),  # RecordingTrainer's, per step
         "plan": trainer.plan.summary(),  # the plan this rank ended with
         "replans": [{"step": r["step"], "to": r["to"]} for r in trainer.monitor.replans],
+        "ring": sorted(sys.modules["ring_standin"].SEEN) if job.get("ring_standin") else None,
     }
     everyone: list[Any] = [None] * trainer.env.world_size
     dist.all_gather_object(everyone, mine)

@@ -64,6 +64,7 @@ FOUR_RANKS = {  # name -> (mesh, micro-batch size, model config or trainer)
     "fsdp_x_tp_qwen2": ({"dp_shard": 2, "tp": 2, "sequence_parallel": False}, 2, TINY_QWEN2),
     "fsdp_x_tp_subclass": ({"dp_shard": 2, "tp": 2}, 2, "SplitMLPTrainer"),
     "pp_x_dp": ({"pp": 2, "dp_shard": 2}, 2, None),
+    "fsdp_x_cp": ({"dp_shard": 2, "cp": 2}, 2, None),  # the ring: tests/parallel/ring_standin.py
 }
 TWO_RANKS = {
     "tp_sp": ({"tp": 2}, 4, None),
@@ -87,6 +88,8 @@ def _jobs(tmp: Path, table: dict[str, Any]) -> list[dict[str, Any]]:
             extra["sections"] = {"memory": {"track": True}}
         if name in RESUMED:
             extra["resume"] = True
+        if "cp" in mesh:
+            extra["ring_standin"] = True
         jobs.append(_job(tmp, name, mesh, micro, **extra))
     return jobs
 
@@ -145,7 +148,8 @@ def test_mesh_trains_as_one_process(
     name: str, mesh_runs: tuple[Path, dict[str, dict[str, Any]]], tmp_path: Path
 ) -> None:
     """HSDP, tensor parallel with and without sequence parallel, FSDP x TP (two transformers families and a
-    subclass with its own plan), a 2-stage pipeline (GPipe, 1F1B, and x FSDP 2): equal losses and weights
+    subclass with its own plan), a 2-stage pipeline (GPipe, 1F1B, and x FSDP 2), FSDP x context parallel
+    (attention through tests/parallel/ring_standin.py on CPU): equal losses and weights
     after 3 AdamW steps with accumulation. The hole it closes: before meshes every rank was a data-parallel
     rank (a tp rank would read other rows, and a sharding over all ranks would average tensor-parallel shards
     as if they were replicas); before the pipeline, `strategies.mesh.pp > 1` was refused, and a stage's
@@ -158,6 +162,22 @@ def test_mesh_trains_as_one_process(
     assert set(got) == set(expected)
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
     assert worst <= WEIGHT_TOLERANCE, (name, worst)
+
+
+def test_context_parallel_ranks_attend_with_half_the_queries(
+    mesh_runs: tuple[Path, dict[str, dict[str, Any]]],
+) -> None:
+    """FSDP 2 x CP 2 (it trains as one process: `test_mesh_trains_as_one_process[fsdp_x_cp]`): every rank ran
+    its attention with half of each row's columns as queries against the whole row's keys, so the rows were
+    split and not computed twice (which would train alike too: the tokens and the averaging both double).
+    The hole: `strategies.mesh.cp` was refused everywhere ("plans context parallelism but does not apply it
+    yet")."""
+    _, results = mesh_runs
+    ranks = results["fsdp_x_cp"]["ranks"]
+    assert {r["mesh"]["cp"] for r in ranks} == {2}
+    for rank in ranks:
+        assert rank["ring"] and all(2 * local == whole for local, whole in rank["ring"]), rank["ring"]
+        assert rank["plan"]["sharding"].startswith("zero3")
 
 
 def test_each_rank_holds_its_share_of_the_states(mesh_runs: tuple[Path, dict[str, dict[str, Any]]]) -> None:
@@ -216,6 +236,19 @@ def _plan_dict() -> dict[str, Any]:
     ("world", "strategies", "config", "expected"),
     [
         (4, {"mesh": {"cp": 2}}, None, "strategies.mesh.cp: 2 ranks of context parallelism: torch has no"),
+        (
+            4,
+            {"mesh": {"cp": 2, "tp": 2}},
+            None,
+            "strategies.mesh.cp: 2 context-parallel ranks with strategies",
+        ),
+        (
+            2,
+            {"mesh": {"cp": 2}, "sharding": "ddp"},
+            None,
+            "does not reduce gradients over the context-parallel",
+        ),
+        (2, {"mesh": {"cp": 2}}, {"attn_implementation": "eager"}, "context parallelism runs torch's SDPA"),
         (3, {"mesh": {"pp": 3}}, None, "strategies.mesh.pp: 3 stages do not divide the model's num_hidden"),
         (4, {"mesh": {"pp": 2, "tp": 2}}, None, "strategies.mesh.pp: 2 pipeline stages with tensor parallel"),
         (2, {"mesh": {"pp": 2, "pp_schedule": "interleaved_1f1b"}}, None, "pp_schedule: interleaved_1f1b"),
@@ -252,8 +285,8 @@ def test_validate_reports_each_mesh_problem(
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     sections: dict[str, Any] = {"strategies": {"sharding": "zero3", **strategies}}
-    if config is not None:
-        sections["model"] = {"config": config}
+    if config is not None:  # a model config, or a `model` key
+        sections["model"] = config if "attn_implementation" in config else {"config": config}
     recipe = CausalLMRecipe.from_dict(tiny_recipe_dict(tmp_path, **sections))
     problems = recipe_problems(recipe, CausalLMTrainer)
     assert any(expected in line for line in problems), problems

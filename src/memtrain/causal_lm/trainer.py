@@ -261,6 +261,7 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
     problems += tensor_parallel_problems(config, tp) if isinstance(tp, int) else []
     pp = recipe.strategies.mesh.pp
     problems += pipeline_problems(config, pp, recipe) if isinstance(pp, int) else []
+    problems += _context_parallel_problems(recipe)
     if recipe.data.kind == "preference" and tp != 1:
         problems.append(
             "strategies.mesh.tp: preference training reads log-probabilities from whole logits, which tensor "
@@ -311,6 +312,33 @@ def _attention_problems(recipe: CausalLMRecipe, config: Any) -> list[str]:
         f"model.attn_implementation: sdpa{default}, but transformers builds {model_class.__name__} "
         "without SDPA attention; set model.attn_implementation: eager"
     ]
+
+
+def _context_parallel_problems(recipe: CausalLMRecipe) -> list[str]:
+    """What the built-in trainer cannot split over context-parallel ranks (memtrain.strategies.
+    context_parallel): the ring replaces SDPA alone, attends causally over whole rows, and each rank sums
+    the loss of its own tokens."""
+    cp = recipe.strategies.mesh.cp
+    if not isinstance(cp, int) or cp == 1:  # auto: the mesh the planner picks is checked as it runs
+        return []
+    problems = []
+    if recipe.model.attn_implementation != "sdpa":
+        problems.append(
+            f"model.attn_implementation: {recipe.model.attn_implementation} with strategies.mesh.cp={cp}: "
+            "context parallelism runs torch's SDPA as a ring; set model.attn_implementation: sdpa"
+        )
+    if data_lib.carries_positions(recipe.data):
+        problems.append(
+            f"data.packing: packed rows mask attention per document, which context parallelism "
+            f"(strategies.mesh.cp={cp}) cannot (its ring attends causally over the whole row); set "
+            "data.packing: false or strategies.mesh.cp: 1"
+        )
+    if recipe.data.kind == "preference":
+        problems.append(
+            f"strategies.mesh.cp: preference training sums each completion's log-probabilities over its whole "
+            f"row, which {cp} context-parallel ranks split; set strategies.mesh.cp: 1"
+        )
+    return problems
 
 
 # Config fields of transformers families whose logits are not `head(hidden)`: (field, the value that
@@ -571,8 +599,9 @@ class CausalLMTrainer(Trainer):
         return data_lib.collate([self.train_samples[i] for i in indices], indices)
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
-        shape = self.env.shape  # sequence parallel splits every micro-batch's columns evenly over tp ranks
-        columns = shape.tp if shape.tp > 1 and shape.sequence_parallel else 1
+        shape = self.env.shape  # sequence parallel splits every micro-batch's columns evenly over tp ranks,
+        columns = shape.tp if shape.tp > 1 and shape.sequence_parallel else 1  # context parallel over cp
+        columns *= shape.cp
         return [data_lib.trim_padding(mb, columns) for mb in super().split_batch(batch, micro_size)]
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

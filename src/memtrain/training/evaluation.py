@@ -30,6 +30,7 @@ from torch import nn
 
 from memtrain.distributed import DistEnv, data_parallel_sum
 from memtrain.recipe import EarlyStoppingConfig
+from memtrain.strategies.context_parallel import ring_attention
 from memtrain.strategies.tensor_parallel import vocabulary_parallel_loss
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class Evaluating(Protocol):
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]: ...
 
+    def context_parallel_split(self, batch: Batch) -> Batch: ...
+
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int | torch.Tensor]: ...
 
     def evaluate(self) -> float: ...
@@ -73,8 +76,9 @@ def mean_loss(trainer: Evaluating) -> float:
     for batch in trainer.eval_batches():
         on_device = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
         for micro_batch in trainer.split_batch(on_device, plan.micro_batch_size):
-            with plan.precision.autocast(env.device), vocabulary_parallel_loss(env):
-                loss_sum, num_tokens = trainer.loss(trainer.sharding.unwrap(model), micro_batch)
+            mine = trainer.context_parallel_split(micro_batch)
+            with plan.precision.autocast(env.device), vocabulary_parallel_loss(env), ring_attention(env):
+                loss_sum, num_tokens = trainer.loss(trainer.sharding.unwrap(model), mine)
             totals[0] += loss_sum.double()
             totals[1] += float(num_tokens)
     model.train()

@@ -119,7 +119,14 @@ class Sharding(Strategy):
                 "every other choice, so the planner does not run; pin one value (none, optimizer, params) or "
                 "leave another choice open (e.g. batch.micro_size: auto)"
             )
-        self.build(precision).check(env)
+        backend = self.build(precision)
+        if env.shape.cp > 1 and not backend.reduces_over_context_ranks:
+            raise Unsupported(
+                f"strategies.sharding: '{self.name}' does not reduce gradients over the context-parallel ranks "
+                f"(strategies.mesh.cp={env.shape.cp}: each holds other tokens of the same rows); set "
+                "strategies.sharding=zero2 or zero3 with strategies.sharding_backend=fsdp2"
+            )
+        backend.check(env)
 
     @property
     def offload_is_open(self) -> bool:

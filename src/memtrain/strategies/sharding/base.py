@@ -71,6 +71,7 @@ class ShardingBackend:
     options: ShardingOptions = field(default_factory=ShardingOptions)
     shards_meta_models: ClassVar[bool] = False  # can wrap a meta-parameter model, then materialise shards
     checkpoint_format: ClassVar[str] = "replicated"  # what its `save` writes (sharded_checkpoint.FORMATS)
+    reduces_over_context_ranks: ClassVar[bool] = False  # runs strategies.mesh.cp > 1 (context_parallel.py)
 
     def check(self, env: DistEnv) -> None:
         if env.dp_size > 1:

@@ -83,6 +83,7 @@ REFUSED_PRECISIONS = {
 class FSDP2Backend(ShardingBackend):
     shards_meta_models: ClassVar[bool] = True
     checkpoint_format: ClassVar[str] = "dcp"
+    reduces_over_context_ranks: ClassVar[bool] = True
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -145,7 +146,7 @@ class FSDP2Backend(ShardingBackend):
         return MixedPrecisionPolicy()
 
     def grad_sync_scale(self, env: DistEnv) -> float:
-        return float(env.dp_size)
+        return float(env.dp_size * env.shape.cp)  # the context-parallel ranks are averaged over too
 
     @contextlib.contextmanager
     def _sync(self, model: nn.Module, last: bool) -> Iterator[None]:
@@ -207,10 +208,16 @@ class FSDP2Backend(ShardingBackend):
 def data_parallel_mesh(env: DistEnv) -> DeviceMesh:
     """What FSDP2 shards over: every rank on a flat mesh; on a mesh, the shard group, or (replicas > 1)
     the 2-D replicas x shards mesh, which `fully_shard` runs as HSDP (shards within a replica, gradients
-    all-reduced across replicas)."""
+    all-reduced across replicas). With context parallelism the shard group is dp_shard x cp, flattened:
+    the context-parallel ranks' gradients are of other tokens of the same rows (context_parallel.py)."""
     if env.shape.is_flat:
         return init_device_mesh(env.device.type, (env.world_size,))
-    assert env.device_mesh is not None, "apply_strategies builds the run's device mesh"
+    mesh = env.device_mesh
+    assert mesh is not None, "apply_strategies builds the run's device mesh"
+    shards = "dp_shard"
+    if env.shape.cp > 1:
+        shards = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shards)  # named on the root mesh (DeviceMesh keeps one per name)
     if env.shape.dp_replicate > 1:
-        return env.device_mesh["dp_replicate", "dp_shard"]
-    return env.device_mesh["dp_shard"]
+        return mesh["dp_replicate", shards]
+    return mesh[shards]
