@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from memtrain.errors import RecipeError
 from memtrain.strategies.context_parallel import split_sequence
@@ -30,3 +31,39 @@ def test_packed_rows_and_uneven_widths_are_refused() -> None:
         split_sequence(packed, 0, 2)
     with pytest.raises(ValueError, match="does not split over 3"):
         split_sequence({"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 8)}, 0, 3)
+
+
+def test_the_ring_is_torchs_context_parallel_sdpa() -> None:
+    # The contract with torch's experimental API (private entry points): inside the context SDPA is torch's
+    # context-parallel dispatch, which on this CPU stops at the CPU kernel it has no ring for (the reason a
+    # CPU run refuses cp before step 1), and both the function and the load balancing come back after.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from memtrain.distributed import one_process
+    from memtrain.strategies.sharding.base import ensure_process_group
+
+    ours = not dist.is_initialized()
+    ensure_process_group(one_process())
+    try:
+        _check_the_ring(init_device_mesh("cpu", (1,), mesh_dim_names=("cp",)))
+    finally:
+        if ours:  # the next test in this process may start its own
+            dist.destroy_process_group()
+
+
+def _check_the_ring(mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    from memtrain.strategies.context_parallel import _torch_ring
+
+    original = torch.nn.functional.scaled_dot_product_attention
+    balanced = _attention._cp_options.enable_load_balance
+    query = torch.randn(1, 2, 4, 8)
+    with _torch_ring(mesh["cp"]):
+        assert torch.nn.functional.scaled_dot_product_attention is not original
+        assert _attention._cp_options.enable_load_balance is False  # contiguous shards (module docstring)
+        with pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu"):
+            torch.nn.functional.scaled_dot_product_attention(query, query, query, is_causal=True)
+    assert torch.nn.functional.scaled_dot_product_attention is original
+    assert _attention._cp_options.enable_load_balance is balanced
