@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from memtrain.errors import RecipeError
+from memtrain.errors import MemtrainError, RecipeError
+from memtrain.strategies.tensor_parallel import vocabulary_parallel_loss
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -66,6 +67,29 @@ def split_sequence(batch: Batch, rank: int, ranks: int) -> Batch:
     split = {k: (v[:, columns].contiguous() if k in SEQUENCE_KEYS else v) for k, v in batch.items()}
     split["position_ids"] = positions.expand(rows, share).contiguous()
     return split
+
+
+def rank_share(batch: Batch, env: DistEnv) -> Batch:
+    """This rank's share of a micro-batch under `strategies.mesh.cp > 1` (the batch itself without): a
+    contiguous 1/cp of the columns of `input_ids` and `labels`, with the `position_ids` of those columns (the
+    model's rotary positions), the other keys whole. `Trainer.context_parallel_split`'s default."""
+    shape = env.shape
+    if shape.cp == 1:
+        return batch
+    if "input_ids" not in batch or "labels" not in batch:
+        raise MemtrainError(
+            "strategies.mesh.cp: the batch has no 'input_ids' and 'labels' to split over the context-parallel "
+            "ranks; override Trainer.context_parallel_split or set strategies.mesh.cp: 1"
+        )
+    return split_sequence(batch, shape.coordinates(env.rank)["cp"], shape.cp)
+
+
+@contextlib.contextmanager
+def parallel_loss(env: DistEnv) -> Iterator[None]:
+    """A micro-step's forward and backward on `env`'s mesh: the loss on vocabulary-parallel logits over tp
+    (`tensor_parallel.vocabulary_parallel_loss`), attention as the ring over cp; nothing without them."""
+    with vocabulary_parallel_loss(env), ring_attention(env):
+        yield
 
 
 @contextlib.contextmanager

@@ -30,8 +30,7 @@ from torch import nn
 
 from memtrain.distributed import DistEnv, data_parallel_sum
 from memtrain.recipe import EarlyStoppingConfig
-from memtrain.strategies.context_parallel import ring_attention
-from memtrain.strategies.tensor_parallel import vocabulary_parallel_loss
+from memtrain.strategies.context_parallel import parallel_loss
 
 if TYPE_CHECKING:
     from memtrain.plan import Plan
@@ -77,7 +76,7 @@ def mean_loss(trainer: Evaluating) -> float:
         on_device = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
         for micro_batch in trainer.split_batch(on_device, plan.micro_batch_size):
             mine = trainer.context_parallel_split(micro_batch)
-            with plan.precision.autocast(env.device), vocabulary_parallel_loss(env), ring_attention(env):
+            with plan.precision.autocast(env.device), parallel_loss(env):
                 loss_sum, num_tokens = trainer.loss(trainer.sharding.unwrap(model), mine)
             totals[0] += loss_sum.double()
             totals[1] += float(num_tokens)

@@ -18,8 +18,7 @@ Hooks (override in a subclass):
     loss(model, micro_batch)          -> (loss_sum, num_tokens)
     count_tokens(micro_batch)         -> int                     (default: labels != -100)
     split_batch(batch, micro_size)    -> list of micro-batches   (default: slices along dim 0)
-    context_parallel_split(mb)        -> this rank's columns of a micro-batch for strategies.mesh.cp > 1
-                                         (default: input_ids, labels and position ids, split evenly)
+    context_parallel_split(mb)        -> this rank's columns under strategies.mesh.cp > 1 (default: by columns)
     eval_batches()                    -> iterable of batches     (default: none)
     blocks(model)                     -> the repeated blocks strategies wrap (default: discovered)
 
@@ -57,12 +56,12 @@ from memtrain.run.checkpoints import Checkpoint
 from memtrain.schedules import due, lr_at
 from memtrain.strategies.apply import switch_in_place
 from memtrain.strategies.blocks import discover_blocks
-from memtrain.strategies.context_parallel import ring_attention, split_sequence
+from memtrain.strategies.context_parallel import parallel_loss, rank_share
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.pipeline import PipelineSplit, is_pipeline, run_step, stage_group
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.strategies.tensor_parallel import TensorParallelPlan, clip_grad_norm, vocabulary_parallel_loss
+from memtrain.strategies.tensor_parallel import TensorParallelPlan, clip_grad_norm
 from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state, two_pass
 from memtrain.training.applying import apply_plan
 from memtrain.training.class_reference import class_reference
@@ -156,19 +155,8 @@ class Trainer:
         return [{k: v[i : i + micro_size] for k, v in batch.items()} for i in range(0, rows, micro_size)]
 
     def context_parallel_split(self, batch: Batch) -> Batch:
-        """This rank's share of a micro-batch's tokens under `strategies.mesh.cp > 1` (the identity without):
-        by default a contiguous 1/cp of the columns of `input_ids` and `labels`, with a `position_ids` of
-        those columns, which `loss` must hand the model (its rotary positions); the other keys whole
-        (`memtrain.strategies.context_parallel`). The micro-batch's width must divide: `split_batch` pads."""
-        shape = self.env.shape
-        if shape.cp == 1:
-            return batch
-        if "input_ids" not in batch or "labels" not in batch:
-            raise MemtrainError(
-                "strategies.mesh.cp: the batch has no 'input_ids' and 'labels' to split over the context-"
-                "parallel ranks; override Trainer.context_parallel_split or set strategies.mesh.cp: 1"
-            )
-        return split_sequence(batch, shape.coordinates(self.env.rank)["cp"], shape.cp)
+        """This rank's tokens under `strategies.mesh.cp > 1` (`rank_share`; `loss` must pass `position_ids`)."""
+        return rank_share(batch, self.env)
 
     def row_tokens(self, batch: Batch) -> list[int]:
         """Each row's length up to its last loss token (what a micro-batch pads to)."""
@@ -493,10 +481,8 @@ class Trainer:
         collective, and its peers' collective fails on the lost peer (or at the collective timeout).
         """
         assert self.model is not None
-        micro_batches = [
-            self._to_device(self.context_parallel_split(mb))
-            for mb in self.split_batch(batch, self.plan.micro_batch_size)
-        ]
+        split = self.split_batch(batch, self.plan.micro_batch_size)
+        micro_batches = [self._to_device(self.context_parallel_split(mb)) for mb in split]
         counts = [self.count_tokens(mb) for mb in micro_batches]
         global_tokens = int(data_parallel_sum(torch.tensor(sum(counts), dtype=torch.long), self.env))
         scale = self._sharding.grad_sync_scale(self.env) / max(global_tokens, 1)
@@ -528,11 +514,7 @@ class Trainer:
         """Forward and backward of one micro-batch; returns its summed loss (detached, float64). Its
         tensors live only in this frame, so an exception here releases them."""
         assert self.model is not None
-        with (
-            self._sharding.micro_step(self.model, last),
-            vocabulary_parallel_loss(self.env),
-            ring_attention(self.env),
-        ):
+        with self._sharding.micro_step(self.model, last), parallel_loss(self.env):
             with self.monitor.phase("forward"), self.plan.precision.autocast(self.env.device):
                 loss_sum, num_tokens = self.loss(self.model, micro_batch)
             if expected_tokens is not None:
