@@ -45,7 +45,7 @@ class _GatherSequence(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _gathered_ring(mesh: DeviceMesh) -> Iterator[None]:
+def gathered_ring(mesh: DeviceMesh) -> Iterator[None]:
     group = mesh.get_group()
     original = torch.nn.functional.scaled_dot_product_attention
 
@@ -69,5 +69,5 @@ def _gathered_ring(mesh: DeviceMesh) -> Iterator[None]:
 
 def install() -> None:
     """Let this process run context parallelism on CPU through the stand-in."""
-    context_parallel._torch_ring = _gathered_ring  # type: ignore[assignment]
+    context_parallel._torch_ring = gathered_ring  # type: ignore[assignment]
     memtrain.plan.RING_ATTENTION_DEVICES = ("cuda", "cpu")  # type: ignore[misc]

@@ -29,12 +29,13 @@ from memtrain.strategies.sharding.state_bytes import fsdp2_bytes, replicated_byt
 from helpers import TINY_LLAMA, tiny_recipe
 
 MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _small_updates(optimizer_class: Any, steps: int = 20, **options: Any) -> torch.Tensor:
+def _small_updates(optimizer_class: Any, device: str, steps: int = 20, **options: Any) -> torch.Tensor:
     """bf16 weights of 1.0 under a constant gradient: AdamW moves each by lr (1e-3) per step, below half
     a bf16 ulp there (2^-9 just under 1.0)."""
-    param = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    param = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16, device=device))
     optimizer = optimizer_class([param], lr=1e-3, weight_decay=0.0, **options)
     for _ in range(steps):
         param.grad = torch.ones_like(param)
@@ -42,17 +43,19 @@ def _small_updates(optimizer_class: Any, steps: int = 20, **options: Any) -> tor
     return param.detach()
 
 
-def test_small_updates_survive_stochastic_rounding() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
+def test_small_updates_survive_stochastic_rounding(device: str) -> None:
     """Round to nearest writes every step's update away (the weights stay exactly 1.0); stochastic
     rounding moves them by the update on average, and the same way on every run (seeded by the step)."""
-    nearest = _small_updates(BF16StateAdamW)
+    nearest = _small_updates(BF16StateAdamW, device)
     assert torch.equal(nearest, torch.ones_like(nearest)), "the hole stochastic rounding closes"
-    rounded = _small_updates(StochasticBF16AdamW)
+    rounded = _small_updates(StochasticBF16AdamW, device)
     moved = 1.0 - rounded.float().mean().item()
     assert abs(moved - 20 * 1e-3) < 2e-3, moved  # 20 steps of lr; the mean of 4096 unbiased roundings
-    assert torch.equal(rounded, _small_updates(StochasticBF16AdamW))
+    assert torch.equal(rounded, _small_updates(StochasticBF16AdamW, device))
 
 
+@pytest.mark.gpu  # also in scripts/gpu_check.sh: on a GPU the trainer runs the CUDA kernels of the update
 def test_model_states_are_eight_bytes_per_parameter(tmp_path: Path) -> None:
     recipe = tiny_recipe(
         tmp_path,

@@ -10,6 +10,7 @@ checkpoint can see (the bytes and resume tests of galore fail without `memtrain.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,21 @@ try:
 except ImportError:
     HAS_GALORE = False
 NEEDS_GALORE = pytest.mark.skipif(not HAS_GALORE, reason="galore-torch is not installed (memtrain[galore])")
+NEEDS_TORCHAO = pytest.mark.skipif(  # scripts/gpu_check.sh installs neither on a GPU machine
+    importlib.util.find_spec("torchao") is None, reason="torchao is not installed (memtrain[fp8])"
+)
 
 # (optimizer.name, strategies.optimizer_states, train.lr that moves the default model in a few steps)
 CASES = [
     pytest.param("adafactor", "fp32", 0.5, id="adafactor"),
     pytest.param("lion", "fp32", 1e-3, id="lion"),
     pytest.param("galore", "fp32", 1e-2, id="galore", marks=NEEDS_GALORE),
-    pytest.param("adamw", "4bit", 3e-3, id="adamw-4bit"),
+    pytest.param("adamw", "4bit", 3e-3, id="adamw-4bit", marks=NEEDS_TORCHAO),
 ]
 OPTIMIZER = {"galore_rank": 8, "galore_update_proj_gap": 4}  # resumed at 2: reuses the saved projection
 
 
+@pytest.mark.gpu  # also in scripts/gpu_check.sh: on a GPU the trainer runs each optimizer's CUDA kernels
 @pytest.mark.parametrize(("name", "states", "lr"), CASES)
 def test_state_bytes_match_the_tracker(tmp_path: Path, name: str, states: str, lr: float) -> None:
     recipe = tiny_recipe(
