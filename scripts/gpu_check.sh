@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the GPU half of the benchmarks (issue 7) as ONE command, each step time-boxed, about
-# 8 minutes in all on one H200 once a CUDA torch is there. Why one script: GPU time is scarce and
+# 9 minutes in all on one H200 once a CUDA torch is there. Why one script: GPU time is scarce and
 # comes in short leases, so everything that needs the GPU must be prepared, bounded and proven on a CPU
 # beforehand. On a machine without CUDA the same script runs DRY: every GPU-only step says why it is
 # skipped, and each script still runs end to end on a tiny model, so a typo fails here, not on the GPU.
@@ -9,13 +9,15 @@
 #   bash scripts/gpu_check.sh --fetch-wheels DIR [--python-version 3.12]   # on a networked machine
 #
 # Steps (time box each): setup (seconds with a CUDA torch present; 600 s when it must download one),
-# `pytest -m gpu` (90 s: fp8, paged-8bit, activation-offload streams, allocator stats, memory_viz
+# `pytest -m gpu` (120 s: fp8, paged-8bit, activation-offload streams, allocator stats, memory_viz
 # snapshot, the planner against the allocator, torch's context-parallel ring on the CUDA attention kernels
-# with grouped-query heads, bf16-true's stochastic rounding and each optimizer's state bytes on CUDA),
+# with grouped-query heads, bf16-true's stochastic rounding, each optimizer's and each precision's state
+# bytes on CUDA, FSDP2's CPU offload on one CUDA rank),
 # scripts/estimator_accuracy.py (85 s),
 # scripts/bench_loss.py --device cuda (45 s: standard / chunked / fused loss memory and time),
-# scripts/bench_fit_budget.py (200 s), scripts/bench_vs_peers.py --quick (75 s): 495 s plus setup. Outputs in DIR: summary.md and summary.json (every step's status, time and reason,
-# the environment, each step's own results), one .json and .md per benchmark, pytest_gpu.xml, log.txt.
+# scripts/bench_fit_budget.py (200 s), scripts/bench_vs_peers.py --quick (75 s): 525 s plus setup.
+# Outputs in DIR: summary.md and summary.json (every step's status, time and reason, the environment,
+# each step's own results), one .json and .md per benchmark, pytest_gpu.xml, log.txt.
 # Exit status: 0 when no step failed (skipped steps do not fail), 1 otherwise.
 #
 # What a fresh GPU machine is assumed to have (only the repository is copied there):
@@ -193,7 +195,7 @@ EOF
   # 16 s on the CPU, for 16 tests in 4 files. tests/conftest.py fails a run in which a `gpu` test sits in
   # a file this pattern misses.
   mapfile -t GPU_TESTS < <(grep -rlE 'mark\.gpu\b' tests --include='test_*.py' | sort)
-  run pytest_gpu 90 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" "${GPU_TESTS[@]}"
+  run pytest_gpu 120 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/pytest_gpu.xml" "${GPU_TESTS[@]}"
   status=$?
   summary="$(grep -E '(passed|failed|skipped|deselected|error)' "$OUT/pytest_gpu.log" | tail -1)"
   if [ $status = 0 ] && [ "$CUDA" = 0 ]; then

@@ -100,6 +100,7 @@ def test_llama3_8b_on_one_h100_plans_with_offload() -> None:
         assert result.plan.sharding.gradient_reduction == "per_micro_step"
 
 
+@pytest.mark.gpu  # also in scripts/gpu_check.sh: FSDP2 with its CPU offload policy on one CUDA rank (NCCL)
 def test_one_gpu_offload_plan_trains_like_the_reference(tmp_path: Path) -> None:
     steps = {"train": {"steps": 3}, "batch": {"global_size": 8, "micro_size": 2}}
     reference = CausalLMTrainer(tiny_recipe(tmp_path / "ref", **steps)).fit().losses

@@ -7,6 +7,7 @@ in test_checkpointing.py (within 10%).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -21,18 +22,27 @@ from helpers import TINY_LLAMA, tiny_recipe
 # Wide enough that bitsandbytes quantises most tensors (>= 4096 elements), small enough to be quick.
 MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 128}
 
+NEEDS_BITSANDBYTES = pytest.mark.skipif(  # scripts/gpu_check.sh does not install it on a GPU machine
+    importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed"
+)
 CASES = [
-    ("fp32", "fp32"),
-    ("bf16-mixed", "fp32"),
-    ("fp16-mixed", "fp32"),
-    ("bf16-master", "fp32"),
-    ("fp32", "bf16"),
-    ("fp32", "8bit"),
-    ("bf16-master", "8bit"),
+    pytest.param(
+        precision, states, id=f"{precision}+{states}", marks=NEEDS_BITSANDBYTES if states == "8bit" else ()
+    )
+    for precision, states in [
+        ("fp32", "fp32"),
+        ("bf16-mixed", "fp32"),
+        ("fp16-mixed", "fp32"),
+        ("bf16-master", "fp32"),
+        ("fp32", "bf16"),
+        ("fp32", "8bit"),
+        ("bf16-master", "8bit"),
+    ]
 ]
 
 
-@pytest.mark.parametrize(("precision", "states"), CASES, ids=[f"{p}+{s}" for p, s in CASES])
+@pytest.mark.gpu  # also in scripts/gpu_check.sh: each precision's CUDA path (fp16's scaler, bf16 autocast)
+@pytest.mark.parametrize(("precision", "states"), CASES)
 def test_model_state_estimates_match_tracker(tmp_path: Path, precision: str, states: str) -> None:
     recipe = tiny_recipe(
         tmp_path,

@@ -20,8 +20,9 @@ parameters and compute the gradients of different tokens, so their gradients are
 states sharded) with the data-parallel ranks'; the backend's averaging is undone over all of them
 (`grad_sync_scale`).
 
-Not run on a GPU yet (issue 29): the ring itself is torch's, checked here only through a stand-in
-(tests/parallel/ring_standin.py) that gathers the keys and values on CPU.
+Not run on a GPU yet (issue 29): the ring itself is torch's, checked on CPU only through a stand-in
+(tests/parallel/ring_standin.py) that gathers the keys and values. scripts/gpu_check.sh runs torch's ring on
+the CUDA kernels over a one-rank mesh (tests/strategies/test_context_parallel.py); two ranks need two GPUs.
 """
 
 from __future__ import annotations
