@@ -10,7 +10,7 @@
 #
 # Steps (time box each): setup (seconds with a CUDA torch present; 600 s when it must download one),
 # `pytest -m gpu` (120 s: fp8, paged-8bit, activation-offload streams, allocator stats, memory_viz
-# snapshot, the planner against the allocator, torch's context-parallel ring on the CUDA attention kernels
+# snapshot, the allocator model over a profiled run's requests, the planner against the allocator, torch's context-parallel ring on the CUDA attention kernels
 # with grouped-query heads, bf16-true's stochastic rounding, each optimizer's and each precision's state
 # bytes on CUDA, FSDP2's CPU offload on one CUDA rank),
 # scripts/estimator_accuracy.py (85 s),

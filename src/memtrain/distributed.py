@@ -71,11 +71,9 @@ def init_distributed() -> DistEnv:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = local_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     group_before = dist.is_initialized()
     if world_size > 1 and not group_before:
         backend = collective_backend(device)
@@ -91,6 +89,13 @@ def init_distributed() -> DistEnv:
     return DistEnv(
         rank=rank, world_size=world_size, local_rank=local_rank, device=device, group_before=group_before
     )
+
+
+def local_device() -> torch.device:
+    """The device this process trains on: the GPU of torchrun's LOCAL_RANK (0 alone), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def collective_backend(device: torch.device) -> str:

@@ -1,5 +1,6 @@
 """What only a CUDA device can check: real fp8 training, paged 8-bit optimizer states, `memtrain profile`'s
-memory_viz snapshot and allocator view, and the planner's prediction (allocated and reserved) against the allocator.
+memory_viz snapshot and allocator view, the allocator model replayed over a profiled run's own requests, and
+the planner's prediction (allocated and reserved) against the allocator.
 
 Why here: the CPU suite covers these paths through emulation (fp8_emulate), the non-paged 8-bit optimizer
 and the tracker; what they cannot show is the CUDA kernels and the caching allocator. Every test is marked
@@ -12,6 +13,9 @@ tests/memory/test_cuda_stats.py.
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from memtrain.memory.footprint import Footprint
 from memtrain.strategies.blocks import discover_blocks, model_shape
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, measured_state_bytes
 
-from helpers import tiny_recipe, tiny_recipe_dict
+from helpers import subprocess_env, tiny_recipe, tiny_recipe_dict
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,6 +73,8 @@ PLANNER_SECTIONS: dict[str, dict[str, Any]] = {
     "data": {"source": "synthetic", "seq_len": 256, "synthetic": {"num_samples": 64, "min_len": 0}},
 }
 PLANNER_TOLERANCE = 0.25
+# The allocator model over the requests of a real run (issue 29's goal for reserved bytes: within 5%).
+RESERVED_TOLERANCE = 0.05
 
 
 def has_fp8() -> bool:
@@ -143,6 +149,30 @@ def test_profile_on_cuda_writes_a_memory_viz_snapshot_and_the_allocator_view(tmp
     # The allocator's peak is the last step's (it is reset every step). The tracker counts that step's
     # tensor storages; the allocator holds those, rounded up, plus kernel workspaces.
     assert report["steps"][-1]["peak_bytes"] <= allocator["peak_allocated_bytes"]
+
+
+def test_the_allocator_model_replays_a_profiled_run_to_what_the_allocator_reserved(tmp_path: Path) -> None:
+    # In a process of its own: the replay starts from an empty allocator, which this one is not by now.
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(tiny_recipe_dict(tmp_path, **PLANNER_SECTIONS, strategies={"precision": "bf16-mixed"}))
+    )
+    out = tmp_path / "profile"
+    done = subprocess.run(
+        [sys.executable, "-m", "memtrain", "profile", str(recipe), "--steps", "3", "--out", str(out)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    check = json.loads((out / "memory.json").read_text())["cuda"]["allocator_model"]
+    print(next(line for line in done.stdout.splitlines() if line.startswith("allocator model:")))
+    assert check["reason"] is None, check["reason"]
+    assert check["replayed_allocated_bytes"] == check["allocated_bytes"], check  # every request read right
+    error = (check["replayed_reserved_bytes"] - check["reserved_bytes"]) / check["reserved_bytes"]
+    assert abs(error) <= RESERVED_TOLERANCE, check
 
 
 def test_planner_prediction_against_the_allocator(tmp_path: Path) -> None:

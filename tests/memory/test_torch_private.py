@@ -62,8 +62,8 @@ def test_storage_python_object_lives_as_long_as_the_storage() -> None:
 def test_cuda_memory_history_functions_exist() -> None:
     record = getattr(torch.cuda.memory, "_record_memory_history", None)
     dump = getattr(torch.cuda.memory, "_dump_snapshot", None)
-    if record is None or dump is None:
-        _fail("torch.cuda.memory._record_memory_history/_dump_snapshot", "missing")
+    if record is None or dump is None or getattr(torch.cuda.memory, "_snapshot", None) is None:
+        _fail("torch.cuda.memory._record_memory_history/_dump_snapshot/_snapshot", "missing")
     params = inspect.signature(record).parameters
     if not {"enabled", "max_entries"} <= set(params):
         _fail("torch.cuda.memory._record_memory_history", f"parameters are now {list(params)}")

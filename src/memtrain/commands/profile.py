@@ -14,10 +14,11 @@ from typing import Any
 
 from memtrain import json_out
 from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
-from memtrain.distributed import DistEnv, gather_objects
+from memtrain.distributed import DistEnv, gather_objects, local_device
 from memtrain.memory import cuda_stats
+from memtrain.memory.allocator_check import AllocatorModelCheck, check_recorded_run
 from memtrain.memory.report import format_table, memory_json, write_timeline_html, write_timeline_png
-from memtrain.memory.values import StepMemory
+from memtrain.memory.values import StepMemory, format_bytes
 from memtrain.run import RunLayout
 
 PROFILE_OVERRIDES = [
@@ -39,10 +40,12 @@ def run_profile(
     recipe = trainer_cls.recipe_class.load(
         recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}", *PROFILE_OVERRIDES]
     )
+    # The history starts before the trainer: the allocator model's replay needs every request of the run.
+    stats = cuda_stats.allocator_stats(local_device())
+    held_at_start = stats.reserved_bytes if stats is not None else 0
+    cuda_stats.start_memory_history()
     trainer = for_recipe(trainer_cls, recipe)(recipe)
     on_cuda = trainer.env.device.type == "cuda"
-    if on_cuda:
-        cuda_stats.start_memory_history()
     trainer.fit()
     monitor = trainer.monitor
     tracker = monitor.tracker
@@ -53,10 +56,12 @@ def run_profile(
         device_peaks = monitor.device_peaks if on_cuda else None  # RSS is no per-tensor peak on CPU
         report["first_step"] = tracker.first_step_report(device_peaks)
     if on_cuda:
+        model_check = check_recorded_run(trainer.env.device, held_at_start)
         snapshot = cuda_stats.dump_memory_history(out_dir / "memory_snapshot.pickle")
         stats = cuda_stats.allocator_stats(trainer.env.device)
         report["cuda"] = {
             "allocator": stats.__dict__ if stats is not None else None,
+            "allocator_model": model_check.__dict__ if model_check is not None else None,
             "context_bytes": cuda_stats.context_bytes(trainer.env.device),
             "snapshot": snapshot.detail,
             "fragmentation_warning": cuda_stats.fragmentation_warning(stats),
@@ -84,5 +89,21 @@ def describe(report: dict[str, Any], out_dir: Path) -> str:
     lines = [format_table(report), ""]
     for line in report.get("first_step", {}).get("explanation", []):
         lines.append(f"first step: {line}")
+    model_check = (report.get("cuda") or {}).get("allocator_model")
+    if model_check is not None:
+        lines.append(allocator_model_line(AllocatorModelCheck(**model_check)))
     lines.append(f"wrote {out_dir}/memory.json, timeline.png, timeline.html")
     return "\n".join(lines)
+
+
+def allocator_model_line(check: AllocatorModelCheck) -> str:
+    """One line on memtrain's allocator model replayed over this run's requests (the planner's reserved bytes
+    stand on it), or why it was not."""
+    if check.reason is not None or check.replayed_reserved_bytes is None:
+        return f"allocator model: not replayed ({check.reason})"
+    return (
+        f"allocator model: this run's requests replayed to {format_bytes(check.replayed_reserved_bytes)} "
+        f"reserved, the allocator reserved {format_bytes(check.reserved_bytes)} "
+        f"({check.reserved_error or 0.0:+.2%}); live blocks at the end {format_bytes(check.replayed_allocated_bytes or 0)}"
+        f" replayed, {format_bytes(check.allocated_bytes)} allocated"
+    )

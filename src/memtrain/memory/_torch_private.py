@@ -30,6 +30,7 @@ __all__ = [
     "is_fake",
     "join_fake_process_group",
     "math_attention",
+    "memory_snapshot",
     "native_dropout",
     "record_memory_history",
 ]
@@ -121,6 +122,12 @@ def grouped_mm_replaced(replacement: Callable[..., torch.Tensor]) -> Iterator[No
 def record_memory_history(enabled: bool, max_entries: int) -> None:
     """Start (or stop) the CUDA caching allocator's alloc/free history with stack traces."""
     torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
+
+
+def memory_snapshot() -> dict[str, Any]:
+    """The allocator snapshot in memory: `segments` and, while the history records, `device_traces` (one
+    list of entries per device: `action`, `addr`, `size`, `stream`, ...)."""
+    return dict(torch.cuda.memory._snapshot())
 
 
 def dump_memory_snapshot(path: str) -> None:

@@ -52,12 +52,14 @@ Event = tuple[int, int]
 @dataclass(frozen=True)
 class Replay:
     """What a replayed sequence held: live requested bytes (what the tracker counts), the allocator's
-    live blocks (`torch.cuda.max_memory_allocated`'s measure) and its segments (`max_memory_reserved`)."""
+    live blocks (`torch.cuda.max_memory_allocated`'s measure) and its segments (`max_memory_reserved`);
+    `blocks_end`: the live blocks after the last event (`torch.cuda.memory_allocated`'s measure)."""
 
     allocated_peak: int
     reserved_peak: int
     reserved_at_allocated_peak: int
     blocks_peak: int
+    blocks_end: int
 
 
 def round_size(size: int) -> int:
@@ -229,10 +231,13 @@ class CachingAllocator:
 
 
 def replay(
-    events: Iterable[Event], expandable_segments: bool = False, max_split_size: int | None = None
+    events: Iterable[Event],
+    expandable_segments: bool = False,
+    max_split_size: int | None = None,
+    max_non_split_rounding: int = LARGE_BUFFER,
 ) -> Replay:
     """Run `events` through a fresh allocator; frees of storages it never saw allocated are skipped."""
-    allocator = CachingAllocator(expandable_segments, max_split_size)
+    allocator = CachingAllocator(expandable_segments, max_split_size, max_non_split_rounding)
     peak = reserved_at_peak = blocks_peak = 0
     for sid, nbytes in events:
         if nbytes:
@@ -242,4 +247,4 @@ def replay(
             blocks_peak = max(blocks_peak, allocator.blocks)
         else:
             allocator.free(sid)
-    return Replay(peak, allocator.reserved, reserved_at_peak, blocks_peak)
+    return Replay(peak, allocator.reserved, reserved_at_peak, blocks_peak, allocator.blocks)

@@ -17,6 +17,7 @@ from . import _torch_private
 from .values import format_bytes
 
 Device = torch.device | str | int | None
+HISTORY_ENTRIES = 100_000  # the memory history's ring buffer: older entries are dropped
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,12 @@ def expandable_segments_in_environment() -> bool:
 
 
 def _expandable(settings: str) -> bool:
-    options = dict(item.split(":", 1) for item in settings.replace(" ", "").split(",") if ":" in item)
-    return options.get("expandable_segments", "").lower() == "true"
+    return allocator_options(settings).get("expandable_segments", "").lower() == "true"
+
+
+def allocator_options(settings: str) -> dict[str, str]:
+    """The options of an allocator settings string (PYTORCH_ALLOC_CONF's syntax: `key:value,key:value`)."""
+    return dict(item.split(":", 1) for item in settings.replace(" ", "").split(",") if ":" in item)
 
 
 def fragmentation_warning(stats: AllocatorStats | None = None, threshold: float = 0.25) -> str | None:
@@ -119,7 +124,7 @@ def fragmentation_warning(stats: AllocatorStats | None = None, threshold: float 
     )
 
 
-def start_memory_history(max_entries: int = 100_000) -> HistoryResult:
+def start_memory_history(max_entries: int = HISTORY_ENTRIES) -> HistoryResult:
     """Record every CUDA alloc/free with its stack, for `dump_memory_history`."""
     reason = cuda_unavailable_reason()
     if reason is not None:
