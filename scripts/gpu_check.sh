@@ -169,6 +169,9 @@ if [ $SETUP_OK = 0 ]; then
 else
   export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.cache/torch_extensions}"
   export PYTHONUNBUFFERED=1
+  # The benchmarks' planners probe and time the step here: their step-time multipliers (the CUDA constants'
+  # calibration, planner/step_time_calibration.py) land in OUT, and the summary reports them.
+  export MEMTRAIN_CACHE_DIR="$OUT/cache"
   "$PY" - >"$OUT/env.json" 2>>"$LOG" <<'EOF'
 import json, platform, subprocess, datetime, torch
 def git(*args):
@@ -259,13 +262,26 @@ env = json.loads((out / "env.json").read_text()) if (out / "env.json").is_file()
 results = {s["step"]: json.loads((out / f"{s['step']}.json").read_text())
            for s in steps if (out / f"{s['step']}.json").is_file()}
 failed = [s["step"] for s in steps if s["status"] not in ("ok", "skipped")]
+# The step-time multipliers the benchmarks' runs fitted per device, in the order of cost.TERMS
+# (compute, recompute, micro_steps, optimizer, communication, offload): the CUDA constants' calibration.
+cache = out / "cache" / "step_time.json"
+calibration = {}
+if cache.is_file():
+    try:
+        calibration = {key: {"scale": entry.get("scale"), "samples": len(entry.get("samples", []))}
+                       for key, entry in json.loads(cache.read_text()).items() if isinstance(entry, dict)}
+    except (ValueError, AttributeError) as error:
+        calibration = {"unreadable": str(error)}
 (out / "summary.json").write_text(json.dumps({"env": env, "seconds": elapsed, "failed": failed, "steps": steps,
-                                              "results": results}, indent=2))
+                                              "results": results, "step_time_calibration": calibration}, indent=2))
 lines = [f"# GPU check: {env.get('date', '')}, {env.get('device', '?')}, torch {env.get('torch', '?')}, "
          f"commit {env.get('commit', '?')}{' (dirty)' if env.get('dirty') else ''}", "",
          "| step | status | seconds | reason |", "|---|---|---|---|"]
 lines += [f"| {s['step']} | {s['status']} | {s['seconds']} | {s['reason']} |" for s in steps]
 lines += ["", f"Total: {elapsed} s."]
+if calibration:
+    lines += ["", "## step-time multipliers (compute, recompute, micro_steps, optimizer, communication, offload)", ""]
+    lines += [f"- {key}: {value}" for key, value in calibration.items()]
 for s in steps:
     md = out / f"{s['step']}.md"
     if md.is_file():

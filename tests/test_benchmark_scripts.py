@@ -159,6 +159,11 @@ def test_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
         assert steps[name]["status"] == "skipped", steps[name]
         assert steps[name]["reason"].startswith("needs CUDA"), steps[name]
     assert "SKIPPED" in (tmp_path / "pytest_gpu.log").read_text()  # each gpu test printed its reason
+    # the benchmarks' runs calibrated the step time in the check's own cache (on a GPU: the CUDA constants')
+    calibration = summary["step_time_calibration"]
+    assert calibration and all(
+        len(entry["scale"]) == 6 and min(entry["scale"]) > 0 for entry in calibration.values()
+    ), calibration
     assert (tmp_path / "summary.md").read_text().startswith("# GPU check")
 
 
