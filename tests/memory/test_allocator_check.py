@@ -68,12 +68,34 @@ def test_the_allocator_settings_reach_the_replay() -> None:
     assert check.replayed_reserved_bytes == 130 * MiB
 
 
+def test_the_replay_starts_after_an_empty_cache_that_gave_everything_back() -> None:
+    # A probe before the run (a 12 MiB segment, emptied), on a device that held 2 MiB when the history began
+    # and gave them back too: the replay is the run's alone, as if the history began after it.
+    probe = [
+        entry("segment_alloc", 50_000, 12 * MiB),
+        entry("alloc", 50_000, 11 * MiB),
+        entry("free_completed", 50_000, 11 * MiB),
+        entry("segment_free", 50_000, 12 * MiB),
+        entry("segment_free", 60_000, 2 * MiB),
+    ]
+    check = check_allocator_model(
+        [*probe, *TRACE], held_at_start=2 * MiB, reserved_bytes=22 * MiB, allocated_bytes=1, settings=""
+    )
+    assert check.reason is None and check.reserved_error == 0.0
+    assert check.replayed_allocated_bytes == 3 * MiB + 512
+
+
 @pytest.mark.parametrize(
     ("trace", "held", "settings", "reason"),
     [
-        (TRACE, 4096, "", "held 4096 reserved bytes before the history began"),
+        (TRACE, 4096, "", "held 4096 reserved bytes before the history began and kept some"),
         (TRACE * 20_000, 0, "", "kept only its last 100000 entries"),
-        ([*TRACE, entry("segment_free", 1000, 2 * MiB)], 0, "", "segment_free): empty_cache is not modelled"),
+        (
+            [*TRACE, entry("segment_free", 1000, 2 * MiB)],
+            0,
+            "",
+            "while holding other segments (segment_free)",
+        ),
         ([*TRACE, entry("alloc", 7000, 64, stream=7)], 0, "", "allocations on 2 streams"),
         ([*TRACE, entry("alloc", 7000, 64, pool_id=(1, 2))], 0, "", "private memory pool"),
         (TRACE, 0, "roundup_power2_divisions:4", "settings the model lacks: roundup_power2_divisions"),

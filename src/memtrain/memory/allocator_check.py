@@ -9,10 +9,13 @@ the allocator reserved (segments are not returned without `empty_cache`, so that
 the end) and hold the same live blocks at the end (`memory_allocated`, every block rounded as the
 allocator rounds it; a mismatch there means a request or a free was read wrong).
 
-No replay, and the reason instead, when the history cannot stand for the whole run: the device held memory
-before the recording began, the history's ring buffer dropped its first entries, the run returned segments
-to the driver (`empty_cache`, or an allocation retried after freeing the cache), allocations ran on
-several streams or in a private pool (CUDA graphs), or the allocator runs with settings the model lacks.
+The replay starts at the last moment the allocator held nothing: the start of the history, or an
+`empty_cache` that gave every segment back (the step-time probe's, before the model is built). No replay,
+and the reason instead, when the history cannot stand for the run from there: the device held memory from
+before the recording to the end, the history's ring buffer dropped its first entries, the run returned
+some segments while holding others (an `empty_cache` mid-run, or an allocation retried after freeing the
+cache), allocations ran on several streams or in a private pool (CUDA graphs), or the allocator runs with
+settings the model lacks.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from .caching_allocator import LARGE_BUFFER, Event, MiB, replay
 from .cuda_stats import HISTORY_ENTRIES, allocator_options, allocator_stats
 
 NOT_MODELLED = ("roundup_power2_divisions", "garbage_collection_threshold", "backend")
-RETURNED = ("segment_free", "segment_unmap")  # the allocator gave memory back to the driver
+GROWN = ("segment_alloc", "segment_map")  # the allocator took memory from the driver
+RETURNED = ("segment_free", "segment_unmap")  # and gave it back
 
 
 @dataclass(frozen=True)
@@ -78,24 +82,28 @@ def check_allocator_model(
     max_entries: int = HISTORY_ENTRIES,
 ) -> AllocatorModelCheck:
     """Replay `trace` (recorded from a device that held `held_at_start` reserved bytes, with at most
-    `max_entries` kept) under the allocator `settings` (PYTORCH_ALLOC_CONF's syntax) and set it beside the
-    allocator's `reserved_bytes` and `allocated_bytes` at the end."""
-    found = AllocatorModelCheck(reserved_bytes, allocated_bytes)
+    `max_entries` kept) under the allocator `settings` (PYTORCH_ALLOC_CONF's syntax) from the last moment
+    the allocator held nothing, and set it beside the allocator's `reserved_bytes` and `allocated_bytes`
+    at the end."""
     options = allocator_options(settings)
-    reason = _why_not_replayable(trace, held_at_start, max_entries, options)
-    if reason is not None:
+    start = _empty_since(trace, held_at_start)
+    if len(trace) >= max_entries:
+        reason: str | None = f"the history kept only its last {max_entries} entries"
+    elif start is None:
+        reason = f"the device held {held_at_start} reserved bytes before the history began and kept some"
+    else:
+        reason = _why_not_replayable(trace[start:], options)
+    if reason is not None or start is None:
         return AllocatorModelCheck(reserved_bytes, allocated_bytes, reason=reason)
     split = options.get("max_split_size_mb")
     rounding = options.get("max_non_split_rounding_mb")
     replayed = replay(
-        history_events(trace),
+        history_events(trace[start:]),
         expandable_segments=options.get("expandable_segments", "").lower() == "true",
         max_split_size=int(split) * MiB if split else None,
         max_non_split_rounding=int(rounding) * MiB if rounding else LARGE_BUFFER,
     )
-    return AllocatorModelCheck(
-        found.reserved_bytes, found.allocated_bytes, replayed.reserved_peak, replayed.blocks_end
-    )
+    return AllocatorModelCheck(reserved_bytes, allocated_bytes, replayed.reserved_peak, replayed.blocks_end)
 
 
 def check_recorded_run(device: torch.device, held_at_start: int) -> AllocatorModelCheck | None:
@@ -115,17 +123,31 @@ def check_recorded_run(device: torch.device, held_at_start: int) -> AllocatorMod
     )
 
 
-def _why_not_replayable(
-    trace: Sequence[Mapping[str, Any]], held_at_start: int, max_entries: int, options: Mapping[str, str]
-) -> str | None:
-    if held_at_start:
-        return f"the device held {held_at_start} reserved bytes before the history began"
-    if len(trace) >= max_entries:
-        return f"the history kept only its last {max_entries} entries"
-    actions = {entry.get("action") for entry in trace}
-    returned = sorted(a for a in RETURNED if a in actions)
+def _empty_since(trace: Sequence[Mapping[str, Any]], held_at_start: int) -> int | None:
+    """The index of the entry after the last moment the allocator held no segment (so no block either), from
+    which a replay starts as the allocator did: 0 when it started empty, after an `empty_cache` that gave
+    everything back (the step-time probe's, before the model is built), or None when it never held nothing."""
+    reserved = held_at_start
+    start = 0 if held_at_start == 0 else None
+    for index, entry in enumerate(trace):
+        action = entry.get("action")
+        if action in GROWN:
+            reserved += int(entry["size"])
+        elif action in RETURNED:
+            reserved -= int(entry["size"])
+            if reserved <= 0:
+                start = index + 1
+    return start
+
+
+def _why_not_replayable(trace: Sequence[Mapping[str, Any]], options: Mapping[str, str]) -> str | None:
+    """Why `trace`, recorded from an empty allocator, does not replay as the allocator ran, or None."""
+    returned = sorted({str(entry.get("action")) for entry in trace} & set(RETURNED))
     if returned:
-        return f"the run returned memory to the driver ({', '.join(returned)}): empty_cache is not modelled"
+        return (
+            f"the run returned memory to the driver while holding other segments ({', '.join(returned)}): "
+            "not modelled"
+        )
     streams = {entry.get("stream", 0) for entry in trace if entry.get("action") == "alloc"}
     if len(streams) > 1:
         return f"allocations on {len(streams)} streams: the model replays one"
