@@ -152,7 +152,8 @@ def test_profile_on_cuda_writes_a_memory_viz_snapshot_and_the_allocator_view(tmp
 
 
 def test_the_allocator_model_replays_a_profiled_run_to_what_the_allocator_reserved(tmp_path: Path) -> None:
-    # In a process of its own: the replay starts from an empty allocator, which this one is not by now.
+    # In a process of its own: the replay starts from an empty allocator, which this one is not by now; with
+    # the step-time cache on, as a user's run has it (the probe's empty_cache is in the history then).
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         yaml.safe_dump(tiny_recipe_dict(tmp_path, **PLANNER_SECTIONS, strategies={"precision": "bf16-mixed"}))
@@ -160,7 +161,7 @@ def test_the_allocator_model_replays_a_profiled_run_to_what_the_allocator_reserv
     out = tmp_path / "profile"
     done = subprocess.run(
         [sys.executable, "-m", "memtrain", "profile", str(recipe), "--steps", "3", "--out", str(out)],
-        env=subprocess_env(),
+        env={**subprocess_env(), "MEMTRAIN_CACHE_DIR": str(tmp_path / "cache")},
         capture_output=True,
         text=True,
         timeout=300,

@@ -10,6 +10,7 @@ import pytest
 
 from memtrain.commands.profile import allocator_model_line
 from memtrain.memory.allocator_check import AllocatorModelCheck, check_allocator_model, history_events
+from memtrain.memory.caching_allocator import EMPTY_CACHE
 
 MiB = 2**20
 
@@ -85,6 +86,26 @@ def test_the_replay_starts_after_an_empty_cache_that_gave_everything_back() -> N
     assert check.replayed_allocated_bytes == 3 * MiB + 512
 
 
+def test_an_empty_cache_while_a_workspace_lives_is_replayed() -> None:
+    # A workspace of 64 KiB stays live (as cuBLAS's does) while a probe's 12 MiB segment is emptied: the
+    # empty_cache gives back only the free segment; the run's small request then shares the workspace's.
+    probe = [
+        entry("segment_alloc", 70_000, 2 * MiB),
+        entry("alloc", 70_000, 64 * 1024),
+        entry("segment_alloc", 50_000, 12 * MiB),
+        entry("alloc", 50_000, 11 * MiB),
+        entry("free_completed", 50_000, 11 * MiB),
+        entry("segment_free", 50_000, 12 * MiB),
+    ]
+    run = [entry("alloc", 1000, 1000), entry("alloc", 9000, 3 * MiB)]
+    assert history_events([*probe, *run])[2:] == [(3, 0), (EMPTY_CACHE, 0), (6, 1000), (7, 3 * MiB)]
+    check = check_allocator_model(
+        [*probe, *run], held_at_start=0, reserved_bytes=22 * MiB, allocated_bytes=1, settings=""
+    )
+    assert check.reason is None and check.replayed_reserved_bytes == 22 * MiB  # 2 small + 20 large
+    assert check.replayed_allocated_bytes == 64 * 1024 + 1024 + 3 * MiB
+
+
 @pytest.mark.parametrize(
     ("trace", "held", "settings", "reason"),
     [
@@ -93,15 +114,15 @@ def test_the_replay_starts_after_an_empty_cache_that_gave_everything_back() -> N
         (
             [*TRACE, entry("segment_free", 1000, 2 * MiB)],
             0,
-            "",
-            "while holding other segments (segment_free)",
+            "expandable_segments:True",
+            "returned memory to the driver with expandable segments",
         ),
         ([*TRACE, entry("alloc", 7000, 64, stream=7)], 0, "", "allocations on 2 streams"),
         ([*TRACE, entry("alloc", 7000, 64, pool_id=(1, 2))], 0, "", "private memory pool"),
         (TRACE, 0, "roundup_power2_divisions:4", "settings the model lacks: roundup_power2_divisions"),
         (TRACE, 0, "backend:cudaMallocAsync", "settings the model lacks: backend"),
     ],
-    ids=["held", "truncated", "returned", "streams", "pool", "rounding", "async"],
+    ids=["held", "truncated", "unmapped", "streams", "pool", "rounding", "async"],
 )
 def test_a_history_that_cannot_stand_for_the_run_is_not_replayed(
     trace: list[dict[str, Any]], held: int, settings: str, reason: str

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain.memory.caching_allocator import Event, replay, round_size, segment_size
+from memtrain.memory.caching_allocator import (
+    EMPTY_CACHE,
+    CachingAllocator,
+    Event,
+    replay,
+    round_size,
+    segment_size,
+)
 
 MiB = 2**20
 
@@ -120,3 +127,14 @@ def test_reserved_never_below_allocated(expandable: bool) -> None:
 def test_double_allocation_is_an_error() -> None:
     with pytest.raises(ValueError, match="allocated twice"):
         replay([(1, 10), (1, 10)])
+
+
+def test_empty_cache_returns_only_the_segments_without_live_blocks() -> None:
+    # 5 MiB and 3 MiB share a 20 MiB segment, 13 MiB takes one of 14 MiB: with the 3 MiB one still live only
+    # the 14 MiB segment goes back; the peak keeps what was reserved before.
+    events = [(1, 5 * MiB), (2, 3 * MiB), (3, 13 * MiB), (1, 0), (3, 0), (EMPTY_CACHE, 0)]
+    result = replay(events)
+    assert (result.reserved_peak, result.reserved_end, result.blocks_end) == (34 * MiB, 20 * MiB, 3 * MiB)
+    assert replay([*events, (2, 0), (EMPTY_CACHE, 0)]).reserved_end == 0
+    with pytest.raises(ValueError, match="expandable segments"):
+        CachingAllocator(expandable_segments=True).empty_cache()

@@ -5,17 +5,18 @@ and this is the one check of it that needs no prediction in between.
 Why from torch's memory history (`torch.cuda.memory._record_memory_history`, which `memtrain profile`
 records anyway for its memory_viz snapshot): it lists every request the allocator served, with its
 requested size and its address, in order. Replayed from an empty allocator, the model must reserve what
-the allocator reserved (segments are not returned without `empty_cache`, so that is its reserved bytes at
-the end) and hold the same live blocks at the end (`memory_allocated`, every block rounded as the
+the allocator reserved at the end (`memory_reserved`; an `empty_cache` in the history, the step-time
+probe's, is replayed as one) and hold the same live blocks (`memory_allocated`, every block rounded as the
 allocator rounds it; a mismatch there means a request or a free was read wrong).
 
 The replay starts at the last moment the allocator held nothing: the start of the history, or an
-`empty_cache` that gave every segment back (the step-time probe's, before the model is built). No replay,
-and the reason instead, when the history cannot stand for the run from there: the device held memory from
-before the recording to the end, the history's ring buffer dropped its first entries, the run returned
-some segments while holding others (an `empty_cache` mid-run, or an allocation retried after freeing the
-cache), allocations ran on several streams or in a private pool (CUDA graphs), or the allocator runs with
-settings the model lacks.
+`empty_cache` that gave every segment back. No replay, and the reason instead, when the history cannot
+stand for the run from there: the device held memory from before the recording to the end, the history's
+ring buffer dropped its first entries, segments were given back with expandable segments on (pages
+unmapped: not modelled), allocations ran on several streams or in a private pool (CUDA graphs), or the
+allocator runs with settings the model lacks. An allocation retried after the allocator freed its cache
+(near the device's limit) is replayed as an `empty_cache`, which frees every unused segment where the
+allocator may free fewer: the comparison shows it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from . import _torch_private
-from .caching_allocator import LARGE_BUFFER, Event, MiB, replay
+from .caching_allocator import EMPTY_CACHE, LARGE_BUFFER, Event, MiB, replay
 from .cuda_stats import HISTORY_ENTRIES, allocator_options, allocator_stats
 
 NOT_MODELLED = ("roundup_power2_divisions", "garbage_collection_threshold", "backend")
@@ -58,8 +59,9 @@ def history_events(trace: Iterable[Mapping[str, Any]]) -> list[Event]:
     """The requests of torch's allocator history (the entries of `torch.cuda.memory._snapshot()`'s
     `device_traces[device]`) as replay events: each "alloc" a new storage of its requested `size`, and its
     "free_completed" (the block reusable again; "free_requested" precedes it while another stream still
-    uses the block) the free of the storage last allocated at that address. The allocator's own actions
-    (segments, snapshots, OOMs) are its answers, not requests: the replay makes its own."""
+    uses the block) the free of the storage last allocated at that address, and segments given back to the
+    driver an `empty_cache`. The allocator's other actions (new segments, snapshots, OOMs) are its answers,
+    not requests: the replay makes its own."""
     events: list[Event] = []
     live: dict[int, int] = {}
     for serial, entry in enumerate(trace):
@@ -69,6 +71,8 @@ def history_events(trace: Iterable[Mapping[str, Any]]) -> list[Event]:
             events.append((serial, int(entry["size"])))
         elif action == "free_completed" and entry["addr"] in live:
             events.append((live.pop(entry["addr"]), 0))
+        elif action in RETURNED and (not events or events[-1] != (EMPTY_CACHE, 0)):
+            events.append((EMPTY_CACHE, 0))  # one `empty_cache` returns its segments one entry each
     return events
 
 
@@ -103,7 +107,7 @@ def check_allocator_model(
         max_split_size=int(split) * MiB if split else None,
         max_non_split_rounding=int(rounding) * MiB if rounding else LARGE_BUFFER,
     )
-    return AllocatorModelCheck(reserved_bytes, allocated_bytes, replayed.reserved_peak, replayed.blocks_end)
+    return AllocatorModelCheck(reserved_bytes, allocated_bytes, replayed.reserved_end, replayed.blocks_end)
 
 
 def check_recorded_run(device: torch.device, held_at_start: int) -> AllocatorModelCheck | None:
@@ -142,12 +146,9 @@ def _empty_since(trace: Sequence[Mapping[str, Any]], held_at_start: int) -> int 
 
 def _why_not_replayable(trace: Sequence[Mapping[str, Any]], options: Mapping[str, str]) -> str | None:
     """Why `trace`, recorded from an empty allocator, does not replay as the allocator ran, or None."""
-    returned = sorted({str(entry.get("action")) for entry in trace} & set(RETURNED))
-    if returned:
-        return (
-            f"the run returned memory to the driver while holding other segments ({', '.join(returned)}): "
-            "not modelled"
-        )
+    expandable = options.get("expandable_segments", "").lower() == "true"
+    if expandable and any(entry.get("action") in RETURNED for entry in trace):
+        return "the run returned memory to the driver with expandable segments: not modelled"
     streams = {entry.get("stream", 0) for entry in trace if entry.get("action") == "alloc"}
     if len(streams) > 1:
         return f"allocations on {len(streams)} streams: the model replays one"

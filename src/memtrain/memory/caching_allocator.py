@@ -16,8 +16,9 @@ Modelled, from c10/cuda/CUDACachingAllocator.cpp (torch 2.x; constants of Cachin
   request under `max_split_size`);
 - `max_split_size` (unlimited by default): a request below it never takes a free block at or above it,
   one at or above it takes such a block only within `max_non_split_rounding` of its size;
-- a freed block merges with free neighbours of its segment; segments are never returned (no
-  `empty_cache`), so reserved bytes only grow: the reserved peak is the final reserved;
+- a freed block merges with free neighbours of its segment; segments are returned only by
+  `empty_cache` (an `EMPTY_CACHE` event: every segment with no live block), which a training step never
+  calls, so over a step's replay reserved bytes only grow;
 - `expandable_segments:True`: one segment per pool whose mapped size grows in pages (2 MiB for the small
   pool, 20 MiB for the large: `ExpandableSegment`'s `segment_size`). A request takes the best-fitting
   free block that is not the segment's free tail (the tail can grow, so it is the last choice); when none
@@ -46,20 +47,23 @@ MIN_LARGE_ALLOC = 10 * MiB
 ROUND_LARGE = 2 * MiB
 
 Event = tuple[int, int]
-"""(storage id, bytes): an allocation of `bytes` when it is positive, the free of that storage when 0."""
+"""(storage id, bytes): an allocation of `bytes` when it is positive, the free of that storage when 0;
+`(EMPTY_CACHE, 0)`: `torch.cuda.empty_cache()`."""
+EMPTY_CACHE = -1
 
 
 @dataclass(frozen=True)
 class Replay:
     """What a replayed sequence held: live requested bytes (what the tracker counts), the allocator's
     live blocks (`torch.cuda.max_memory_allocated`'s measure) and its segments (`max_memory_reserved`);
-    `blocks_end`: the live blocks after the last event (`torch.cuda.memory_allocated`'s measure)."""
+    after the last event its live blocks and segments (`memory_allocated`, `memory_reserved`)."""
 
     allocated_peak: int
     reserved_peak: int
     reserved_at_allocated_peak: int
     blocks_peak: int
     blocks_end: int
+    reserved_end: int
 
 
 def round_size(size: int) -> int:
@@ -170,6 +174,16 @@ class CachingAllocator:
         pool.add(block)
         return True
 
+    def empty_cache(self) -> None:
+        """`torch.cuda.empty_cache()` without expandable segments: every segment with no live block (one free
+        block, merged whole) goes back to the driver."""
+        if self.expandable:
+            raise ValueError("empty_cache with expandable segments (pages unmapped) is not modelled")
+        for pool in self.pools:
+            for block in [b for b in pool.blocks.values() if b.prev is None and b.next is None]:
+                pool.remove(block)
+                self.reserved -= block.size
+
     def _merge(self, pool: _Pool, block: _Block, other: _Block) -> None:
         if other is block.prev:
             block.addr, block.prev = other.addr, other.prev
@@ -238,13 +252,16 @@ def replay(
 ) -> Replay:
     """Run `events` through a fresh allocator; frees of storages it never saw allocated are skipped."""
     allocator = CachingAllocator(expandable_segments, max_split_size, max_non_split_rounding)
-    peak = reserved_at_peak = blocks_peak = 0
+    peak = reserved_at_peak = blocks_peak = reserved_peak = 0
     for sid, nbytes in events:
-        if nbytes:
+        if sid == EMPTY_CACHE:
+            allocator.empty_cache()
+        elif nbytes:
             allocator.malloc(sid, nbytes)
             if allocator.allocated > peak:
                 peak, reserved_at_peak = allocator.allocated, allocator.reserved
             blocks_peak = max(blocks_peak, allocator.blocks)
+            reserved_peak = max(reserved_peak, allocator.reserved)
         else:
             allocator.free(sid)
-    return Replay(peak, allocator.reserved, reserved_at_peak, blocks_peak, allocator.blocks)
+    return Replay(peak, reserved_peak, reserved_at_peak, blocks_peak, allocator.blocks, allocator.reserved)
