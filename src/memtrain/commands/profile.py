@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from memtrain import json_out
 from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
 from memtrain.distributed import DistEnv, gather_objects, local_device
@@ -40,8 +42,12 @@ def run_profile(
     recipe = trainer_cls.recipe_class.load(
         recipe_path, [*overrides, f"train.steps={steps}", f"run.output_dir={out_dir}", *PROFILE_OVERRIDES]
     )
-    # The history starts before the trainer: the allocator model's replay needs every request of the run.
-    stats = cuda_stats.allocator_stats(local_device())
+    # The history starts before the trainer: the allocator model's replay needs every request of the run,
+    # on the trainer's own device (made current first, as `init_distributed` will, so nothing lands on GPU 0).
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    stats = cuda_stats.allocator_stats(device)
     held_at_start = stats.reserved_bytes if stats is not None else 0
     cuda_stats.start_memory_history()
     trainer = for_recipe(trainer_cls, recipe)(recipe)
