@@ -37,6 +37,7 @@ def _plan(probe: ModelProbe, world: int, *overrides: str) -> MeshResult:
         gpu.cluster,
         torch.device("cuda", 0),
         tensor_parallel_problems=lambda tp: tensor_parallel_problems(_Config(config), tp),
+        pipeline=True,
     )
 
 

@@ -52,6 +52,7 @@ def _search(recipe: CausalLMRecipe, probe: ModelProbe, world: int, cluster: Clus
         cluster,
         torch.device("cuda", 0),
         tensor_parallel_problems=lambda tp: tensor_parallel_problems(config, tp),
+        pipeline=True,
     )
 
 
@@ -73,9 +74,21 @@ def test_every_factorisation_of_the_open_degrees(tmp_path: Path) -> None:
 def test_constraints_name_what_rules_a_mesh_out(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path)
 
-    def problems(mesh: MeshShape, tp_problems: Any = None, cluster: Cluster = DEFAULT_CLUSTER) -> str:
+    def problems(
+        mesh: MeshShape,
+        tp_problems: Any = None,
+        cluster: Cluster = DEFAULT_CLUSTER,
+        pipeline: bool = True,
+        blocks: int = 5,
+    ) -> str:
         found = mesh_constraints(
-            mesh, recipe, cluster=cluster, num_blocks=5, seq_len=32, tensor_parallel_problems=tp_problems
+            mesh,
+            recipe,
+            cluster=cluster,
+            num_blocks=blocks,
+            seq_len=32,
+            tensor_parallel_problems=tp_problems,
+            pipeline=pipeline,
         )
         return "\n".join(found)
 
@@ -85,6 +98,10 @@ def test_constraints_name_what_rules_a_mesh_out(tmp_path: Path) -> None:
     )
     assert "within a node of 2 GPUs" in heads and "does not divide the heads" in heads
     assert "does not divide the model's 5 blocks" in problems(MeshShape(pp=2, dp_shard=4))
+    assert "cannot split its model into pipeline stages" in problems(
+        MeshShape(pp=2, dp_shard=4), pipeline=False
+    )
+    assert "has 0 blocks, fewer than the stages" in problems(MeshShape(pp=2, dp_shard=4), blocks=0)
     assert "batch.global_size" in problems(MeshShape(dp_shard=32))
     assert "no tensor_parallel_plan" in problems(MeshShape(tp=2, dp_shard=4))
     assert problems(MeshShape(dp_shard=8)) == ""

@@ -259,6 +259,7 @@ def plan_meshes(
         cluster,
         device,
         tensor_parallel_problems=spec.tensor_parallel_problems,
+        pipeline=spec.pipeline,
         cost=None if target.what_if else local_cost_model(device, probe_for(1), target.budget.usable),
     )
 

@@ -61,7 +61,7 @@ DESCRIPTIONS = {
     "math": "CUDA math SDPA (probabilities kept)",
     "cpu": "CPU SDPA",
 }
-EAGER = "eager (probabilities kept)"
+EAGER = "no SDPA call (eager attention, if any: probabilities kept)"
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,8 @@ class KernelLog:
         self.calls: Counter[str] = Counter()
 
     def describe(self) -> str:
-        """E.g. "CUDA flash SDPA (...)"; "eager (probabilities kept)" when SDPA was never called."""
+        """E.g. "CUDA flash SDPA (...)"; `EAGER` when SDPA was never called (eager attention
+        or none at all)."""
         if not self.calls:
             return EAGER
         return " + ".join(DESCRIPTIONS[k] for k in sorted(self.calls))

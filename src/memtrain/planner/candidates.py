@@ -54,7 +54,7 @@ from memtrain.plan import (
 )
 from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import REGISTRIES
-from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.checkpointing import Checkpointing, NoCheckpointing
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.strategies.optimizer import OptimizerStates, PagedEightBitStates
@@ -126,7 +126,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
         sizes = [micro]
     else:
         sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-    checkpointing = _checkpointing_options(recipe, modes, num_blocks)
+    checkpointing = _checkpointing_options(recipe, modes, num_blocks, excluded)
     candidates = []
     for precision in precisions:
         for sharding in shardings:
@@ -310,10 +310,13 @@ def _auto_precisions(facts: DeviceFacts) -> list[str]:
 
 
 def _checkpointing_options(
-    recipe: Recipe, modes: Sequence[Checkpointing], num_blocks: int
+    recipe: Recipe, modes: Sequence[Checkpointing], num_blocks: int, excluded: list[tuple[str, str]]
 ) -> list[Checkpointing]:
     """Each allowed mode's variants; a variant whose blocks run exactly as those of a mode already offered
-    (or of another variant) is a duplicate (a pinned mode has one variant, itself)."""
+    (or of another variant) is a duplicate (a pinned mode has one variant, itself). A model without blocks
+    (`Trainer.blocks` found none) has nothing to recompute or offload: only `none` is offered."""
+    if num_blocks == 0:
+        return _without_blocks(modes, excluded)
     pinned = _pinned(recipe.strategies.checkpointing)
     fractions = tuple(recipe.planner.checkpointing_fractions)
 
@@ -333,6 +336,19 @@ def _checkpointing_options(
                 seen.add(blocks)
                 options.append(variant)
     return options
+
+
+def _without_blocks(modes: Sequence[Checkpointing], excluded: list[tuple[str, str]]) -> list[Checkpointing]:
+    why = (
+        "the model has no repeated blocks to checkpoint (Trainer.blocks(model) found none: override it to "
+        "name them)"
+    )
+    kept: list[Checkpointing] = [mode for mode in modes if mode == NoCheckpointing()]
+    excluded.extend((f"strategies.checkpointing={mode.name}", why) for mode in modes if mode not in kept)
+    if not kept:
+        names = ", ".join(mode.name for mode in modes)
+        raise Unsupported(f"strategies.checkpointing={names}: {why}; set strategies.checkpointing: none")
+    return kept
 
 
 def _allowed(

@@ -58,6 +58,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "with_expandable_segments": result.with_expandable.to_dict(usable)
         if result.with_expandable
         else None,
+        "excluded": [{"option": option, "reason": reason} for option, reason in result.excluded],
     }
 
 

@@ -229,7 +229,11 @@ def walk(
         )
         return max(uniform, key=lambda w: sum(w.at_peak))
     depth = min(trace.depth for trace in traces.values())
-    edges = next((m for m in traces if isinstance(m, EdgePattern)), None) if len(set(modes)) > 1 else None
+    edges: Checkpointing | None = (
+        next((m for m in traces if isinstance(m, EdgePattern)), None) if len(set(modes)) > 1 else None
+    )
+    if not modes:  # a model without blocks: every phase is outside them, in the one mode traced
+        edges = next(iter(traces))
     if edges is not None and traces[edges].depth == len(modes):
         modes = (edges,) * len(modes)
     level, best, maxima, where = start, start, start, "start"

@@ -140,6 +140,7 @@ def mesh_constraints(
     num_blocks: int,
     seq_len: int,
     tensor_parallel_problems: TensorParallelProblems,
+    pipeline: bool,
 ) -> list[str]:
     """Why `mesh` cannot run the recipe's job (empty when it can). Tensor parallelism within a node and
     the pipeline dividing the blocks are asked of open degrees only (a pinned degree is the user's call)."""
@@ -152,7 +153,11 @@ def mesh_constraints(
             problems += tensor_parallel_problems(mesh.tp)
         if "tp" in opened and cluster.gpus_per_node % mesh.tp:
             problems.append(f"tp {mesh.tp} does not fit within a node of {cluster.gpus_per_node} GPUs")
-    if "pp" in opened and num_blocks % mesh.pp:
+    if mesh.pp > 1 and not pipeline:
+        problems.append("strategies.mesh.pp: the trainer cannot split its model into pipeline stages")
+    elif mesh.pp > num_blocks:
+        problems.append(f"pp {mesh.pp}: the model has {num_blocks} blocks, fewer than the stages")
+    elif "pp" in opened and num_blocks % mesh.pp:
         problems.append(f"pp {mesh.pp} does not divide the model's {num_blocks} blocks")
     split = (mesh.tp if mesh.sequence_parallel else 1) * (2 * mesh.cp if mesh.cp > 1 else 1)
     if seq_len % split:
@@ -174,6 +179,7 @@ def search_meshes(
     device: torch.device,
     *,
     tensor_parallel_problems: TensorParallelProblems,
+    pipeline: bool,
     cost: CostModel | None = None,
 ) -> MeshResult:
     """Score every (mesh, plan) of the recipe on `target` (its world size, budget and device); `PlanError`
@@ -195,6 +201,7 @@ def search_meshes(
             num_blocks=base.num_blocks,
             seq_len=full_seq,
             tensor_parallel_problems=tensor_parallel_problems,
+            pipeline=pipeline,
         )
         if problems:
             excluded.append((mesh.describe(), "; ".join(problems)))

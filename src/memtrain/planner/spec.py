@@ -45,6 +45,8 @@ class ModelSpec:
         never shared with another probe's (`model_probe.shared_traces`).
     tensor_parallel_problems: `tp` -> why the model cannot be split over that many tensor ranks (empty when
         it can); None: the trainer has no tensor-parallel plan (the mesh search keeps tp at 1).
+    pipeline: whether the trainer can split its model into pipeline stages (`Trainer.pipeline_split`);
+        False: the mesh search keeps pp at 1.
     rebuild: how a new process builds the same trainer: its class as `module:Class` or `file.py:Class` and
         the recipe as a dict, both JSON (the rank trace of a mesh runs in a process of its own:
         `planner/rank_trace.py`). None: it cannot (a mesh is then predicted by formula).
@@ -61,4 +63,5 @@ class ModelSpec:
     reference_forwards: int = 0
     trace_key: Hashable | None = None
     tensor_parallel_problems: Callable[[int], list[str]] | None = None
+    pipeline: bool = False
     rebuild: tuple[str, Mapping[str, Any]] | None = None

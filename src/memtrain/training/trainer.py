@@ -197,7 +197,6 @@ class Trainer:
 
     def model_spec(self) -> ModelSpec:
         """The job the planner predicts: this trainer's own hooks."""
-        clone = self.build_model_clone
         overridden = type(self).build_model_clone is not Trainer.build_model_clone
         where = class_reference(type(self))
         return ModelSpec(
@@ -205,9 +204,10 @@ class Trainer:
             blocks=self.blocks,
             micro_batch=self.planning_batch,
             loss=self.loss,
-            build_clone=clone if overridden else None,  # type: ignore[arg-type]
+            build_clone=self.build_model_clone if overridden else None,  # type: ignore[arg-type]
             host_bytes=self.host_data_bytes,
             name=f"{type(self).__name__}.build_model()",
+            pipeline=self.pipeline_split is not None,
             rebuild=None if where is None else (where, self.recipe.to_dict()),
         )
 

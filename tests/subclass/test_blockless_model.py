@@ -1,0 +1,82 @@
+"""A subclass whose model has no repeated blocks (tests/subclass/blockless: a GRU, a BatchNorm, a branch that
+never runs, a dict output, an auxiliary loss): the planner offers only `checkpointing: none` (every other
+mode would recompute nothing), names why the others are out, refuses a pinned one with the key to change,
+and predicts the profiled peak."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memtrain.cli import main
+
+HERE = Path(__file__).parent / "blockless"
+RECIPE = str(HERE / "recipe.yaml")
+TRAINER = str(HERE / "trainer.py") + ":GruTrainer"
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("micro", [4, 1])
+def test_a_model_without_blocks_is_planned_to_its_profiled_peak(
+    micro: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = [f"batch.micro_size={micro}", f"run.output_dir={tmp_path}", "--trainer", TRAINER]
+    planned = _json(capsys, "plan", RECIPE, *overrides, "--json")
+    assert planned["summary"]["checkpointing"] == "none"
+    excluded = {row["option"]: row["reason"] for row in planned["excluded"]}
+    for mode in ("full", "selective", "fraction", "offload"):
+        assert "no repeated blocks" in excluded[f"strategies.checkpointing={mode}"]
+    profiled = _json(capsys, "profile", RECIPE, *overrides, "--json", "--steps", "3")
+    predicted, measured = planned["predicted"]["peak"], profiled["steady_peak_bytes"]
+    assert abs(predicted - measured) / measured <= 0.02, (predicted, measured)
+    states = planned["model_states"]
+    assert states["gradients"] < states["weights"], "the branch that never runs gets no gradient"
+
+
+def test_a_pinned_mode_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "plan",
+        RECIPE,
+        "strategies.checkpointing=full",
+        f"run.output_dir={tmp_path}",
+        "--trainer",
+        TRAINER,
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no repeated blocks" in err and "strategies.checkpointing: none" in err, err
+
+
+def test_it_trains_and_plans_a_mesh(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", RECIPE, f"run.output_dir={tmp_path}", "--trainer", TRAINER, "--no-progress"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    capsys.readouterr()
+    planned = _json(
+        capsys, "plan", RECIPE, "--gpu", "h100-80gb", "--world-size", "4", "--trainer", TRAINER, "--json"
+    )
+    assert planned["summary"]["checkpointing"] == "none" and planned["candidates"][0]["fits"]
+
+
+def test_a_pipeline_is_refused_for_a_trainer_that_cannot_split(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "plan",
+        RECIPE,
+        "strategies.mesh.pp=2",
+        "--gpu",
+        "h100-80gb",
+        "--world-size",
+        "4",
+        "--trainer",
+        TRAINER,
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "strategies.mesh.pp: the trainer cannot split its model into pipeline stages" in err, err
