@@ -47,6 +47,7 @@ from memtrain.strategies.precision import Precision
 from memtrain.strategies.registry import DeviceFacts
 
 ACTIVATIONS = 3  # index of the activations component in a Vec
+MICRO_SIZE_RETRIES = 2  # smallest micro-batch sizes dropped when no plan's step could be traced
 STATES_ONLY = StepWalk(
     Walk((0.0,) * 5, (0.0,) * 5, (0.0,) * 5, "model states alone (activations not traced)"),
     None,
@@ -143,6 +144,37 @@ def score_candidates(
         mesh=target.mesh,
     )
     grid = build_grid(recipe, facts, device, probe.num_blocks)
+    scoring = _score_grid(recipe, probe, target, grid, cost, correction, rank_traces)
+    # A step that cannot run at the smallest micro-batch size (a BatchNorm at one row) fails every trace:
+    # that size is excluded with the cause and the larger ones are scored.
+    for _ in range(MICRO_SIZE_RETRIES):
+        smallest = scoring.evaluation.rows[0]
+        larger = tuple(c for c in grid.candidates if _rows(c, probe.seq_len) > smallest)
+        if scoring.scored or scoring.untraceable is None or not larger:
+            break
+        why = (
+            f"batch.micro_size={smallest}",
+            f"the step cannot run at {smallest} row{'s' if smallest > 1 else ''}: {scoring.untraceable}",
+        )
+        grid = replace(grid, candidates=larger, excluded=(*grid.excluded, why))
+        scoring = _score_grid(recipe, probe, target, grid, cost, correction, rank_traces)
+    return scoring
+
+
+def _rows(plan: Plan, seq_len: int) -> int:
+    """The rows of `plan`'s micro-batch (a token budget rounded up to whole rows)."""
+    return -(-plan.micro_batching.tokens(seq_len) // seq_len)
+
+
+def _score_grid(
+    recipe: Recipe,
+    probe: ModelProbe,
+    target: Target,
+    grid: Grid,
+    cost: CostModel | None,
+    correction: Callable[[Prediction], Prediction] | None,
+    rank_traces: bool,
+) -> Scoring:
     evaluation = Evaluation(recipe, probe, target, cost or CostModel.for_device(target.device_type), grid)
     if rank_traces:  # per rank: the trainer's step, traced
         evaluation.traces = RankTraces(probe.spec, probe.progress)
@@ -196,7 +228,7 @@ class Evaluation:
     ) -> None:
         self.recipe, self.probe, self.target, self.cost = recipe, probe, target, cost
         seq = probe.seq_len
-        sizes = sorted({-(-c.micro_batching.tokens(seq) // seq) for c in grid.candidates}) or [1]
+        sizes = sorted({_rows(c, seq) for c in grid.candidates}) or [1]
         self.rows = (sizes[0], sizes[-1])  # the traced micro-batch sizes: the ends of the range
         per_rank = per_rank_batch(recipe, target.shape.dp_size)
         self.host = probe.spec.host_bytes() if target.device_type == "cpu" else 0  # host memory is the device

@@ -9,7 +9,9 @@ one type (what a hand-written transformer usually has). Users with other layouts
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
+from memtrain.errors import Unsupported
 from memtrain.memory.footprint import ModelShape, ParamInfo
 
 
@@ -38,7 +40,15 @@ def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
 
 def model_shape(model: nn.Module, blocks: list[nn.Module]) -> ModelShape:
     """Every parameter tensor's size, block index and whether it trains (shared tensors, e.g. tied embeddings, once).
-    Works on a meta-device model, so a 70B shape costs no memory."""
+    Works on a meta-device model, so a 70B shape costs no memory. A lazy module (`nn.LazyLinear`) has no
+    shape until a forward runs: nothing to plan, shard or optimise, so it is refused by name."""
+    lazy = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
+    if lazy:
+        raise Unsupported(
+            f"the model has uninitialised (lazy) parameters or buffers ({', '.join(lazy[:3])}): memtrain "
+            "plans, shards and optimises them before any forward; give each lazy module its input size "
+            "(e.g. nn.Linear instead of nn.LazyLinear) in build_model()"
+        )
     owner: dict[int, int] = {}
     for index, block in enumerate(blocks):
         for p in block.parameters():

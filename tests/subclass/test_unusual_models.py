@@ -1,7 +1,10 @@
-"""A subclass whose model has no repeated blocks (tests/subclass/blockless: a GRU, a BatchNorm, a branch that
-never runs, a dict output, an auxiliary loss): the planner offers only `checkpointing: none` (every other
-mode would recompute nothing), names why the others are out, refuses a pinned one with the key to change,
-and predicts the profiled peak."""
+"""Subclasses with models unlike a transformer (tests/subclass/unusual/trainers.py).
+
+A model without repeated blocks (a GRU, a BatchNorm, a branch that never runs, a dict output, an auxiliary
+loss): the planner offers only `checkpointing: none` (every other mode would recompute nothing), names why
+the others are out, refuses a pinned one with the key to change, and predicts the profiled peak. A model
+that cannot train on one row (BatchNorm blocks): that micro-batch size is excluded with the cause, the
+others are planned. A lazy module: refused in one line naming it."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import pytest
 
 from memtrain.cli import main
 
-HERE = Path(__file__).parent / "blockless"
+HERE = Path(__file__).parent / "unusual"
 RECIPE = str(HERE / "recipe.yaml")
-TRAINER = str(HERE / "trainer.py") + ":GruTrainer"
+TRAINER = str(HERE / "trainers.py") + ":GruTrainer"
+NORM_MLP = str(HERE / "trainers.py") + ":NormMlpTrainer"
+LAZY = str(HERE / "trainers.py") + ":LazyTrainer"
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -80,3 +85,27 @@ def test_a_pipeline_is_refused_for_a_trainer_that_cannot_split(capsys: pytest.Ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "strategies.mesh.pp: the trainer cannot split its model into pipeline stages" in err, err
+
+
+def test_a_micro_batch_size_the_model_cannot_run_is_excluded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = [f"run.output_dir={tmp_path}", "strategies.checkpointing=none", "--trainer", NORM_MLP]
+    planned = _json(capsys, "plan", RECIPE, *overrides, "--json")
+    excluded = {row["option"]: row["reason"] for row in planned["excluded"]}
+    assert "Expected more than 1 value per channel" in excluded["batch.micro_size=1"]
+    assert {c["micro_batch_size"] for c in planned["candidates"]} == {2, 4}
+    assert main(["plan", RECIPE, *overrides, "batch.micro_size=1"]) == 2, "a pinned size is the user's call"
+    assert "Expected more than 1 value per channel" in capsys.readouterr().err
+    profiled = _json(capsys, "profile", RECIPE, *overrides, "batch.micro_size=2", "--json", "--steps", "3")
+    planned = _json(capsys, "plan", RECIPE, *overrides, "batch.micro_size=2", "--json")
+    predicted, measured = planned["predicted"]["peak"], profiled["steady_peak_bytes"]
+    assert abs(predicted - measured) / measured <= 0.02, (predicted, measured)
+
+
+def test_a_lazy_module_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("plan", "train", "validate"):
+        assert main([command, RECIPE, f"run.output_dir={tmp_path}", "--trainer", LAZY]) == 2
+        err = capsys.readouterr().err
+        assert "uninitialised (lazy) parameters or buffers (inp.weight, inp.bias)" in err, (command, err)
+        assert "Traceback" not in err
