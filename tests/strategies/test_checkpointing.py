@@ -522,3 +522,35 @@ def test_offload_on_cuda_is_exact_and_keeps_activations_on_the_host() -> None:
     assert torch.equal(ref_loss, loss)
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads, strict=True))
     assert offload_bytes < 0.2 * none_bytes, (offload_bytes, none_bytes)
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "fraction"])
+def test_a_recompute_counts_the_batch_in_running_statistics_once(mode: str) -> None:
+    """BatchNorm in a recomputed block: the recompute normalises with the batch's statistics as the forward
+    did, and the running statistics move once per forward, as without checkpointing."""
+
+    def trained(strategy: Checkpointing) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(_NormBlock() for _ in range(4)))
+        strategy.apply(model, list(model))
+        x = torch.randn(16, 8)
+        for _ in range(2):
+            model(x).square().sum().backward()
+        return model.state_dict(), [p.grad.clone() for p in model.parameters()]
+
+    plain_state, plain_grads = trained(CHECKPOINTING.create("none"))
+    state, grads = trained(CHECKPOINTING.create(mode))
+    assert plain_state["0.norm.num_batches_tracked"] == 2
+    assert all(torch.equal(state[k], v) for k, v in plain_state.items()), [
+        k for k, v in plain_state.items() if not torch.equal(state[k], v)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))

@@ -334,9 +334,47 @@ def _checkpointed(
                 kwargs[name] = None
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
+    forward = _running_stats_updated_once(block, forward)
     if context_fn is None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _running_stats_updated_once(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward`, whose second call (the recompute in backward) leaves the block's normalisation running
+    statistics (BatchNorm's, InstanceNorm's with `track_running_stats`) as the first call left them: the
+    recompute must normalise as the forward did (training mode, batch statistics) but not count the batch
+    twice, or a checkpointed model's running statistics (and so its evaluation) would differ from
+    `none`'s (num_batches_tracked doubled, the running mean moved twice). It runs with momentum 0 and no
+    batch counter: attributes only, no tensor op, so selective recompute sees the forward's ops."""
+    norms = [
+        module
+        for module in block.modules()
+        if module.training and getattr(module, "track_running_stats", False) and hasattr(module, "momentum")
+    ]
+    if not norms:
+        return forward
+    calls = 0
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return forward(*args, **kwargs)
+        saved = [(norm.momentum, getattr(norm, "num_batches_tracked", None)) for norm in norms]
+        for norm in norms:
+            norm.momentum = 0.0  # type: ignore[assignment]  # BatchNorm: float | None
+            if hasattr(norm, "num_batches_tracked"):
+                norm.num_batches_tracked = None  # type: ignore[assignment]  # a buffer may be None
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for norm, (momentum, counter) in zip(norms, saved, strict=True):
+                norm.momentum = momentum
+                if counter is not None:
+                    norm.num_batches_tracked = counter
+
+    return once
 
 
 def _keep_matmul_outputs(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
