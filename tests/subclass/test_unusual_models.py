@@ -20,6 +20,8 @@ RECIPE = str(HERE / "recipe.yaml")
 TRAINER = str(HERE / "trainers.py") + ":GruTrainer"
 NORM_MLP = str(HERE / "trainers.py") + ":NormMlpTrainer"
 LAZY = str(HERE / "trainers.py") + ":LazyTrainer"
+BARE_LOSS = str(HERE / "trainers.py") + ":BareLossTrainer"
+NO_BATCH = str(HERE / "trainers.py") + ":NoBatchTrainer"
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -109,3 +111,26 @@ def test_a_lazy_module_is_refused_by_name(tmp_path: Path, capsys: pytest.Capture
         err = capsys.readouterr().err
         assert "uninitialised (lazy) parameters or buffers (inp.weight, inp.bias)" in err, (command, err)
         assert "Traceback" not in err
+
+
+def test_hooks_that_break_their_contract_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loss that returns the bare sum, a missing step_batch, and a token split over labels without
+    rows of tokens: one line each naming what to change, in plan and in train."""
+    cases = [
+        (BARE_LOSS, [], "loss must return (loss_sum, num_tokens)", "it returned a tensor of shape ()"),
+        (NO_BATCH, [], "NoBatchTrainer: implement step_batch(step)", ""),
+        (
+            NORM_MLP,
+            ["batch.micro_tokens=40"],
+            "batch.micro_tokens: splitting by tokens",
+            "Trainer.row_tokens",
+        ),
+    ]
+    for trainer, overrides, first, second in cases:
+        for command in ("plan", "train") if not overrides else ("train",):  # planning splits no batch
+            argv = [command, RECIPE, *overrides, f"run.output_dir={tmp_path / command}", "--trainer", trainer]
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert first in err and second in err and "Traceback" not in err, (trainer, command, err)

@@ -58,6 +58,7 @@ from memtrain.planner.allocation_trace import AllocationFit, PieceKey, Pieces, f
 from memtrain.planner.attention_kernels import Capability, traced_attention
 from memtrain.planner.cuda_dropout import traced_dropout
 from memtrain.planner.grouped_mm_trace import traced_grouped_mm
+from memtrain.planner.spec import loss_output
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.checkpointing import Checkpointing
@@ -230,7 +231,7 @@ def trace_step(
                 recorder.mark(SegmentKey(kind, "fwd.pre"))
                 with tracker.phase("forward"):
                     with precision.autocast(torch.device("cpu")):
-                        loss_sum, _ = loss_fn(model, batch)
+                        loss_sum, _ = loss_output(loss_fn(model, batch))
                         recorder.mark(SegmentKey(kind, "fwd.release"))
                 with tracker.phase("backward"):
                     recorder.mark(SegmentKey(kind, "bwd.head"))

@@ -16,8 +16,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.errors import MemtrainError
+
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
+
+
+def loss_output(out: object, name: str = "Trainer.loss") -> tuple[torch.Tensor, Any]:
+    """`out`, a `loss` hook's return value, if it is `(loss_sum, num_tokens)` with a 0-dim tensor first;
+    else a one-line error naming `name` (a bare tensor, a dict or a Python float would otherwise fail deep
+    in a trace or a step)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and not out[0].dim():
+        return out
+    if isinstance(out, tuple):
+        got = f"a tuple of {len(out)}: " + ", ".join(type(v).__name__ for v in out)
+    else:
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+    raise MemtrainError(
+        f"{name} must return (loss_sum, num_tokens): the loss summed over the micro-batch's tokens as a 0-dim "
+        f"tensor, and how many tokens it sums; it returned {got}"
+    )
 
 
 @dataclass(frozen=True)

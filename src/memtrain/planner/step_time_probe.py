@@ -31,6 +31,7 @@ from torch import nn
 from memtrain.plan import Plan
 from memtrain.planner.cost import CostModel, StepCost, Workload
 from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.spec import loss_output
 from memtrain.strategies.checkpointing import NoCheckpointing
 from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.strategies.optimizer import OptimizerStates
@@ -120,7 +121,7 @@ def _seconds(probe: ModelProbe, model: nn.Module, rows: int, device: torch.devic
     for _ in range(REPEATS + 1):
         _synchronize(device)
         started = CLOCK()
-        loss, _ = probe.spec.loss(model, batch)
+        loss, _ = loss_output(probe.spec.loss(model, batch))
         loss.backward()
         _synchronize(device)
         times.append(CLOCK() - started)

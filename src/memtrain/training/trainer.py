@@ -50,6 +50,7 @@ from memtrain.distributed import DistEnv, any_rank, data_parallel_sum, init_dist
 from memtrain.errors import MemtrainError, TrainingStopped
 from memtrain.plan import Plan, arranged
 from memtrain.planner import ModelSpec, PlanResult, choose_mesh, make_plan, stderr_progress
+from memtrain.planner.spec import loss_output
 from memtrain.recipe import Recipe
 from memtrain.run import Resume, RunDirectory
 from memtrain.run.checkpoints import Checkpoint
@@ -64,6 +65,7 @@ from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.strategies.tensor_parallel import TensorParallelPlan, clip_grad_norm
 from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state, two_pass
 from memtrain.training.applying import apply_plan
+from memtrain.training.batch_rows import row_count, row_lengths, split_rows
 from memtrain.training.class_reference import class_reference
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
 from memtrain.training.results import FitResult, StepTotals, check_token_count, seed_everything, summary_of
@@ -119,7 +121,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------ hooks
 
     def build_model(self) -> nn.Module:
-        raise NotImplementedError("subclass Trainer and implement build_model()")
+        raise MemtrainError(f"{type(self).__name__}: implement build_model() (subclass memtrain.Trainer)")
 
     def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """The plan's optimizer (`optimizer.name`; AdamW's states as `optimizer_states` says) with `train:`
@@ -130,15 +132,15 @@ class Trainer:
         )
 
     def step_batch(self, step: int) -> Batch:
-        raise NotImplementedError("subclass Trainer and implement step_batch(step)")
+        raise MemtrainError(f"{type(self).__name__}: implement step_batch(step) (subclass memtrain.Trainer)")
 
     def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan | None:
         """Module name -> torch `ParallelStyle` for `strategies.mesh.tp > 1` (None: tp > 1 is refused)."""
         return None
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int | torch.Tensor]:
-        raise NotImplementedError(
-            "subclass Trainer and implement loss(model, batch) -> (loss_sum, num_tokens)"
+        raise MemtrainError(
+            f"{type(self).__name__}: implement loss(model, batch) -> (loss_sum, num_tokens) (subclass memtrain.Trainer)"
         )
 
     def count_tokens(self, batch: Batch) -> int:
@@ -147,12 +149,9 @@ class Trainer:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def split_batch(self, batch: Batch, micro_size: int) -> list[Batch]:
-        """Slices of `micro_size` rows, or the row groups of the plan's micro-batching (a token budget)."""
-        groups = self.plan.micro_batching.split(batch, self.row_tokens)
-        if groups is not None:
-            return [{k: v[torch.tensor(rows)] for k, v in batch.items()} for rows in groups]
-        rows = next(iter(batch.values())).shape[0]
-        return [{k: v[i : i + micro_size] for k, v in batch.items()} for i in range(0, rows, micro_size)]
+        """Slices of `micro_size` rows, or the row groups of the plan's micro-batching (a token budget); tensors
+        without the row dimension go whole into each (`batch_rows`)."""
+        return split_rows(batch, micro_size, self.plan.micro_batching.split(batch, self.row_tokens))
 
     def context_parallel_split(self, batch: Batch) -> Batch:
         """This rank's tokens under `strategies.mesh.cp > 1` (`rank_share`; `loss` must pass `position_ids`)."""
@@ -160,9 +159,7 @@ class Trainer:
 
     def row_tokens(self, batch: Batch) -> list[int]:
         """Each row's length up to its last loss token (what a micro-batch pads to)."""
-        real = batch["labels"] != IGNORE_INDEX
-        positions = torch.arange(1, real.shape[1] + 1).expand_as(real)
-        return (positions * real).amax(dim=1).tolist()
+        return row_lengths(batch, IGNORE_INDEX)
 
     def eval_batches(self) -> Iterable[Batch]:
         return []
@@ -174,7 +171,7 @@ class Trainer:
         `step_batch(0)`, repeated or cut to `rows` (tensors without a row dimension are kept as they are).
         Override when later steps carry longer rows than step 0."""
         batch = self.step_batch(0)
-        count = max((v.shape[0] for v in batch.values() if v.dim()), default=1)
+        count = row_count(batch)
         index = torch.arange(rows) % count
         return {k: v[index] if v.dim() and v.shape[0] == count else v for k, v in batch.items()}
 
@@ -516,7 +513,8 @@ class Trainer:
         assert self.model is not None
         with self._sharding.micro_step(self.model, last), parallel_loss(self.env):
             with self.monitor.phase("forward"), self.plan.precision.autocast(self.env.device):
-                loss_sum, num_tokens = self.loss(self.model, micro_batch)
+                out = self.loss(self.model, micro_batch)
+                loss_sum, num_tokens = loss_output(out, f"{type(self).__name__}.loss")
             if expected_tokens is not None:
                 check_token_count(num_tokens, expected_tokens)
             with self.monitor.phase("backward"):

@@ -92,6 +92,7 @@ class NormMlpTrainer(Trainer):
         return {
             "x": torch.randn(rows, FEATURES, generator=generator),
             "y": torch.randint(0, CLASSES, (rows,), generator=generator),
+            "step": torch.tensor(step),  # no row dimension: every micro-batch gets it whole
         }
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,3 +105,17 @@ class NormMlpTrainer(Trainer):
 
 class LazyTrainer(NormMlpTrainer):
     lazy = True
+
+
+class BareLossTrainer(NormMlpTrainer):
+    """Returns the loss alone, not (loss_sum, num_tokens)."""
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(model(batch["x"]).logits, batch["y"], reduction="sum")
+
+
+class NoBatchTrainer(Trainer):
+    """Forgot step_batch."""
+
+    def build_model(self) -> nn.Module:
+        return NormMlp()
