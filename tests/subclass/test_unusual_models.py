@@ -22,6 +22,7 @@ NORM_MLP = str(HERE / "trainers.py") + ":NormMlpTrainer"
 LAZY = str(HERE / "trainers.py") + ":LazyTrainer"
 BARE_LOSS = str(HERE / "trainers.py") + ":BareLossTrainer"
 NO_BATCH = str(HERE / "trainers.py") + ":NoBatchTrainer"
+ENCODER = str(HERE / "trainers.py") + ":EncoderTrainer"
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -134,3 +135,14 @@ def test_hooks_that_break_their_contract_are_one_line(
             assert main(argv) == 2
             err = capsys.readouterr().err
             assert first in err and second in err and "Traceback" not in err, (trainer, command, err)
+
+
+def test_torchs_transformer_encoder_is_traced_with_fake_tensors(capsys: pytest.CaptureFixture[str]) -> None:
+    """nn.TransformerEncoder deep-copies its layer while it is built: under fake tensors the copies once held
+    a copy of the fake mode, the trace failed, and a CUDA target was planned from a real CPU trace (CPU
+    attention kernels)."""
+    argv = ["plan", RECIPE, "strategies.precision=bf16-mixed", "--gpu", "h100-80gb", "--trainer", ENCODER]
+    assert main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "CUDA" in json.loads(out)["attention"]
+    assert "trace failed" not in err, err

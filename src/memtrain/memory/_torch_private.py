@@ -7,6 +7,7 @@ and tests/memory/test_torch_private.py names the torch version and the API that 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,19 +37,33 @@ __all__ = [
 ]
 
 
+class _FakeTensors(FakeTensorMode):
+    """A fake tensor keeps its mode in its `__dict__`, so a deep copy of one (a module copying its layers
+    while it is built: `nn.TransformerEncoder`, `nn.TransformerDecoder`) held a copy of the mode, and the
+    first op mixing the copies' tensors with others failed ("Mixing fake modes NYI"). The mode copies as
+    itself."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _FakeTensors:
+        return self
+
+
+# `Tensor.__deepcopy__` reads a fake tensor's data pointer (0) to decide to clone it: harmless, and warned.
+warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor is deprecated")
+
+
 def fake_tensors() -> FakeTensorMode:
     """A mode whose tensors have shapes, dtypes and (meta) storages but no memory.
 
     A MemoryTracker used inside it counts a training step of any size on the CPU, byte for byte as the
     real step would (the storages it sees are the same, only on the meta device).
     """
-    return FakeTensorMode()
+    return _FakeTensors()
 
 
 def fake_tensors_with_real_inputs() -> FakeTensorMode:
     """`fake_tensors()` that also takes real tensors as op inputs (turned into fake ones): a fake model fed
     real batches (the planner's rank trace, memtrain.training.rank_trace)."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return _FakeTensors(allow_non_fake_inputs=True)
 
 
 class HostValues(TorchDispatchMode):

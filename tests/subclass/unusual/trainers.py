@@ -1,7 +1,8 @@
 """Trainer subclasses with models unlike a transformer (tests/subclass/test_unusual_models.py): a GRU without
 repeated blocks, with a BatchNorm (buffers), a branch its forward never runs (a trainable parameter that never
 gets a gradient), a dict output and an auxiliary loss term; an MLP of BatchNorm blocks that cannot train on a
-micro-batch of one row, with a dataclass output; and one with a lazy module."""
+micro-batch of one row, with a dataclass output; one with a lazy module; torch's own nn.TransformerEncoder
+(it deep-copies its layers while built); and hooks that break their contract."""
 
 from __future__ import annotations
 
@@ -119,3 +120,26 @@ class NoBatchTrainer(Trainer):
 
     def build_model(self) -> nn.Module:
         return NormMlp()
+
+
+class EncoderLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.encoder(self.embed(ids), mask=mask, is_causal=True))
+
+
+class EncoderTrainer(GruTrainer):
+    def build_model(self) -> nn.Module:
+        return EncoderLM()
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(batch["ids"])
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+        return loss_sum, batch["weight"].sum()
