@@ -23,6 +23,9 @@ LAZY = str(HERE / "trainers.py") + ":LazyTrainer"
 BARE_LOSS = str(HERE / "trainers.py") + ":BareLossTrainer"
 NO_BATCH = str(HERE / "trainers.py") + ":NoBatchTrainer"
 ENCODER = str(HERE / "trainers.py") + ":EncoderTrainer"
+TUPLE_BATCH = str(HERE / "trainers.py") + ":TupleBatchTrainer"
+NO_OPTIMIZER = str(HERE / "trainers.py") + ":NoOptimizerTrainer"
+FUNCTION_MODEL = str(HERE / "trainers.py") + ":FunctionModelTrainer"
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -117,8 +120,9 @@ def test_a_lazy_module_is_refused_by_name(tmp_path: Path, capsys: pytest.Capture
 def test_hooks_that_break_their_contract_are_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A loss that returns the bare sum, a missing step_batch, and a token split over labels without
-    rows of tokens: one line each naming what to change, in plan and in train."""
+    """A loss that returns the bare sum, a missing step_batch, a token split over labels without rows of
+    tokens, a batch that is not a dict of tensors, an optimizer builder without a return, a model builder
+    that returns no module: one line each naming what to change, in plan and in train."""
     cases = [
         (BARE_LOSS, [], "loss must return (loss_sum, num_tokens)", "it returned a tensor of shape ()"),
         (NO_BATCH, [], "NoBatchTrainer: implement step_batch(step)", ""),
@@ -128,9 +132,18 @@ def test_hooks_that_break_their_contract_are_one_line(
             "batch.micro_tokens: splitting by tokens",
             "Trainer.row_tokens",
         ),
+        (
+            TUPLE_BATCH,
+            [],
+            "TupleBatchTrainer.step_batch(step) must return a dict of tensors",
+            "returned tuple",
+        ),
+        (NO_OPTIMIZER, [], "NoOptimizerTrainer.build_optimizer(params) must return", "returned NoneType"),
+        (FUNCTION_MODEL, [], "build_model() must return a torch.nn.Module", "returned type"),
     ]
     for trainer, overrides, first, second in cases:
-        for command in ("plan", "train") if not overrides else ("train",):  # planning splits no batch
+        # planning splits no batch and builds no optimizer: the run's setup or first step finds those
+        for command in ("plan", "train") if not overrides and trainer != NO_OPTIMIZER else ("train",):
             argv = [command, RECIPE, *overrides, f"run.output_dir={tmp_path / command}", "--trainer", trainer]
             assert main(argv) == 2
             err = capsys.readouterr().err

@@ -131,6 +131,10 @@ class ModelProbe:
         try:
             with torch.device("meta"):
                 model = self.spec.build_model()
+                if not isinstance(model, nn.Module):
+                    raise MemtrainError(
+                        f"{self.spec.name} must return a torch.nn.Module; it returned {type(model).__name__}"
+                    )
                 blocks = self.spec.blocks(model)
                 self.adapters.apply(model)
         except MemtrainError:

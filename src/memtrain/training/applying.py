@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from memtrain.distributed import DistEnv
+from memtrain.errors import MemtrainError
 from memtrain.plan import Plan
 from memtrain.strategies.apply import Applied, apply_strategies
 from memtrain.strategies.pipeline import PipelineSplit
@@ -52,7 +53,7 @@ def apply_plan(
         plan.checkpointing,
         sharding=sharding,
         env=trainer.env,
-        build_optimizer=trainer.build_optimizer,
+        build_optimizer=lambda params: _checked_optimizer(trainer.build_optimizer(params), trainer),
         load_weights=trainer.load_weights if materialise_in is None else None,
         adapters=plan.adapters,
         quantization=plan.quantization,
@@ -63,3 +64,13 @@ def apply_plan(
         materialise_in=materialise_in,
     )
     return applied, blocks
+
+
+def _checked_optimizer(optimizer: object, trainer: Applying) -> torch.optim.Optimizer:
+    """The trainer's `build_optimizer` result if it is a torch optimizer; else one line naming the hook."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    raise MemtrainError(
+        f"{type(trainer).__name__}.build_optimizer(params) must return a torch.optim.Optimizer over params; "
+        f"it returned {type(optimizer).__name__}"
+    )

@@ -16,6 +16,20 @@ from memtrain.errors import MemtrainError
 Batch = dict[str, torch.Tensor]
 
 
+def checked_batch(batch: object, name: str) -> Batch:
+    """`batch`, a `step_batch` hook's return value, if it is a dict of tensors; else one line naming `name`."""
+    if isinstance(batch, dict) and batch and all(isinstance(v, torch.Tensor) for v in batch.values()):
+        return batch
+    if isinstance(batch, dict):
+        wrong = {k: type(v).__name__ for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+        got = f"a dict with {wrong} (not tensors)" if wrong else "an empty dict"
+    else:
+        got = type(batch).__name__
+    raise MemtrainError(
+        f"{name}.step_batch(step) must return a dict of tensors (name -> tensor); it returned {got}"
+    )
+
+
 def row_count(batch: Batch) -> int:
     """The batch's rows: the largest first dimension of its tensors (1 when none has one)."""
     return max((v.shape[0] for v in batch.values() if v.dim()), default=1)

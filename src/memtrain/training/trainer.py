@@ -65,7 +65,7 @@ from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.strategies.tensor_parallel import TensorParallelPlan, clip_grad_norm
 from memtrain.training import evaluation, loggers, preemption, preflight, trainer_state, two_pass
 from memtrain.training.applying import apply_plan
-from memtrain.training.batch_rows import row_count, row_lengths, split_rows
+from memtrain.training.batch_rows import checked_batch, row_count, row_lengths, split_rows
 from memtrain.training.class_reference import class_reference
 from memtrain.training.memory_monitor import MemoryMonitor, OverBudget
 from memtrain.training.results import FitResult, StepTotals, check_token_count, seed_everything, summary_of
@@ -170,7 +170,7 @@ class Trainer:
         """A micro-batch of `rows` rows shaped like the largest this trainer feeds: by default the rows of
         `step_batch(0)`, repeated or cut to `rows` (tensors without a row dimension are kept as they are).
         Override when later steps carry longer rows than step 0."""
-        batch = self.step_batch(0)
+        batch = checked_batch(self.step_batch(0), type(self).__name__)
         count = row_count(batch)
         index = torch.arange(rows) % count
         return {k: v[index] if v.dim() and v.shape[0] == count else v for k, v in batch.items()}
@@ -458,7 +458,7 @@ class Trainer:
         its micro-batch size is saved with checkpoints. (On several ranks, an OOM inside the last
         micro-step is the exception: see `_try_accumulate`.)
         """
-        batch = self.step_batch(step)
+        batch = checked_batch(self.step_batch(step), type(self).__name__)
         while True:
             totals = self._try_accumulate(step, batch)
             if totals is not None:

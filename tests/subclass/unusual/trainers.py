@@ -7,6 +7,7 @@ micro-batch of one row, with a dataclass output; one with a lazy module; torch's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,27 @@ class BareLossTrainer(NormMlpTrainer):
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
         return F.cross_entropy(model(batch["x"]).logits, batch["y"], reduction="sum")
+
+
+class TupleBatchTrainer(NormMlpTrainer):
+    """step_batch returns a tuple."""
+
+    def step_batch(self, step: int) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(super().step_batch(step).values())
+
+
+class NoOptimizerTrainer(NormMlpTrainer):
+    """build_optimizer forgets its return."""
+
+    def build_optimizer(self, params: Any) -> Any:
+        torch.optim.SGD(params, lr=0.1)
+
+
+class FunctionModelTrainer(NormMlpTrainer):
+    """build_model returns the class, not a model."""
+
+    def build_model(self) -> Any:
+        return NormMlp
 
 
 class NoBatchTrainer(Trainer):
