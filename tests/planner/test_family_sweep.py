@@ -91,7 +91,8 @@ def test_untraceable_model_falls_back_to_real_tensors(
     monkeypatch.setattr(activations, "fake_tensors", _refusing_fake_tensors)
     result = plan_on(recipe, cpu_target(), ModelProbe(spec, progress=lines.append))
     assert any(
-        "llama: the fake-tensor trace failed (RuntimeError: aten::frobnicate" in line
+        "llama (fp32, checkpointing none): the fake-tensor trace failed (RuntimeError: aten::frobnicate"
+        in line
         and "real tensors" in line
         for line in lines
     ), lines
@@ -112,7 +113,7 @@ def test_untraceable_model_above_the_bound_is_unsupported_not_no_plan_fits(
     assert not isinstance(raised.value, PlanError)
     message = str(raised.value)
     assert message.startswith(
-        "llama cannot be traced: RuntimeError: aten::frobnicate has no fake implementation"
+        "llama (fp32, checkpointing none) cannot be traced: RuntimeError: aten::frobnicate has no fake implementation"
     )
     assert "strategies" in message and "GiB" in message
     assert activations.fake_tensors is _refusing_fake_tensors  # the fallback restored the trace's factory

@@ -315,7 +315,8 @@ class ModelProbe:
                 tokens = rows[1] * self.seq_len
                 size = clone_step_bytes(self.shape, depth, tokens, self.hidden_size, self.head_numel)
                 try:
-                    self._fits[key] = trace_for_real(self.spec.name, cause, size, traced, self.progress)
+                    name = f"{self.spec.name} ({precision.describe()}, checkpointing {mode.describe()})"
+                    self._fits[key] = trace_for_real(name, cause, size, traced, self.progress)
                 except Unsupported:
                     if clone is None:
                         raise
