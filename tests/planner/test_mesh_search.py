@@ -102,6 +102,7 @@ def test_constraints_name_what_rules_a_mesh_out(tmp_path: Path) -> None:
         MeshShape(pp=2, dp_shard=4), pipeline=False
     )
     assert "has 0 blocks, fewer than the stages" in problems(MeshShape(pp=2, dp_shard=4), blocks=0)
+    assert problems(MeshShape(dp_shard=8), blocks=0) == "", "no pipeline: a model without blocks is fine"
     assert "batch.global_size" in problems(MeshShape(dp_shard=32))
     assert "no tensor_parallel_plan" in problems(MeshShape(tp=2, dp_shard=4))
     assert problems(MeshShape(dp_shard=8)) == ""

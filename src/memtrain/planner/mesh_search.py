@@ -155,7 +155,7 @@ def mesh_constraints(
             problems.append(f"tp {mesh.tp} does not fit within a node of {cluster.gpus_per_node} GPUs")
     if mesh.pp > 1 and not pipeline:
         problems.append("strategies.mesh.pp: the trainer cannot split its model into pipeline stages")
-    elif mesh.pp > num_blocks:
+    elif 1 < mesh.pp and num_blocks < mesh.pp:
         problems.append(f"pp {mesh.pp}: the model has {num_blocks} blocks, fewer than the stages")
     elif "pp" in opened and num_blocks % mesh.pp:
         problems.append(f"pp {mesh.pp} does not divide the model's {num_blocks} blocks")

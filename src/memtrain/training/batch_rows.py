@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from memtrain.errors import MemtrainError
-
-Batch = dict[str, torch.Tensor]
+from memtrain.planner.spec import Batch
 
 
 def checked_batch(batch: object, name: str) -> Batch:
