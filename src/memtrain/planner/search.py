@@ -36,6 +36,7 @@ from memtrain.planner.memory_model import (
     step_walk,
 )
 from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.prediction_error import reserved_margin
 from memtrain.planner.rank_trace import RankTraces
 from memtrain.planner.reserved import ReservedModel, expandable_in_effect
 from memtrain.planner.result import PlanResult, Scored, expandable_choice, rank
@@ -85,7 +86,9 @@ def search(
     expandable = None
     if target.device_type == "cuda":
         expandable = expandable_in_effect(target.what_if)
-        reserved = ReservedModel(probe.num_blocks, expandable, recipe.planner.reserved_margin)
+        reserved = ReservedModel(
+            probe.num_blocks, expandable, reserved_margin(recipe.planner.reserved_margin)
+        )
         scored = _with_reserved(scored, evaluation, reserved, target.budget.usable)
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
