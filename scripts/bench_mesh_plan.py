@@ -8,8 +8,9 @@ GPU between nodes: configs/h100-96gb.yaml) or the issue names (h100-80gb), throu
 published memory is *reserved* GiB; the prediction here is allocated bytes (what the tracker counts), so a
 gap is expected there (allocator slack) and in what torchtitan runs and memtrain does not model
 (torch.compile, float8 linears, async TP). `--quick` skips the context-parallel sweep and the 1,024-GPU
-timing (the two slowest); `--only TEXT` plans the cases whose name contains TEXT. Prints a markdown table for docs/BENCHMARKS.md and, last, the planning time of
-the 1,024-GPU what-if (median of `--timing-runs`).
+timing (the two slowest); `--only TEXT` plans only the cases whose name contains TEXT (e.g. `--quick --only
+selective-op`). Prints a markdown table for docs/BENCHMARKS.md and, last, the planning time of the 1,024-GPU
+what-if (median of `--timing-runs`).
 """
 
 from __future__ import annotations
