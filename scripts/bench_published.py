@@ -121,7 +121,7 @@ ROWS: tuple[Row, ...] = (
         LLAMA8B,
         (
             *TITAN,
-            "strategies.checkpointing=selective",
+            "strategies.checkpointing=selective-op",
             "batch.micro_size=2",
             "batch.global_size=16",
             *_mesh(dp_shard=8),
@@ -138,7 +138,7 @@ ROWS: tuple[Row, ...] = (
         LLAMA8B,
         (
             *TITAN,
-            "strategies.checkpointing=selective",
+            "strategies.checkpointing=selective-op",
             "batch.micro_size=2",
             "batch.global_size=256",
             *_mesh(dp_shard=128),
