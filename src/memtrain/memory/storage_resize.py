@@ -32,7 +32,7 @@ def _resize(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
 def listen(listener: Listener) -> None:
     """Call `listener(storage)` after every in-place storage resize until `unlisten`."""
     if not _listeners:
-        torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign,assignment]
     _listeners.append(listener)
 
 
