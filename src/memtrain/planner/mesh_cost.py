@@ -142,12 +142,11 @@ def tensor_parallel_extra(
     at_loss = 0.0
     if mesh.pp == 1 or not stage.first:  # loss_parallel: fp32 logits split by vocabulary, one more of them
         at_loss = tokens * vocab / t * 4 + gathered
+    whole_forward = plan.checkpointing.recompute == "forward"  # a recomputed block saves nothing until then
     marks = plan.checkpointing.checkpointed(stage.blocks)
-    recomputing = plan.checkpointing.recompute == "forward" and any(marks)
-    keeping = sum(1 for m in marks if not (m and plan.checkpointing.recompute == "forward")) / max(
-        stage.blocks, 1
-    )
-    in_block = 2 * gathered * (keeping * flight + (1 if recomputing else 0))
+    keeping = sum(1 for m in marks if not (m and whole_forward)) / max(stage.blocks, 1)
+    recomputing = 1 if whole_forward and any(marks) else 0
+    in_block = 2 * gathered * (keeping * flight + recomputing)
     return int(max(at_loss, in_block))
 
 
