@@ -382,3 +382,43 @@ def test_fused_adamw_steps_fsdp2_dtensor_parameters() -> None:
         timeout=300,
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_paged_states_are_outside_the_device_levels() -> None:
+    """`paged-8bit`: the uint8 moments of tensors of at least bitsandbytes' paging threshold live in CUDA
+    unified memory (outside torch's allocator, evicted rather than failing): the planner's device levels
+    leave them out and holds them as `paged`; the rest (absmax blocks, maps, smaller tensors) stays on the
+    device. The threshold is read against bitsandbytes' own `get_state_buffer`."""
+    import inspect
+
+    import bitsandbytes
+
+    from memtrain.planner.states import state_levels
+    from memtrain.strategies.optimizer import BNB_MIN_PAGED_SIZE
+    from memtrain.strategies.precision import PRECISION
+    from memtrain.strategies.sharding import make_sharding
+
+    source = inspect.getsource(bitsandbytes.optim.optimizer.Optimizer8bit.get_state_buffer)
+    assert f"p.numel() < {BNB_MIN_PAGED_SIZE:.0e}".replace("+0", "") in source, source
+    shape = ModelShape(
+        tuple(ParamInfo(f"p{n}", n, None) for n in (1000, 5000, BNB_MIN_PAGED_SIZE - 1, BNB_MIN_PAGED_SIZE)),
+        num_blocks=1,
+    )
+
+    def levels(name: str) -> Any:
+        return state_levels(
+            shape,
+            precision=PRECISION.create("bf16-true"),
+            optimizer_states=OPTIMIZER_STATES.create(name),
+            backend=make_sharding("none"),
+            replicated=True,
+            world_size=1,
+            dim0={},
+            fixed_bytes=0,
+            foreach=False,
+        )
+
+    paged, plain = levels("paged-8bit"), levels("8bit")
+    assert paged.paged == 2 * BNB_MIN_PAGED_SIZE and plain.paged == 0
+    assert paged.optimizer_states + paged.paged == plain.optimizer_states
+    assert paged.stored == plain.stored  # a checkpoint holds them all

@@ -58,6 +58,7 @@ class StateLevels:
     replicated: bool = True
     stored: tuple[int, int, int] = (0, 0, 0)  # weights, gradients, optimizer states kept between steps
     host: int = 0  # states offload keeps in host memory (`StateBytes.host`), outside the device peak
+    paged: int = 0  # states in CUDA unified memory (`OptimizerStates.paged_bytes`): evictable, outside it too
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ the cheapest to shrink without touching the forward pass. Names:
   absmax per 256 elements per moment; tensors under `BNB_MIN_8BIT_SIZE` elements keep fp32 moments
   whatever the parameter dtype; the two 256-entry fp32 quantisation maps are shared by all tensors.
 - `paged-8bit`: the same in CUDA unified memory (`PagedAdamW8bit`), so the driver can evict states to
-  host RAM under pressure instead of failing. Same bytes as `8bit` (an upper bound for what is
-  resident; the states do not show in torch's allocator statistics).
+  host RAM under pressure instead of failing. Same bytes as `8bit`; the moments of tensors of at least
+  100k elements are paged (`paged_bytes`): they do not show in torch's allocator statistics (nor in the
+  peaks torchtune publishes), and the planner holds them to host memory, not to the device's budget.
 - `4bit`: torchao's `AdamW4bit` (stepped eagerly, `fourbit_adamw.py`): blockwise 4-bit moments (0.5 + 0.5
   bytes) plus one fp32 scale per 128 elements per moment and a 64-byte code map per state tensor; tensors
   under 4096 elements (or not whole blocks) keep moments in the parameter dtype; a 4-byte `step` each.
@@ -58,6 +59,7 @@ from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strat
 BNB_MIN_8BIT_SIZE = 4096  # tensors with fewer elements keep fp32 states (passed to bitsandbytes by `build`)
 BNB_BLOCK_SIZE = 256  # elements per fp32 absmax, hard-coded in bitsandbytes' init_state
 BNB_QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned dynamic maps, 256 fp32 entries each
+BNB_MIN_PAGED_SIZE = 100_000  # paged optimizers keep smaller tensors' states as ordinary device tensors
 STEP_TENSOR_BYTES = 4  # torch AdamW's per-parameter 0-dim float32 `step`
 AO_MIN_4BIT_SIZE = 4096  # torchao's low-bit AdamW: smaller tensors keep states in the parameter dtype
 AO_BLOCK_SIZE = 128  # AdamW4bit's default elements per fp32 scale
@@ -117,6 +119,11 @@ class OptimizerStates(Strategy):
         """
         states = self.state_bytes(shape.trainable, param_bytes)
         return footprint.with_(optimizer_states=footprint.optimizer_states + states)
+
+    def paged_bytes(self, shape: ModelShape) -> int:
+        """Of `state_bytes(shape)`, the bytes in CUDA unified memory, which the driver evicts to host memory
+        rather than fail an allocation: outside the device peak torch's allocator sees and limits."""
+        return 0
 
 
 OPTIMIZER_STATES: Registry[OptimizerStates] = Registry(
@@ -252,6 +259,12 @@ class PagedEightBitStates(EightBitStates):
 
     def _optimizer_class(self) -> Any:
         return _bitsandbytes(self.name).optim.PagedAdamW8bit
+
+    def paged_bytes(self, shape: ModelShape) -> int:
+        """The two uint8 moments of each tensor of at least `BNB_MIN_PAGED_SIZE` elements (bitsandbytes'
+        `get_state_buffer`, 0.50); the absmax blocks, the maps and smaller tensors' states are ordinary device
+        tensors."""
+        return sum(2 * p.numel for p in shape.params if p.numel >= BNB_MIN_PAGED_SIZE)
 
 
 @OPTIMIZER_STATES.register
