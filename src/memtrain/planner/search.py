@@ -259,11 +259,12 @@ class Evaluation:
         seq = probe.seq_len
         tokens, micro_steps = plan.micro_batching.tokens(seq), plan.micro_batching.micro_steps(seq)
         levels = self._levels(plan, micro_steps)
-        if target.host_bytes is not None and levels.host > target.host_bytes:
+        if target.host_bytes is not None and levels.host + levels.paged > target.host_bytes:
             raise HostMemoryExceeded(
                 f"strategies.sharding_offload: {plan.sharding.describe()} with optimizer_states="
-                f"{plan.update_states.describe()} keeps {levels.host / 2**30:.2f} GiB per rank in host memory, "
-                f"more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of the --gpu profile)"
+                f"{plan.update_states.describe()} keeps {(levels.host + levels.paged) / 2**30:.2f} GiB per rank "
+                f"in host memory, more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of "
+                "the --gpu profile)"
             )
         offloaded = 0
         traced = self._traced(plan)
@@ -455,8 +456,8 @@ def _with_frozen(levels: StateLevels, frozen_bytes: Callable[[torch.dtype], int]
 def _streamed(levels: StateLevels) -> int:
     """The bytes an optimizer step reads and writes: a sharded plan's stored states, not its transient
     gathered weights and unsharded gradient copies."""
-    if levels.replicated:
-        return levels.weights + levels.optimizer_gradients + levels.optimizer_states
+    if levels.replicated:  # paged states are streamed too, wherever the driver keeps them
+        return levels.weights + levels.optimizer_gradients + levels.optimizer_states + levels.paged
     return sum(levels.stored)
 
 
