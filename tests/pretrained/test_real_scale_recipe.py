@@ -35,6 +35,7 @@ TARGETS = {  # the what-if each recipe's comments plan it for (default: one H100
     "llama3-8b-8xh100.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
     "llama3-8b-chat-sft.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
     "llama3-8b-lora-8gpu.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
+    "llama2-70b-lora-8xh100.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
     "llama3-8b-qlora-24gb.yaml": ["--gpu", "rtx4090-24gb"],
 }
 # Its `loss: auto` traces the chunked and fused losses chunk by chunk over 64k tokens (~25 s here), which
@@ -207,6 +208,19 @@ def test_lora_on_eight_gpus(config_alone: Callable[[str, str], Outcome]) -> None
     numel = 8_030_261_248  # Llama-3.1-8B's parameters
     assert kept["weights"] == 2 * numel + 4 * 32 * _lora_numel()
     assert 14.9 < kept["weights"] / 2**30 < 15.2, "about 15 GiB of bf16 base per rank"
+
+
+def test_llama2_70b_lora_zero3_on_eight_h100(config_alone: Callable[[str, str], Outcome]) -> None:
+    """PEFT's DeepSpeed guide: Llama-2-70B LoRA on 8 H100s with ZeRO-3 ran at 64 GB per GPU. DeepSpeed ZeRO-3
+    partitions the frozen base with the adapters, so each rank keeps an eighth of its bf16 weights (16.06 GiB)
+    and the plan fits (the hole: the base counted whole on every rank, 128.7 GiB of weights, refused)."""
+    doc = _plan(config_alone, "llama2-70b-lora-8xh100.yaml")
+    numel = 68_976_648_192  # Llama-2-70b-hf's parameters
+    assert abs(doc["model_states"]["weights"] / (2 * numel / 8) - 1) < 0.005, doc[
+        "model_states"
+    ]  # + adapters
+    assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
+    assert doc["predicted"]["peak"] < 64e9, "under what the published run held (allocated < its nvidia-smi)"
 
 
 def test_dpo_with_a_reference_copy_on_eight_h100(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,8 +49,11 @@ def full_weights(trainer: CensusTrainer) -> dict[str, torch.Tensor]:
 
 
 def estimates(trainer: CensusTrainer) -> list[dict[str, int]]:
-    """`state_bytes` for every rank, from the unwrapped model's shape."""
+    """`state_bytes` for every rank, from the unwrapped model's shape (with the plan's adapters: a LoRA
+    base frozen)."""
     model = trainer.build_model()
+    assert trainer.plan is not None
+    trainer.plan.adapters.apply(model)
     shape = model_shape(model, trainer.blocks(model))
     dim0 = {name: p.shape[0] for name, p in model.named_parameters() if p.dim() > 0}
     world = trainer.env.world_size
@@ -61,23 +64,28 @@ def estimates(trainer: CensusTrainer) -> list[dict[str, int]]:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """Train one job; returns losses, seconds, measured and estimated bytes (all ranks) on every rank."""
+    """Train one job; returns losses, seconds, measured and estimated bytes and the tracked peaks (all
+    ranks) on every rank."""
     recipe = CausalLMRecipe.from_dict(tiny_recipe_dict(Path(job["run_dir"]), **job.get("sections", {})))
     trainer = CensusTrainer(recipe)
     result = trainer.fit(resume=job.get("resume"))
-    weights = full_weights(trainer)
-    if trainer.env.is_main and job.get("weights_out"):
-        torch.save(weights, job["weights_out"])
+    if job.get("weights_out"):  # every rank has the same jobs: the gathers are collective
+        weights = full_weights(trainer)
+        if trainer.env.is_main:
+            torch.save(weights, job["weights_out"])
     census = dataclasses.asdict(trainer.census) if trainer.census is not None else None
+    reports = trainer.monitor.memory_reports  # `memory.track`: the tracker's peak of the last step
+    mine = (census, reports[-1].peak_bytes if reports else None)
     if trainer.env.distributed:
         gathered: list[Any] = [None] * trainer.env.world_size
-        dist.all_gather_object(gathered, census)
+        dist.all_gather_object(gathered, mine)
     else:
-        gathered = [census]
+        gathered = [mine]
     out = {
         "losses": result.losses,
         "seconds": result.summary["seconds"],
-        "census": gathered,
+        "census": [c for c, _ in gathered],
+        "peak": [p for _, p in gathered],
         "estimate": estimates(trainer),
         "world_size": trainer.env.world_size,
     }

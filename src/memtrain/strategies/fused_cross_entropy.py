@@ -3,7 +3,8 @@
 Why: `chunked` (loss.py) keeps one chunk's logits at a time but pays for it with a second head forward in
 backward. The fused form (Liger-Kernel's "fused linear cross-entropy") needs no recompute: while it walks
 the chunks in forward it already computes each chunk's gradient with respect to the hidden states and the
-head's weight, keeps those, and backward only scales them by the incoming gradient. What it keeps is
+head's weight, keeps those, and backward only scales them by the incoming gradient, in place (no second
+copy of either, as in Liger's kernel). What it keeps is
 therefore the gradient of the hidden states (their size and dtype) and one head-weight-sized gradient
 accumulator, never more than one chunk of logits: at a large vocabulary far less than `standard`, and
 one head forward less than `chunked`.
@@ -95,8 +96,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             compute = grad_logits.to(_matmul_dtype(rows))
             if grad_hidden is not None:
                 grad_hidden[start : start + chunk_tokens] = compute @ weight.to(compute.dtype)
-            if grad_weight is not None:
-                grad_weight += (compute.t() @ rows.to(compute.dtype)).to(grad_weight.dtype)
+            if grad_weight is not None:  # accumulated in place: no head-sized product per chunk
+                if grad_weight.dtype == compute.dtype:
+                    grad_weight.addmm_(compute.t(), rows.to(compute.dtype))
+                else:  # autocast: the product in the compute dtype, added to the weight-dtype accumulator
+                    grad_weight.add_(compute.t() @ rows.to(compute.dtype))
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0).to(grad_bias.dtype)
             del logits, grad_logits, compute
@@ -105,13 +109,17 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The kept gradients scaled in place and handed on, as Liger's kernel does: they are this
+        function's own (nothing else reads them), so a scaled copy would hold a second head-sized gradient
+        (and a second hidden-states gradient) at the backward's peak for nothing. In place in the kept
+        dtype is what `(grad * scale).to(grad.dtype)` computed: a 0-dim fp32 factor does not promote a bf16
+        tensor, so the product was already rounded to the kept dtype; scaling by 1.0 is exact."""
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_output.float()
-
-        def scaled(grad: torch.Tensor | None) -> torch.Tensor | None:
-            return None if grad is None else (grad * scale).to(grad.dtype)
-
-        return scaled(grad_hidden), scaled(grad_weight), scaled(grad_bias), None, None, None
+        for grad in (grad_hidden, grad_weight, grad_bias):
+            if grad is not None:
+                grad.mul_(scale)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _matmul_dtype(rows: torch.Tensor) -> torch.dtype:

@@ -21,7 +21,8 @@ backends differ from the idealisation in ways that matter at the margin of a GPU
 - DeepSpeed ZeRO-1/2 flattens the parameters into one buffer (padded to a multiple of 2 x the world
   size) that stays whole on every rank, keeps a separate fp32 master partition even when training in
   fp32, and keeps the gradients of every parameter that overlaps its partition - whole. ZeRO-3 pads
-  each parameter to a multiple of the world size and keeps a persistent flat gradient partition. It
+  each parameter to a multiple of the world size and partitions it, frozen or not (a LoRA base is
+  `1/N` per rank, as under FSDP2), and keeps a persistent flat gradient partition of the trainable ones. It
   keeps gathered both the parameters of at most `stage3_param_persistence_threshold` elements and,
   from the second step on, every weight reused within `stage3_max_reuse_distance` elements: with the
   defaults, all weights of a model under 500M parameters stay gathered from forward to backward.
@@ -294,8 +295,11 @@ def deepspeed_bytes(
     within that distance (about twice the elements that run after them) stay gathered - with the
     defaults (1e9), every weight of a model under 500M parameters, as with FSDP2's zero2.
 
-    Frozen parameters are outside the optimizer's flat groups: counted whole as weights on every rank
-    (an upper bound for ZeRO-3, which may partition them too), with no gradient or state.
+    Frozen parameters (a LoRA base) are outside the optimizer's flat groups: no gradient or state. ZeRO-1/2
+    keep them whole on every rank. ZeRO-3 partitions every parameter of the module it is given, frozen or
+    not (`DeepSpeedZeRoOffload._convert_to_zero_parameters`; measured: a LoRA model's `ds_tensor`s on 2
+    ranks are half of it), and gathers, keeps and prefetches them as it does the trainable ones: a frozen
+    base weighs `1/N` of itself per rank, plus what is gathered in flight.
     """
     if rank is None:
         per_rank = [
@@ -306,30 +310,10 @@ def deepspeed_bytes(
         ]
         return max(per_rank, key=lambda b: (b.peak, b.host))
     element = 2 if precision == "bf16-mixed" else 4
+    if stage == 3:
+        return _deepspeed_zero3_bytes(shape, world_size, element, optimizer, offload, knobs)
     frozen = (shape.numel - shape.trainable_numel) * element
     shape = shape.trainable
-    if stage == 3:
-        partition = sum(math.ceil(p.numel / world_size) for p in shape.params)
-        kept, after = 0, 0
-        for p in reversed(shape.params):
-            if p.numel <= knobs.persistence_threshold or 2 * after < knobs.max_reuse_distance:
-                kept += p.numel
-            after += p.numel
-        largest_block = max(
-            (sum(p.numel for p in v) for k, v in _groups(shape).items() if k is not None), default=0
-        )
-        states = optimizer.bytes(partition, 1) + partition * 4  # moments + fp32 master partition
-        weights = partition * element
-        host = states + (weights if offload == "params" else 0) if offload != "none" else 0
-        return StateBytes(
-            weights=frozen + (0 if offload == "params" else weights),
-            gradients=partition * element,  # the flat gradient partition, allocated at initialisation
-            optimizer_states=0 if offload != "none" else states,
-            gathered=kept * element,
-            prefetch=min(shape.numel - kept, largest_block + knobs.prefetch_bucket) * element,
-            gradient_copies=partition * 4,  # the fp32 flat gradient the step builds from the partition
-            host=host,
-        )
     flat = sum(p.numel for p in shape.params)
     align = 2 * world_size
     flat = math.ceil(flat / align) * align
@@ -350,4 +334,40 @@ def deepspeed_bytes(
         optimizer_states=0 if offload != "none" else states,
         gradient_copies=full_grads + partition * 4,
         host=states if offload != "none" else 0,
+    )
+
+
+def _deepspeed_zero3_bytes(
+    shape: ModelShape,
+    world_size: int,
+    element: int,
+    optimizer: OptimizerCost,
+    offload: str,
+    knobs: DeepSpeedZero3Knobs,
+) -> StateBytes:
+    """ZeRO-3: every parameter's partition (frozen ones too) on each rank, the trainable ones' flat gradient
+    and optimizer partitions; gathered weights kept by the persistence threshold and the reuse distance,
+    frozen or not (the coordinator traces every parameter the forward fetches), and the next block fetched
+    ahead."""
+    partition = sum(math.ceil(p.numel / world_size) for p in shape.params)
+    trainable = sum(math.ceil(p.numel / world_size) for p in shape.trainable.params)
+    kept, after = 0, 0
+    for p in reversed(shape.params):
+        if p.numel <= knobs.persistence_threshold or 2 * after < knobs.max_reuse_distance:
+            kept += p.numel
+        after += p.numel
+    largest_block = max(
+        (sum(p.numel for p in v) for k, v in _groups(shape).items() if k is not None), default=0
+    )
+    states = optimizer.bytes(trainable, 1) + trainable * 4  # moments + fp32 master partition
+    weights = partition * element
+    host = states + (weights if offload == "params" else 0) if offload != "none" else 0
+    return StateBytes(
+        weights=0 if offload == "params" else weights,
+        gradients=trainable * element,  # the flat gradient partition, allocated at initialisation
+        optimizer_states=0 if offload != "none" else states,
+        gathered=kept * element,
+        prefetch=min(shape.numel - kept, largest_block + knobs.prefetch_bucket) * element,
+        gradient_copies=trainable * 4,  # the fp32 flat gradient the step builds from the partition
+        host=host,
     )
