@@ -95,16 +95,20 @@ def apply_strategies(
         if env is None:  # the planner's fake tensors: bitsandbytes' layers cannot hold them
             quantization.stand_in(model, lambda name: head is not None and name == head, compute)
         elif any(p.is_meta for p in model.parameters()):
-            if sharding is not None and sharding.shards_meta_models:
-                raise Unsupported(
-                    f"model.quantization: {quantization.name} base weights cannot be sharded by "
-                    f"{sharding.name} on FSDP2; use strategies.sharding=ddp or none"
-                )
-            materialise_parameters(model, env.device)
+            # Quantisation reads every weight, so each rank loads the whole base first: on the device for
+            # a replicated plan, on the host under FSDP2 (its layers are quantised onto the device one by
+            # one, then sharded), so that the unquantised model never sits on the device whole.
+            sharded = sharding is not None and sharding.shards_meta_models
+            materialise_parameters(model, torch.device("cpu") if sharded else env.device)
             if load_weights is not None:
                 load_weights(model)
         if env is not None:
-            quantization.apply(model.to(env.device), lambda name: head is not None and name == head, compute)
+            skip = lambda name: head is not None and name == head  # noqa: E731
+            if all(p.device == env.device for p in model.parameters()):
+                quantization.apply(model, skip, compute)
+            else:
+                quantization.apply(model, skip, compute, device=env.device)
+                model.to(env.device)
             setattr(model, f"is_loaded_in_{quantization.bits}bit", True)  # peft's quantised LoRA layers
     adapters.apply(model)
     precision.swap_modules(model, blocks)

@@ -65,6 +65,16 @@ BNB_OFFSET_BYTES = 4  # `offset`: a 0-dim fp32 tensor
 # int8 (bitsandbytes/nn/modules.py `Int8Params._quantize` -> functional.py `int8_vectorwise_quant`):
 BNB_INT8_SCALE_BYTES = 4  # `SCB`: one fp32 absmax per row (output feature) of the int8 weight `CB`
 
+# Why each layout that shards but cannot hold a quantised base refuses it (`Quantization.check_sharding`).
+SHARDING_REFUSALS = {
+    "zero1": "ZeroRedundancyOptimizer over DDP is untested with bitsandbytes layers; use strategies.sharding "
+    "zero3 (sharding_backend fsdp2), ddp or none",
+    "fsdp2": "FSDP2 gathers a weight as a plain tensor, without the row scales int8 keeps on it "
+    "(Int8Params.SCB); use nf4 or fp4, or strategies.sharding ddp or none",
+    "deepspeed": "DeepSpeed partitions parameters by flattening them into its dtype's buffers, which would "
+    "reinterpret the packed 4-bit bytes, and its zero.Init fails on this stack; use "
+    "strategies.sharding_backend fsdp2",
+}
 SUPPORTED_DEVICES = ("cuda", "cpu")  # bitsandbytes' CUDA kernels; CPU checked by the tests here
 BNB_MODULE = "bitsandbytes"
 
@@ -77,23 +87,36 @@ class Quantization(Strategy):
     name: ClassVar[str] = "none"
     bits: ClassVar[int] = 16  # bits per stored base weight (4 or 8 for the bitsandbytes formats)
 
-    def apply(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> list[str]:
-        """Replace `model`'s linear layers in place; return the names of the replaced modules."""
+    def apply(
+        self,
+        model: nn.Module,
+        skip: Callable[[str], bool],
+        compute_dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> list[str]:
+        """Replace `model`'s linear layers in place, each quantised onto `device` (default: where its weight
+        is); return the names of the replaced modules."""
         return []
 
     def stand_in(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> None:
         """What the planner's fake-tensor trace runs in place of `apply` (nothing, without quantisation)."""
 
     def check_sharding(self, sharding: Sharding) -> None:
-        """`Unsupported` when the base cannot be stored as `sharding` lays weights out: a quantised base is
-        kept whole on every rank, so only the replicated layouts (none, ddp) hold it. The one rule for the
-        planner's grid, a pinned plan and `memtrain validate`."""
-        if self.name != "none" and not sharding.replicated:
-            raise Unsupported(
-                f"model.quantization: {self.name} keeps the quantised base whole on every rank, and "
-                f"strategies.sharding {sharding.name} shards the weights; use strategies.sharding none or ddp "
-                "(or model.quantization: none)"
-            )
+        """`Unsupported` when the base cannot be stored as `sharding` lays weights out: the replicated layouts
+        (none, ddp) keep it whole on every rank, FSDP2's zero2/zero3 shard its packed storage (module
+        docstring); zero1 and DeepSpeed cannot hold it. The one rule for the planner's grid, a pinned plan
+        and `memtrain validate`."""
+        if self.name == "none" or sharding.replicated or self.shards_under(sharding):
+            return
+        layout = "deepspeed" if sharding.backend == "deepspeed" else "zero1" if sharding.name == "zero1" else ""
+        raise Unsupported(
+            f"model.quantization: {self.name} with strategies.sharding {sharding.name} (sharding_backend "
+            f"{sharding.backend}): {SHARDING_REFUSALS.get(layout, SHARDING_REFUSALS['fsdp2'])}"
+        )
+
+    def shards_under(self, sharding: Sharding) -> bool:
+        """Whether `sharding` shards this base's stored weights across ranks (only 4-bit, under FSDP2)."""
+        return False
 
     def weight_bytes(
         self,
@@ -157,7 +180,13 @@ class BitsAndBytes(Quantization):
             )
         _bitsandbytes(self.name)
 
-    def apply(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> list[str]:
+    def apply(
+        self,
+        model: nn.Module,
+        skip: Callable[[str], bool],
+        compute_dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> list[str]:
         bnb = _bitsandbytes(self.name)
         targets = [(n, m) for n, m in model.named_modules() if n and type(m) is nn.Linear and not skip(n)]
         owners: dict[int, list[str]] = {}
@@ -177,16 +206,19 @@ class BitsAndBytes(Quantization):
                     f"untie them, so leave {module_name} unquantised (skip it)"
                 )
         for module_name, linear in targets:
-            layer = self._layer(bnb, linear, compute_dtype)
+            layer = self._layer(bnb, linear, compute_dtype, device or linear.weight.device)
             if linear.bias is not None:
-                layer.bias = nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
+                bias = linear.bias.detach().to(device=device or linear.bias.device, dtype=compute_dtype)
+                layer.bias = nn.Parameter(bias, requires_grad=False)
             layer.train(linear.training)
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)
         return [n for n, _ in targets]
 
-    def _layer(self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
-        """The quantised layer holding `linear`'s weight (its bias is set by `apply`)."""
+    def _layer(
+        self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
+        """The quantised layer holding `linear`'s weight on `device` (its bias is set by `apply`)."""
         raise NotImplementedError
 
     def stand_in(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> None:
@@ -241,6 +273,9 @@ class FourBit(BitsAndBytes):
     )
     block_size: int = option(64, doc="nf4/fp4: elements per scale.", changes_trajectory=True, gt=0)
 
+    def shards_under(self, sharding: Sharding) -> bool:
+        return sharding.name in ("zero2", "zero3") and sharding.backend == "fsdp2"
+
     def check(self, facts: DeviceFacts) -> None:
         if self.block_size not in BNB_4BIT_BLOCK_SIZES:
             raise Unsupported(
@@ -266,7 +301,9 @@ class FourBit(BitsAndBytes):
         absmax = blocks * BNB_NESTED_ABSMAX_BYTES + BNB_OFFSET_BYTES + nested
         return packed + absmax + BNB_4BIT_CODE_BYTES
 
-    def _layer(self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    def _layer(
+        self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
         layer: Any = bnb.nn.Linear4bit(
             linear.in_features,
             linear.out_features,
@@ -286,7 +323,7 @@ class FourBit(BitsAndBytes):
             quant_type=self.quant_type,
             module=layer,
         )
-        layer.weight = weight.to(linear.weight.device)  # quantises (Params4bit.to -> _quantize)
+        layer.weight = weight.to(device)  # quantises (Params4bit.to -> _quantize)
         return layer
 
 
@@ -336,7 +373,9 @@ class Int8(BitsAndBytes):
             raise ValueError("int8 has one scale per row: give the rows (output features) of every weight")
         return sum(numel_per_tensor) + BNB_INT8_SCALE_BYTES * sum(rows_per_tensor)
 
-    def _layer(self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    def _layer(
+        self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
         layer: Any = bnb.nn.Linear8bitLt(
             linear.in_features,
             linear.out_features,
@@ -347,7 +386,7 @@ class Int8(BitsAndBytes):
         )
         # What Int8Params._quantize does, on whatever device the weight is (Int8Params.to quantises only
         # when the weight comes from the CPU).
-        source = linear.weight.detach().to(torch.float16).contiguous()
+        source = linear.weight.detach().to(device=device, dtype=torch.float16).contiguous()
         cb, scb, _ = bnb.functional.int8_vectorwise_quant(source)
         layer.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
         layer.compute_dtype = compute_dtype
