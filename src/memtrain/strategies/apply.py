@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from memtrain.distributed import DistEnv, with_device_mesh
-from memtrain.errors import Unsupported
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing, unwrap_blocks

@@ -21,6 +21,26 @@ dequantises into it (int8 quantises from fp16, as bitsandbytes does). The bias i
 `compute_dtype` too: bitsandbytes' `Linear4bit` would cast it at its first forward, changing the bytes
 after the plan was made.
 
+Sharded (FSDP2's zero2/zero3: `shards_under`): the same bitsandbytes layers, whose `Params4bit` stores the
+packed 4-bit values as a uint8 tensor of shape ((n + 1) // 2, 1); FSDP2 shards that tensor on dim 0 like
+any frozen parameter, all-gathers it as stored (an integer tensor: no mixed-precision cast) before the
+block runs, and `Linear4bit` dequantises the gathered bytes with the quantisation state it keeps on the
+module (bitsandbytes' `fix_4bit_weight_quant_state_from_module`), whole on every rank. Each rank quantises
+the whole base (deterministic, so the ranks agree) and keeps its shard. Why bitsandbytes and not torchao's
+`NF4Tensor` (which implements FSDP2's all-gather hooks and shards its scales too): both trained under
+FSDP2 on 2 gloo ranks here, but bitsandbytes' gathered layer computes bit for bit what the replicated layer
+computes (max difference 0.0 in fp32), so `nf4` means the same weights with any sharding, the replicated
+behaviour, its byte arithmetic and checkpoints are unchanged, and a zero3 run trains like one process;
+torchao's NF4 quantises differently (its own double quantisation), casts to a float dtype by dequantising
+(which the precision's frozen-weight cast would do), and needs each weight's size to be a multiple of
+64 x 256 elements and its inner tensors to split evenly over the ranks. What bitsandbytes costs: the constants (absmax, nested absmax, code tables: ~1/64 byte
+per element with double quantisation, 3% of the packed bytes) are not sharded, as in Hugging Face's
+FSDP-QLoRA (`sharded_layout`). zero1 (ZeroRedundancyOptimizer over DDP, untested with these layers),
+DeepSpeed (its flat buffers reinterpret the packed bytes; zero.Init fails on this stack) and int8 under
+FSDP2 (its row scales live on the weight tensor FSDP2 replaces) are refused naming the key
+(`check_sharding`). A meta-device (pretrained) base under FSDP2 is loaded whole on the host and quantised
+onto the device layer by layer (`apply(device=...)`): the transient is host memory, a full base per rank.
+
 `weight_bytes` / `estimate` are the planner's arithmetic: the bytes of the quantised weights *with* their
 quantisation constants, checked to the byte by tests/strategies/test_quantization.py against the tensors
 bitsandbytes creates. The constants below were read from bitsandbytes 0.50 (see each comment).
@@ -51,6 +71,7 @@ from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 from memtrain.strategies.sharding import Sharding
+from memtrain.strategies.sharding.state_bytes import QuantisedWeight
 
 # 4-bit (bitsandbytes/functional.py `quantize_4bit` and `QuantState`, backends/*/ops.py `quantize_4bit`):
 BNB_4BIT_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes quantize_4bit accepts
@@ -108,7 +129,9 @@ class Quantization(Strategy):
         and `memtrain validate`."""
         if self.name == "none" or sharding.replicated or self.shards_under(sharding):
             return
-        layout = "deepspeed" if sharding.backend == "deepspeed" else "zero1" if sharding.name == "zero1" else ""
+        layout = (
+            "deepspeed" if sharding.backend == "deepspeed" else "zero1" if sharding.name == "zero1" else ""
+        )
         raise Unsupported(
             f"model.quantization: {self.name} with strategies.sharding {sharding.name} (sharding_backend "
             f"{sharding.backend}): {SHARDING_REFUSALS.get(layout, SHARDING_REFUSALS['fsdp2'])}"
@@ -117,6 +140,11 @@ class Quantization(Strategy):
     def shards_under(self, sharding: Sharding) -> bool:
         """Whether `sharding` shards this base's stored weights across ranks (only 4-bit, under FSDP2)."""
         return False
+
+    def sharded_layout(self, numel: int) -> QuantisedWeight:
+        """How a sharding backend lays out a weight of `numel` elements stored in this format (what it
+        shards and gathers, what stays whole): for the formats `shards_under` some sharding."""
+        raise NotImplementedError(f"model.quantization: {self.name} is not sharded")
 
     def weight_bytes(
         self,
@@ -291,6 +319,12 @@ class FourBit(BitsAndBytes):
         param_bytes: int = 4,
     ) -> int:
         return sum(self._tensor_bytes(n) for n in numel_per_tensor)
+
+    def sharded_layout(self, numel: int) -> QuantisedWeight:
+        """`Params4bit`'s packed uint8 storage, ((numel + 1) // 2, 1), sharded on dim 0 (its bytes as rows),
+        and its quantisation state (absmax, nested absmax, code tables) whole on every rank."""
+        packed = (numel + 1) // 2
+        return QuantisedWeight(rows=packed, row_bytes=1, whole=self._tensor_bytes(numel) - packed)
 
     def _tensor_bytes(self, numel: int) -> int:
         packed = (numel + 1) // 2  # two 4-bit values per uint8, the last one padded

@@ -1,0 +1,107 @@
+"""QLoRA under FSDP2 on two gloo ranks: the 4-bit base (bitsandbytes' packed uint8 storage) sharded by zero3,
+LoRA adapters training on it. Each rank holds half the quantised base, the plan's per-rank stored weights are
+the bytes the ranks hold (to the byte) and its peak the tracker's, and the training is one process's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memtrain.causal_lm.recipe import CausalLMRecipe
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.errors import Unsupported
+
+from helpers import REPO, TINY_LLAMA, assert_trained_alike, initial_weights, run_two_ranks, tiny_recipe_dict
+
+pytest.importorskip("bitsandbytes")
+
+MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "vocab_size": 256}
+
+
+def _raw(tmp_path: Path, sharding: str, **strategies: Any) -> dict[str, Any]:
+    return tiny_recipe_dict(
+        tmp_path,
+        model={"config": MODEL, "quantization": "nf4"},
+        adapters={"kind": "lora", "r": 4, "alpha": 8},
+        memory={"track": True},
+        batch={"global_size": 8, "micro_size": "auto"},
+        data={"seq_len": 32, "eval_fraction": 0.0, "synthetic": {"num_samples": 16, "min_len": 0}},
+        strategies={"optimizer_states": "fp32", "sharding": sharding, **strategies},
+        train={"steps": 3, "lr": 1e-2},
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The zero3 run on two ranks, and the same job (seed, data, model) in one process, replicated."""
+    tmp = tmp_path_factory.mktemp("qlora_fsdp")
+    spec = tmp / "zero3.json"
+    spec.write_text(json.dumps(_raw(tmp / "zero3", "zero3")))
+    run_two_ranks(str(REPO / "tests/adapters/qlora_fsdp_job.py"), str(spec), str(tmp / "out.json"))
+    one = CausalLMTrainer(CausalLMRecipe.from_dict(_raw(tmp / "one", "none")))
+    fitted = one.fit()
+    assert one.model is not None
+    packed = sum(p.untyped_storage().nbytes() for p in one.model.parameters() if p.dtype == torch.uint8)
+    trained = {n: p.detach().float().clone() for n, p in one.model.named_parameters() if p.requires_grad}
+    initial = initial_weights(CausalLMRecipe.from_dict(_raw(tmp / "initial", "none")))
+    return {
+        "zero3": json.loads((tmp / "out.json").read_text()),
+        "one": {"losses": fitted.losses, "packed": packed, "adapters": trained, "initial": initial},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_each_rank_holds_half_the_quantised_base(runs: dict[str, Any]) -> None:
+    """The packed 4-bit storage one process keeps whole is split in two (every weight's row count is even
+    here, so FSDP2 pads nothing), and the plan's stored weights are each rank's bytes: its parameter shards
+    (LoRA, embeddings, norms and head sharded too) with the quantisation constants it keeps whole."""
+    ranks = runs["zero3"]["ranks"]
+    assert all(r["sharding"] == "zero3" for r in ranks)
+    assert [r["packed"] for r in ranks] == [runs["one"]["packed"] // 2] * 2
+    assert all(r["predicted_stored"] == r["stored"] for r in ranks), ranks
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_planned_peak_matches_each_ranks_tracker(runs: dict[str, Any]) -> None:
+    """Within 3%, as the replicated QLoRA plans are held to 2% (test_qlora.py): the gathered blocks, a
+    sum of upper bounds (`StateBytes.footprint`), and gloo's buffers are the difference."""
+    for rank in runs["zero3"]["ranks"]:
+        assert abs(rank["predicted_peak"] - rank["measured_peak"]) / rank["measured_peak"] < 0.03, rank
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_rank_zero3_trains_like_one_process(runs: dict[str, Any]) -> None:
+    """The same quantised weights (each rank quantises the whole base, then keeps its shard; the gathered
+    copy is the packed bytes, so the forward is bit for bit the replicated layer's) and the same batches: the
+    losses differ only by the order the ranks' sums take, 1e-5 relative as for LoRA under DDP
+    (test_lora.py), and the adapters end within `REDUCTION_ORDER` of the distance they moved."""
+    zero3, one = runs["zero3"], runs["one"]
+    assert zero3["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    got = {n: torch.tensor(v) for n, v in zero3["adapters"].items()}
+    initial = {n: v for n, v in one["initial"].items() if n in one["adapters"]}
+    assert_trained_alike(got, one["adapters"], initial)
+
+
+@pytest.mark.parametrize(
+    ("strategies", "key"),
+    [
+        ({"sharding": "zero3", "sharding_backend": "deepspeed"}, "DeepSpeed"),
+        ({"sharding": "zero1"}, "ZeroRedundancyOptimizer"),
+    ],
+)
+def test_shardings_that_cannot_hold_a_quantised_base_refuse_it(
+    tmp_path: Path, strategies: dict[str, Any], key: str
+) -> None:
+    raw = _raw(tmp_path, "none")
+    raw["strategies"].update(strategies)
+    raw["batch"]["micro_size"] = 8
+    trainer = CausalLMTrainer(CausalLMRecipe.from_dict(raw))
+    with pytest.raises(Unsupported, match=f"model.quantization: nf4 with strategies.sharding .*{key}"):
+        trainer.choose_plan()
