@@ -4,7 +4,8 @@
 Each rank plans (`choose_plan`: the planner's per-rank states and peak), trains, and measures what it holds:
 the bytes of its shards of the quantised base (the packed uint8 storage FSDP2 allocated), every parameter's
 local storage with the quantisation states beside them (what the plan's stored weights count), and the
-tracker's peak. Rank 0 writes every rank's numbers, the losses and the trained adapters (whole, fp32)."""
+tracker's peak. Rank 0 writes every rank's numbers, the losses, the trained adapters (whole, fp32) and the
+plan (for the rank trace to trace it)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def main() -> None:
         if p.requires_grad
     }
     if dist.get_rank() == 0:
-        out = {"ranks": ranks, "losses": fitted.losses, "adapters": adapters}
+        plan = result.chosen.plan.to_dict()
+        out = {"ranks": ranks, "losses": fitted.losses, "adapters": adapters, "plan": plan}
         Path(sys.argv[2]).write_text(json.dumps(out))
 
 

@@ -93,6 +93,8 @@ def apply_strategies(
         head = output_head(model)
         if env is None:  # the planner's fake tensors: bitsandbytes' layers cannot hold them
             quantization.stand_in(model, lambda name: head is not None and name == head, compute)
+        elif materialise_in is not None:  # the rank trace's meta model: the packed layout, no values
+            quantization.packed_stand_in(model, lambda name: head is not None and name == head, compute)
         elif any(p.is_meta for p in model.parameters()):
             # Quantisation reads every weight, so each rank loads the whole base first: on the device for
             # a replicated plan, on the host under FSDP2 (its layers are quantised onto the device one by
@@ -101,7 +103,7 @@ def apply_strategies(
             materialise_parameters(model, torch.device("cpu") if sharded else env.device)
             if load_weights is not None:
                 load_weights(model)
-        if env is not None:
+        if env is not None and materialise_in is None:
             skip = lambda name: head is not None and name == head  # noqa: E731
             if all(p.device == env.device for p in model.parameters()):
                 quantization.apply(model, skip, compute)

@@ -141,6 +141,11 @@ class Quantization(Strategy):
         """Whether `sharding` shards this base's stored weights across ranks (only 4-bit, under FSDP2)."""
         return False
 
+    def packed_stand_in(
+        self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype
+    ) -> None:
+        """What the rank trace runs in place of `apply` on its meta model (nothing, without quantisation)."""
+
     def sharded_layout(self, numel: int) -> QuantisedWeight:
         """How a sharding backend lays out a weight of `numel` elements stored in this format (what it
         shards and gathers, what stays whole): for the formats `shards_under` some sharding."""
@@ -320,6 +325,26 @@ class FourBit(BitsAndBytes):
     ) -> int:
         return sum(self._tensor_bytes(n) for n in numel_per_tensor)
 
+    def packed_stand_in(
+        self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype
+    ) -> None:
+        """The rank trace's stand-in (its model is on the meta device, then fake: no values to quantise):
+        each target linear as a `PackedLinear` holding the layout `sharded_layout` gives, which FSDP2 shards
+        and gathers as it does bitsandbytes' packed weight."""
+        for name, module in list(model.named_modules()):
+            if name and type(module) is nn.Linear and not skip(name):
+                layout = self.sharded_layout(module.in_features * module.out_features)
+                module.__class__ = PackedLinear
+                device = module.weight.device
+                packed = torch.empty((layout.rows, layout.row_bytes), dtype=torch.uint8, device=device)
+                module.weight = nn.Parameter(packed, requires_grad=False)
+                module.register_buffer(
+                    "constants", torch.empty(layout.whole, dtype=torch.uint8, device=device)
+                )
+                module.compute_dtype = compute_dtype  # type: ignore[assignment]
+                if module.bias is not None:
+                    module.bias.requires_grad_(False)
+
     def sharded_layout(self, numel: int) -> QuantisedWeight:
         """`Params4bit`'s packed uint8 storage, ((numel + 1) // 2, 1), sharded on dim 0 (its bytes as rows),
         and its quantisation state (absmax, nested absmax, code tables) whole on every rank."""
@@ -469,3 +494,39 @@ class _DequantisedMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (weight,) = ctx.saved_tensors
         return grad @ weight.to(ctx.dtype, copy=True), None, None
+
+
+class PackedLinear(nn.Linear):
+    """The rank trace's stand-in of a 4-bit layer (`FourBit.packed_stand_in`): `weight` is the packed uint8
+    storage, `constants` a uint8 buffer of the quantisation state's bytes (a buffer: FSDP2 keeps it whole,
+    as bitsandbytes keeps its state on the module); the forward dequantises into a transient (out, in) copy
+    in the compute dtype for the forward and again for the backward, as `DequantisedLinear` does."""
+
+    compute_dtype: torch.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _UnpackedMatmul.apply(
+            x.to(self.compute_dtype), self.weight, self.out_features, self.compute_dtype
+        )
+        if self.bias is not None:
+            out = out + self.bias.to(self.compute_dtype)
+        return out.to(x.dtype)  # type: ignore[no-any-return]
+
+
+class _UnpackedMatmul(torch.autograd.Function):
+    """x @ W.T with W (out x in) unpacked from the packed bytes (placeholder values: the rank trace's
+    tensors are fake), keeping only the packed weight for backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, packed: torch.Tensor, rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        ctx.save_for_backward(packed)
+        ctx.shape = (rows, x.shape[-1])
+        ctx.dtype = dtype
+        return x @ packed.new_empty(ctx.shape, dtype=dtype).t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (packed,) = ctx.saved_tensors
+        return grad @ packed.new_empty(ctx.shape, dtype=ctx.dtype), None, None, None
