@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
@@ -25,8 +26,8 @@ pytest.importorskip("bitsandbytes")
 MODEL = {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "vocab_size": 256}
 
 
-def _raw(tmp_path: Path, sharding: str, **strategies: Any) -> dict[str, Any]:
-    return tiny_recipe_dict(
+def _raw(tmp_path: Path, sharding: str, pretrained: Path | None = None, **strategies: Any) -> dict[str, Any]:
+    raw = tiny_recipe_dict(
         tmp_path,
         model={"config": MODEL, "quantization": "nf4"},
         adapters={"kind": "lora", "r": 4, "alpha": 8},
@@ -36,22 +37,29 @@ def _raw(tmp_path: Path, sharding: str, **strategies: Any) -> dict[str, Any]:
         strategies={"optimizer_states": "fp32", "sharding": sharding, **strategies},
         train={"steps": 3, "lr": 1e-2},
     )
+    if pretrained is not None:
+        raw["model"] = {"pretrained": str(pretrained), "quantization": "nf4"}
+    return raw
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The zero3 run on two ranks, and the same job (seed, data, model) in one process, replicated."""
+    """The zero3 run on two ranks, and the same job (seed, data, model) in one process, replicated. The base
+    is a saved model (`model.pretrained`): under FSDP2 each rank reads it whole on the host, quantises it and
+    keeps its shards (`apply_strategies`), the path a real base takes."""
     tmp = tmp_path_factory.mktemp("qlora_fsdp")
+    torch.manual_seed(11)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL)).save_pretrained(tmp / "base")
     spec = tmp / "zero3.json"
-    raw = _raw(tmp / "zero3", "zero3")
+    raw = _raw(tmp / "zero3", "zero3", tmp / "base")
     spec.write_text(json.dumps(raw))
     run_two_ranks(str(REPO / "tests/adapters/qlora_fsdp_job.py"), str(spec), str(tmp / "out.json"))
-    one = CausalLMTrainer(CausalLMRecipe.from_dict(_raw(tmp / "one", "none")))
+    one = CausalLMTrainer(CausalLMRecipe.from_dict(_raw(tmp / "one", "none", tmp / "base")))
     fitted = one.fit()
     assert one.model is not None
     packed = sum(p.untyped_storage().nbytes() for p in one.model.parameters() if p.dtype == torch.uint8)
     trained = {n: p.detach().float().clone() for n, p in one.model.named_parameters() if p.requires_grad}
-    initial = initial_weights(CausalLMRecipe.from_dict(_raw(tmp / "initial", "none")))
+    initial = initial_weights(CausalLMRecipe.from_dict(_raw(tmp / "initial", "none", tmp / "base")))
     zero3 = json.loads((tmp / "out.json").read_text())
     recipe = CausalLMRecipe.from_dict(raw)
     plan = Plan.from_dict(zero3["plan"]).replace(mesh=mesh_of(recipe, 2))
