@@ -132,20 +132,24 @@ def test_two_rank_zero3_trains_like_one_process(runs: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("strategies", "key"),
+    ("quantization", "strategies", "key"),
     [
-        ({"sharding": "zero3", "sharding_backend": "deepspeed"}, "DeepSpeed"),
-        ({"sharding": "zero1"}, "ZeroRedundancyOptimizer"),
+        ("nf4", {"sharding": "zero3", "sharding_backend": "deepspeed"}, "DeepSpeed"),
+        ("nf4", {"sharding": "zero1"}, "ZeroRedundancyOptimizer"),
+        ("int8", {"sharding": "zero3"}, "Int8Params.SCB"),
     ],
 )
 def test_shardings_that_cannot_hold_a_quantised_base_refuse_it(
-    tmp_path: Path, strategies: dict[str, Any], key: str
+    tmp_path: Path, quantization: str, strategies: dict[str, Any], key: str
 ) -> None:
     raw = _raw(tmp_path, "none")
+    raw["model"]["quantization"] = quantization
     raw["strategies"].update(strategies)
     raw["batch"]["micro_size"] = 8
     trainer = CausalLMTrainer(CausalLMRecipe.from_dict(raw))
-    with pytest.raises(Unsupported, match=f"model.quantization: nf4 with strategies.sharding .*{key}"):
+    with pytest.raises(
+        Unsupported, match=f"model.quantization: {quantization} with strategies.sharding .*{key}"
+    ):
         trainer.choose_plan()
 
 
