@@ -17,8 +17,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
+from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
-from memtrain.plan import Plan, mesh_of
+from memtrain.mesh import MeshShape
+from memtrain.plan import Plan, mesh_of, pinned_plan
 from memtrain.planner.rank_trace import trace_rank
 
 from helpers import REPO, TINY_LLAMA, assert_trained_alike, initial_weights, run_two_ranks, tiny_recipe_dict
@@ -179,3 +181,14 @@ def test_llama2_70b_fsdp_qlora_fits_two_80gb_gpus(capsys: pytest.CaptureFixture[
     assert doc["model_states"]["gradients"] == 4 * lora // ranks, "only the adapters have gradients"
     reserved = doc["candidates"][0]["predicted_reserved"]
     assert 0.8 * PEFT_PUBLISHED < reserved < PEFT_PUBLISHED, reserved / 1e9
+
+
+def test_tensor_parallelism_refuses_a_quantised_base(tmp_path: Path) -> None:
+    raw = _raw(tmp_path, "none")
+    raw["strategies"]["mesh"] = {"tp": 2}
+    with pytest.raises(Unsupported, match="model.quantization: nf4 with strategies.mesh.tp=2"):
+        pinned_plan(CausalLMRecipe.from_dict({**raw, "batch": {**raw["batch"], "micro_size": 8}}), _env(2))
+
+
+def _env(ranks: int) -> DistEnv:
+    return DistEnv(0, ranks, 0, torch.device("cpu"), mesh=MeshShape(tp=ranks))

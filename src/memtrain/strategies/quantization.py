@@ -206,6 +206,12 @@ class BitsAndBytes(Quantization):
     """What the bitsandbytes formats share: the device check, the layer swap and the estimate."""
 
     def check(self, facts: DeviceFacts) -> None:
+        if facts.mesh is not None and facts.mesh.tp > 1:
+            raise Unsupported(
+                f"model.quantization: {self.name} with strategies.mesh.tp={facts.mesh.tp}: tensor parallelism "
+                "splits nn.Linear weights by rows and columns, not bitsandbytes' packed ones; set "
+                "strategies.mesh.tp: 1 (FSDP2's zero3 shards the quantised base)"
+            )
         if facts.device_type not in SUPPORTED_DEVICES:
             raise Unsupported(
                 f"model.quantization: {self.name} runs on {' or '.join(SUPPORTED_DEVICES)} (bitsandbytes "
