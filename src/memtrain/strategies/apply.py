@@ -91,10 +91,14 @@ def apply_strategies(
     if quantization.name != "none":  # after the weights are loaded (it reads them), before the adapters
         compute = precision.autocast_dtype or precision.stored_dtype
         head = output_head(model)
+
+        def skip(name: str) -> bool:  # the output head stays unquantised
+            return head is not None and name == head
+
         if env is None:  # the planner's fake tensors: bitsandbytes' layers cannot hold them
-            quantization.stand_in(model, lambda name: head is not None and name == head, compute)
+            quantization.stand_in(model, skip, compute)
         elif materialise_in is not None:  # the rank trace's meta model: the packed layout, no values
-            quantization.packed_stand_in(model, lambda name: head is not None and name == head, compute)
+            quantization.packed_stand_in(model, skip, compute)
         elif any(p.is_meta for p in model.parameters()):
             # Quantisation reads every weight, so each rank loads the whole base first: on the device for
             # a replicated plan, on the host under FSDP2 (its layers are quantised onto the device one by
@@ -104,7 +108,6 @@ def apply_strategies(
             if load_weights is not None:
                 load_weights(model)
         if env is not None and materialise_in is None:
-            skip = lambda name: head is not None and name == head  # noqa: E731
             if all(p.device == env.device for p in model.parameters()):
                 quantization.apply(model, skip, compute)
             else:
