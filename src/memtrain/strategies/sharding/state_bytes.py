@@ -18,6 +18,8 @@ backends differ from the idealisation in ways that matter at the margin of a GPU
   With accumulation and `gradient_reduction=per_step`, gradients are not reduced on non-final
   micro-steps, so each rank holds an unsharded fp32 gradient of the whole model until the last
   micro-step; with `per_micro_step` every micro-step reduce-scatters into the sharded gradient.
+  A QLoRA base (`QuantisedWeight`) is sharded and gathered as its packed uint8 storage, its
+  quantisation constants whole on every rank.
 - DeepSpeed ZeRO-1/2 flattens the parameters into one buffer (padded to a multiple of 2 x the world
   size) that stays whole on every rank, keeps a separate fp32 master partition even when training in
   fp32, and keeps the gradients of every parameter that overlaps its partition - whole. ZeRO-3 pads
