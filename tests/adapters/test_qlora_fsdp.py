@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from memtrain.causal_lm.recipe import CausalLMRecipe
@@ -22,6 +24,7 @@ from memtrain.errors import Unsupported
 from memtrain.mesh import MeshShape
 from memtrain.plan import Plan, mesh_of, pinned_plan
 from memtrain.planner.rank_trace import trace_rank
+from memtrain.training.metrics import read_metrics
 
 from helpers import REPO, TINY_LLAMA, assert_trained_alike, initial_weights, run_two_ranks, tiny_recipe_dict
 
@@ -192,3 +195,27 @@ def test_tensor_parallelism_refuses_a_quantised_base(tmp_path: Path) -> None:
 
 def _env(ranks: int) -> DistEnv:
     return DistEnv(0, ranks, 0, torch.device("cpu"), mesh=MeshShape(tp=ranks))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero3_qlora_resumes_from_its_sharded_checkpoint(tmp_path: Path) -> None:
+    """A zero3 QLoRA run's DCP checkpoint (the packed base's shards with the adapters and their optimizer
+    states) resumed on two ranks continues as the uninterrupted run: the same losses, bit for bit (the
+    same ranks, batches and reductions)."""
+    raw = _raw(tmp_path / "whole", "zero3")
+    raw["batch"]["micro_size"] = 2
+    raw["train"]["steps"] = 4
+    raw["checkpoint"] = {"every": 2, "keep": 3, "at_end": True}
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    run_two_ranks("-m", "memtrain", "train", str(recipe), "--no-progress")
+    shutil.copytree(tmp_path / "whole", tmp_path / "split")
+    shutil.rmtree(tmp_path / "split/run/checkpoints/step_00000004")
+    raw["run"]["output_dir"] = str(tmp_path / "split/run")
+    recipe.write_text(yaml.safe_dump(raw))
+    run_two_ranks("-m", "memtrain", "train", str(recipe), "--resume", "--no-progress")
+    losses = [
+        [r["loss"] for r in read_metrics(tmp_path / d / "run/metrics.jsonl")] for d in ("whole", "split")
+    ]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]
