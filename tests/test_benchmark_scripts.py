@@ -38,6 +38,7 @@ def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[st
         "bench_fit_budget.py",
         "estimator_accuracy.py",
         "bench_startup.py",
+        "bench_published.py",
         "bench_links.py",
     ],
 )

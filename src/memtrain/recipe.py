@@ -416,16 +416,18 @@ class PlannerConfig(RecipeSection):
         default=None,
         ge=0.0,
         lt=1.0,
-        description="Share of the free memory kept back for allocator slack and prediction error "
-        "(default: 0.10 on CUDA, 0.02 on CPU, where the tracker counts exactly).",
+        description="Share of the free memory kept back for what no prediction sees (other processes, the "
+        "driver's growth during the run; default 0.02). Prediction error is planner.reserved_margin's, "
+        "the allocator's slack its replay's.",
     )
-    reserved_margin: float = Field(
-        default=0.03,
+    reserved_margin: float | None = Field(
+        default=None,
         ge=0.0,
         lt=1.0,
         description="Share added to a plan's predicted reserved bytes (the CUDA caching allocator's segments, "
-        "replayed over the traced step) before they are held to the usable memory, for what the allocator "
-        "model leaves out (several streams, sharded plans' gathered buffers); CUDA targets only.",
+        "replayed over the traced step) before they are held to the usable memory, for prediction error; "
+        "CUDA targets only (default: the largest under-prediction measured against published GPU runs, "
+        "at least 2%: planner/prediction_error.json, written by scripts/bench_published.py).",
     )
     measure_links: bool = Field(
         default=True,

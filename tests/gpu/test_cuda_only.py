@@ -132,6 +132,27 @@ def test_paged_8bit_trains_on_cuda_and_matches_its_estimate(tmp_path: Path) -> N
     assert estimate.optimizer_states == measured_state_bytes(trainer.optimizer)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_paged_states_are_outside_the_allocator() -> None:
+    """`paged-8bit`'s moments of large tensors are CUDA unified memory: torch's allocator holds only the
+    rest (`state_bytes - paged_bytes`: absmax blocks, maps, small tensors' states), what the planner's device
+    levels count (each allocation rounded up to the allocator's 512-byte blocks)."""
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 64)).cuda().to(torch.bfloat16)
+    states = OPTIMIZER_STATES.create("paged-8bit")
+    optimizer = states.build(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    optimizer.step()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    shape = model_shape(model, [])
+    device_part = states.state_bytes(shape, 2) - states.paged_bytes(shape)
+    assert states.paged_bytes(shape) == 2 * 512 * 512  # the one tensor of at least 100k elements
+    assert device_part <= held <= device_part + 512 * 4 * len(shape.params), (held, device_part)
+
+
 def test_profile_on_cuda_writes_a_memory_viz_snapshot_and_the_allocator_view(tmp_path: Path) -> None:
     from memtrain.commands.profile import run_profile
 

@@ -232,3 +232,18 @@ def test_the_fake_process_group_joins_as_any_rank() -> None:
         dist.all_reduce(out)  # returns at once, nothing sent
     finally:
         dist.destroy_process_group()
+
+
+def test_fused_optimizer_check() -> None:
+    """torch's fused-optimizer check (made at the first step) as `OptimizerStates.build` asks it first."""
+    try:
+        floating = _torch_private.fused_optimizer_steps(torch.zeros(2))
+        integral = _torch_private.fused_optimizer_steps(torch.zeros(2, dtype=torch.int64))
+        meta = _torch_private.fused_optimizer_steps(torch.zeros(2, device="meta"))
+    except (AttributeError, TypeError) as e:
+        _fail("torch.optim.optimizer._device_dtype_check_for_fused", repr(e))
+    if (floating, integral, meta) != (True, False, False):
+        _fail(
+            "torch.optim.optimizer._device_dtype_check_for_fused",
+            f"cpu fp32/int64/meta: {floating, integral, meta}",
+        )

@@ -16,6 +16,7 @@ from memtrain.memory.headroom import Target, budget_from
 from memtrain.planner.activations import trace_step
 from memtrain.planner.allocation_trace import PieceKey, fit_allocations, whole_depth
 from memtrain.planner.explain import EXPANDABLE, describe, explain_failure, to_json
+from memtrain.planner.prediction_error import MARGIN_FLOOR, measured_error
 from memtrain.planner.result import PlanResult, expandable_choice
 from memtrain.planner.search import search
 from memtrain.strategies.checkpointing import Checkpointing, FullCheckpointing, NoCheckpointing
@@ -83,7 +84,9 @@ def test_cuda_plans_carry_reserved_bytes(tmp_path: Path) -> None:
     p = result.chosen.prediction
     assert p.reserved is not None and p.reserved_expandable is not None
     assert p.reserved >= p.peak and p.reserved_expandable >= p.peak
-    assert p.required == p.reserved + int(p.reserved * 0.03)  # planner.reserved_margin's default
+    margin = measured_error().margin  # planner.reserved_margin's default: the measured under-prediction
+    assert margin >= MARGIN_FLOOR and p.margin == margin
+    assert p.required == p.reserved + int(p.reserved * margin)
 
 
 def test_plan_whose_allocated_fits_but_reserved_does_not_is_rejected(tmp_path: Path) -> None:
@@ -109,9 +112,9 @@ def test_table_and_json_show_allocated_and_reserved(tmp_path: Path) -> None:
     p = result.chosen.prediction
     text = describe(result, "plan")
     assert re.search(r" peak +reserved fits ", text)  # the table's columns
-    assert f"allocated, {p.reserved / 2**20:.2f} MiB reserved (+3% margin" in text
+    assert f"allocated, {p.reserved / 2**20:.2f} MiB reserved (+{100 * p.margin:.1f}% margin" in text
     document = to_json(result)
-    assert document["allocator"] == {"expandable_segments": False, "reserved_margin": 0.03}
+    assert document["allocator"] == {"expandable_segments": False, "reserved_margin": measured_error().margin}
     first = document["candidates"][0]
     assert (first["predicted_peak"], first["predicted_reserved"]) == (p.peak, p.reserved)
     assert first["predicted_reserved_expandable_segments"] == p.reserved_expandable

@@ -22,7 +22,7 @@ def _run(tmp_path: Path, mode: str) -> tuple[list[float], dict[str, torch.Tensor
     return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["full", "fraction", "selective", "offload"])
+@pytest.mark.parametrize("mode", ["full", "fraction", "selective", "selective-op", "offload"])
 def test_checkpointing_mode_is_bit_identical_in_the_trainer(tmp_path: Path, mode: str) -> None:
     ref_losses, ref_params = _run(tmp_path, "none")
     losses, params = _run(tmp_path, mode)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.optim.optimizer import _device_dtype_check_for_fused
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -26,6 +27,7 @@ __all__ = [
     "fake_tensors",
     "fake_tensors_with_real_inputs",
     "flash_attention",
+    "fused_optimizer_steps",
     "grouped_mm",
     "grouped_mm_replaced",
     "is_fake",
@@ -103,6 +105,16 @@ def join_fake_process_group(rank: int, world_size: int) -> None:
 def in_backward() -> bool:
     """Whether this thread runs an autograd backward now (a hook or op the engine calls)."""
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def fused_optimizer_steps(tensor: torch.Tensor) -> bool:
+    """Whether torch's fused optimizers (`fused=True`) can step `tensor`: torch's own check (a floating tensor
+    on a device with fused kernels), which torch makes only at the first step."""
+    try:
+        _device_dtype_check_for_fused(tensor)
+    except RuntimeError:
+        return False
+    return True
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

@@ -129,6 +129,28 @@ class StorageLedger:
         self._add(origin, nbytes)
         return rec
 
+    def resized(self, st: torch.UntypedStorage) -> None:
+        """`st` was resized in place (FSDP2 frees a gathered layer so, and grows it back: `storage_resize`):
+        a counted storage shrunk to 0 bytes is released; grown, it is counted again as a new allocation."""
+        rec = self._lookup(st)
+        if rec is None:
+            return
+        nbytes = st.nbytes()
+        if nbytes == 0 and rec.nbytes:
+            self._add(rec.component, -rec.nbytes)
+            rec.nbytes = 0
+            if self.log is not None:
+                self.log.events.append((rec.serial, 0))
+        elif nbytes and not rec.nbytes:
+            if self.budget is not None:
+                self.budget.check(self.live, nbytes, self.bytes)
+            rec.nbytes, rec.serial = nbytes, next(self._serials)
+            self._add(rec.component, nbytes)
+            if self.log is not None:
+                self.log.events.append((rec.serial, nbytes))
+        else:
+            self.observe(st, rec.component, allocation=True)
+
     def assign(self, tensors: Iterable[torch.Tensor], component: str) -> None:
         """The storages of `tensors` now belong to `component` (e.g. a parameter's fresh `.grad`)."""
         for t in tensors:

@@ -29,6 +29,7 @@ from .budget import Budget
 from .first_step import explain_first_step
 from .ledger import AllocationLog, StorageLedger, storages_of, tensors_in
 from .modules import ModuleAttribution
+from .storage_resize import listen, unlisten
 from .timeline import Timeline
 from .values import PHASES, StepMemory
 
@@ -123,12 +124,14 @@ class MemoryTracker:
         self._resync()
         self._mode = _Watch(self)
         self._mode.__enter__()
+        listen(self._ledger.resized)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         assert self._mode is not None
+        unlisten(self._ledger.resized)
         self._mode.__exit__(exc_type, exc, tb)
         self._mode = None
         self._modules.stop()

@@ -7,7 +7,9 @@ each a count (FLOPs, bytes) divided by a rate:
 - compute: 6 FLOPs per parameter per token plus attention (12·L·h·s per token), at the matmul rate of
   the precision's compute class, slowed by small micro-batches: a micro-batch of t tokens runs at t / (t + t_half) of full speed;
 - recompute: checkpointed blocks run their forward again (`Checkpointing.recompute`: "forward", all of
-  it; "elementwise", a device-dependent share);
+  it; "elementwise", a device-dependent share), plus the share of the blocks' weight matmuls the mode
+  recomputes (`Checkpointing.recomputed_matmuls`: `selective-op` redoes every other `mm` of a block,
+  taken as half of its 2 FLOPs per block weight per token; the attention core it keeps);
 - the loss: `chunked` runs the head's forward again in backward (2 FLOPs per head weight per token);
   `fused` computes its gradients in forward, the same FLOPs as `standard`;
 - a fixed cost per micro-step (kernel launches, Python, hooks), which makes accumulation cost something;
@@ -217,7 +219,10 @@ class CostModel:
         recomputed_share = sum(recomputed) / max(w.num_blocks, 1)
         share = {"forward": 1.0, "elementwise": s.selective_recompute}.get(plan.checkpointing.recompute, 0.0)
         calls = micro_steps * sum(recomputed) if plan.checkpointing.recompute != "none" else 0
-        recompute = forward_of_blocks * recomputed_share * share + calls * s.checkpoint_call_s
+        matmuls_of_blocks = tokens * 2 * w.block_numel / rate
+        recompute = (
+            forward_of_blocks * share + matmuls_of_blocks * plan.checkpointing.recomputed_matmuls
+        ) * recomputed_share + calls * s.checkpoint_call_s
         if plan.loss.recomputes_head:
             recompute += tokens * 2 * w.head_numel / rate
         factor = plan.update_states.relative_step_cost.get(device_type, 1.0)

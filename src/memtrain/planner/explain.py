@@ -118,7 +118,7 @@ def _reserved(s: Scored) -> str:
     p = s.prediction
     if p.reserved is None:
         return ""
-    return f" allocated, {_gib(p.reserved)} reserved (+{100 * p.margin:.0f}% margin: {_gib(p.required)})"
+    return f" allocated, {_gib(p.reserved)} reserved (+{100 * p.margin:.1f}% margin: {_gib(p.required)})"
 
 
 def _expandable_advice(s: Scored, usable: int, kind: str = "") -> str:

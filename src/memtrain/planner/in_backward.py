@@ -4,7 +4,8 @@ Why a transformation of the standard prediction: such a step differs from a stan
 gradients and its optimizer phase, both of which are arithmetic. Each gradient is stepped and freed as soon
 as backward accumulates it, so gradients never pile up: at any moment of backward at most one parameter's
 gradient is alive, with the temporaries of its step (the optimizer-state strategy's per-tensor fp32
-temporaries, or its foreach ones over that one tensor on CUDA; a per-parameter optimizer carries nothing
+temporaries over the tensor or its step's chunk, its fused ones, or its foreach ones over that one tensor on
+CUDA; a per-parameter optimizer carries nothing
 into the next tensor's step). And no optimizer phase follows backward. So the walk reads the standard
 traces without their gradients, with one step of the largest parameter (its gradient and temporaries) in
 each backward segment that makes gradients, where the trace says it can fall (`_transform`); the levels
@@ -32,12 +33,14 @@ def in_flight(
     """The most one parameter's step adds in backward: its gradient and its step's temporaries."""
     largest = max((p.numel for p in shape.trainable.params), default=0)
     element = torch.empty((), dtype=precision.stored_dtype).element_size()
-    temporaries = optimizer_states.per_tensor_temporaries
-    if foreach and optimizer_states.foreach_temporaries is not None:
-        temporaries = optimizer_states.foreach_temporaries
+    temporaries = 4 * optimizer_states.per_tensor_temporaries * optimizer_states.step_elements(largest)
+    if optimizer_states.fused_temporaries is not None:
+        temporaries = 4 * optimizer_states.fused_temporaries * largest
+    elif foreach and optimizer_states.foreach_temporaries is not None:
+        temporaries = 4 * optimizer_states.foreach_temporaries * largest
     vec = [0.0] * len(COMPONENTS)
     vec[GRADIENTS] = float(element * largest)
-    vec[OTHER] = float(4 * temporaries * largest)
+    vec[OTHER] = float(temporaries)
     return tuple(vec)
 
 

@@ -58,6 +58,7 @@ class StateLevels:
     replicated: bool = True
     stored: tuple[int, int, int] = (0, 0, 0)  # weights, gradients, optimizer states kept between steps
     host: int = 0  # states offload keeps in host memory (`StateBytes.host`), outside the device peak
+    paged: int = 0  # states in CUDA unified memory (`OptimizerStates.paged_bytes`): evictable, outside it too
 
 
 @dataclass(frozen=True)
@@ -328,19 +329,24 @@ def optimizer_extra(
     """Bytes the optimizer step holds above weights, states and fp32 gradients, over the trainable
     parameters in `shape`.
 
-    Per-tensor optimizers (torch AdamW off CUDA, the bf16-state AdamW) hold fp32 temporaries of one tensor at
-    a time, and torch AdamW's loop still holds the previous tensor's `denom` while it makes the next one's
-    (`per_tensor_carried`): the highest moment is at the tensor whose own temporaries plus its predecessor's
-    carried ones are largest, in the optimizer's (the model's) parameter order. torch's foreach AdamW (its
-    CUDA default) holds one fp32 temporary of all parameters (`foreach_temporaries`). bf16-master first hands the bf16 gradients over as
-    fp32 master gradients, tensor by tensor: the bf16 gradients not yet converted are still alive then, and
-    with optimizers without temporaries (8-bit) that is the higher moment.
+    torch's fused AdamW (what `fp32` states build on CUDA and the CPU) updates in place
+    (`fused_temporaries`). Per-tensor optimizers (the bf16-state AdamW, Adafactor off CUDA) hold fp32
+    temporaries of one tensor at a time, or of one chunk of it where the step works in chunks
+    (`OptimizerStates.step_elements`), and torch's per-tensor loop still holds the previous tensor's `denom`
+    while it makes the next one's (`per_tensor_carried`): the highest moment is at the tensor whose own
+    temporaries plus its predecessor's carried ones are largest, in the optimizer's (the model's) parameter
+    order. torch's foreach optimizers (their CUDA default) hold fp32 temporaries of all parameters
+    (`foreach_temporaries`). bf16-master first hands the bf16 gradients over as fp32 master gradients,
+    tensor by tensor: the bf16 gradients not yet converted are still alive then, and with optimizers without
+    temporaries (8-bit, fused) that is the higher moment.
     """
     trainable = shape.trainable
-    if foreach and optimizer_states.foreach_temporaries is not None:
+    if optimizer_states.fused_temporaries is not None:
+        extra = optimizer_states.fused_temporaries * 4 * trainable.numel
+    elif foreach and optimizer_states.foreach_temporaries is not None:
         extra = optimizer_states.foreach_temporaries * 4 * trainable.numel
     else:
-        sizes = [p.numel for p in trainable.params]
+        sizes = [optimizer_states.step_elements(p.numel) for p in trainable.params]
         own, carried = optimizer_states.per_tensor_temporaries, optimizer_states.per_tensor_carried
         befores = [0, *sizes][: len(sizes)]  # each tensor's predecessor in the step (none for the first)
         extra = 4 * max((own * n + carried * b for b, n in zip(befores, sizes, strict=True)), default=0)

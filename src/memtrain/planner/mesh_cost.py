@@ -15,7 +15,13 @@ parallelism split. What comes from where (`SOURCES`, also in `memtrain plan --js
 - activations: traced (the kept bytes per block and the rest at the peak, `Evaluation.block_activations`),
   divided by t with sequence parallelism, by (10 + 24/t) / 34 without it (Korthikanti et al. 2022: layer
   norms, dropout masks and residuals stay whole; flash attention has no s^2 term); a pipeline rank keeps
-  blocks of several micro-batches in flight (`in_flight_blocks`).
+  blocks of several micro-batches in flight (`in_flight_blocks`). Plus what torch's tensor-parallel program
+  holds that no division of one rank's trace gives (`tensor_parallel_extra`): under sequence parallelism a
+  column-parallel linear saves its all-gathered, whole-sequence input (two per block, the attention's and
+  the MLP's, in every block that keeps its activations and in the one recomputing; the head's at the
+  loss), and torch's vocabulary-parallel loss (`loss_parallel`) computes the log-softmax and its backward
+  from separate ops (shifted logits and their exponential; zeros, exponential and sum), one fp32
+  logits-sized tensor more than the fused kernels the trace ran.
 - communication: bytes per collective (REFERENCE.md: a ring moves (k-1)/k of the whole) over the link the
   group crosses (memtrain.cluster), FSDP's and context parallelism's hidden behind compute as far as compute
   lasts (prefetch, ring attention), tensor parallelism's and the pipeline's exposed.
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 from memtrain.cluster import Cluster
 from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 from memtrain.mesh import MeshShape
+from memtrain.plan import Plan
 from memtrain.planner.cost import COMM_OVERLAP
 from memtrain.planner.result import Scored
 
@@ -36,7 +43,8 @@ SOURCES = {
     "model states": "parameter shapes (meta device) and the sharding's arithmetic, divided per parameter by "
     "the mesh (formula: matrices / t, vectors whole, stored shards / c, blocks / p)",
     "activations": "traced at one rank's tokens (sequence / c), divided by t (sequence parallel) or "
-    "(10 + 24/t) / 34 (formula), pipeline micro-batches in flight per the schedule (formula)",
+    "(10 + 24/t) / 34 (formula), pipeline micro-batches in flight per the schedule (formula), plus the "
+    "sequence-parallel all-gathered inputs and the vocabulary-parallel loss's fp32 logits (formula)",
     "communication": "bytes per collective over the link each dimension crosses (formula)",
 }
 
@@ -119,6 +127,29 @@ def activation_share(mesh: MeshShape) -> float:
     return 1.0 / t if mesh.sequence_parallel else (10 + 24 / t) / 34
 
 
+def tensor_parallel_extra(
+    mesh: MeshShape, plan: Plan, stage: Stage, flight: float, *, tokens: int, hidden: int, vocab: int
+) -> int:
+    """Bytes one tensor rank holds at a micro-step's peak beyond the traced step divided by t (module
+    docstring), `tokens` per micro-batch on this rank, `flight` blocks' worth kept (`in_flight_blocks`):
+    the higher of the loss's moment (on the stage with the head) and a block's in backward, as the
+    divided trace does not say which of them its peak is."""
+    t = mesh.tp
+    if t == 1:
+        return 0
+    state = tokens * hidden * (4 if plan.precision.compute == "fp32" else 2)  # a micro-batch's hidden states
+    gathered = state * (1 - 1 / t) if mesh.sequence_parallel else 0.0  # whole where the trace had 1/t
+    at_loss = 0.0
+    if mesh.pp == 1 or not stage.first:  # loss_parallel: fp32 logits split by vocabulary, one more of them
+        at_loss = tokens * vocab / t * 4 + gathered
+    whole_forward = plan.checkpointing.recompute == "forward"  # a recomputed block saves nothing until then
+    marks = plan.checkpointing.checkpointed(stage.blocks)
+    keeping = sum(1 for m in marks if not (m and whole_forward)) / max(stage.blocks, 1)
+    recomputing = 1 if whole_forward and any(marks) else 0
+    in_block = 2 * gathered * (keeping * flight + recomputing)
+    return int(max(at_loss, in_block))
+
+
 def mesh_cost(
     flat: Scored,
     mesh: MeshShape,
@@ -162,6 +193,7 @@ def _stage_cost(
         embedding = sum(p.numel for p in shape.params if _is_embedding(p) and p.trainable)
         embedding_gradient = int(embedding * (1 - 1 / mesh.tp) * plan.precision.stored_dtype.itemsize)
     kept, rest = block_activations
+    vocab = max((p.dims[0] for p in shape.params if _is_embedding(p) and len(p.dims) == 2), default=0)
     micro_batches = plan.accumulation_steps
     flight = in_flight_blocks(mesh, micro_batches, stage, shape.num_blocks)
 
@@ -177,11 +209,18 @@ def _stage_cost(
         # optimizer step its temporaries (per trained parameter); in a micro-step the loss's logits, split
         # over the vocabulary by the tensor ranks (loss_parallel)
         beyond = max(0, moment.other - levels.other)
+        extra = (
+            0
+            if optimizer_step or not activations
+            else tensor_parallel_extra(
+                mesh, plan, stage, flight, tokens=plan.micro_batch_size * seq_len, hidden=hidden, vocab=vocab
+            )
+        )
         return Footprint(
             weights=divided(moment.weights, stored_w, weights_share),
             gradients=divided(moment.gradients, stored_g, trained_share) + embedding_gradient,
             optimizer_states=divided(moment.optimizer_states, stored_o, trained_share),
-            activations=int(activations * activation_share(mesh)),
+            activations=int(activations * activation_share(mesh)) + extra,
             other=int(levels.other + (beyond * trained_share / c if optimizer_step else beyond / mesh.tp)),
         )
 

@@ -38,6 +38,7 @@ from memtrain.planner.explain import RUNNERS_UP
 from memtrain.planner.memory_model import required_bytes
 from memtrain.planner.mesh_cost import MeshCost, activation_share, mesh_cost
 from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.prediction_error import reserved_margin
 from memtrain.planner.reserved import ReservedModel, expandable_in_effect
 from memtrain.planner.result import Scored
 from memtrain.planner.search import Evaluation, Scoring, score_candidates
@@ -247,7 +248,9 @@ def _with_reserved(
     them (a replay costs a fraction of a second: the rows after those keep their peak). A row's reserved
     bytes are its peak plus the allocator's overhead over its data-parallel plan's traced step (reserved.py),
     divided as the tensor ranks divide that step's activations (formula)."""
-    model = ReservedModel(num_blocks, expandable_in_effect(target.what_if), recipe.planner.reserved_margin)
+    model = ReservedModel(
+        num_blocks, expandable_in_effect(target.what_if), reserved_margin(recipe.planner.reserved_margin)
+    )
 
     def replayed(row: MeshScored) -> MeshScored:
         flat = owners[id(row.scored)].with_reserved(row.scored, model).prediction

@@ -36,6 +36,7 @@ from memtrain.planner.memory_model import (
     step_walk,
 )
 from memtrain.planner.model_probe import ModelProbe
+from memtrain.planner.prediction_error import reserved_margin
 from memtrain.planner.rank_trace import RankTraces
 from memtrain.planner.reserved import ReservedModel, expandable_in_effect
 from memtrain.planner.result import PlanResult, Scored, expandable_choice, rank
@@ -85,7 +86,9 @@ def search(
     expandable = None
     if target.device_type == "cuda":
         expandable = expandable_in_effect(target.what_if)
-        reserved = ReservedModel(probe.num_blocks, expandable, recipe.planner.reserved_margin)
+        reserved = ReservedModel(
+            probe.num_blocks, expandable, reserved_margin(recipe.planner.reserved_margin)
+        )
         scored = _with_reserved(scored, evaluation, reserved, target.budget.usable)
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
@@ -256,11 +259,12 @@ class Evaluation:
         seq = probe.seq_len
         tokens, micro_steps = plan.micro_batching.tokens(seq), plan.micro_batching.micro_steps(seq)
         levels = self._levels(plan, micro_steps)
-        if target.host_bytes is not None and levels.host > target.host_bytes:
+        if target.host_bytes is not None and levels.host + levels.paged > target.host_bytes:
             raise HostMemoryExceeded(
                 f"strategies.sharding_offload: {plan.sharding.describe()} with optimizer_states="
-                f"{plan.update_states.describe()} keeps {levels.host / 2**30:.2f} GiB per rank in host memory, "
-                f"more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of the --gpu profile)"
+                f"{plan.update_states.describe()} keeps {(levels.host + levels.paged) / 2**30:.2f} GiB per rank "
+                f"in host memory, more than the {target.host_bytes / 2**30:.2f} GiB usable (host_memory_bytes of "
+                "the --gpu profile)"
             )
         offloaded = 0
         traced = self._traced(plan)
@@ -452,8 +456,8 @@ def _with_frozen(levels: StateLevels, frozen_bytes: Callable[[torch.dtype], int]
 def _streamed(levels: StateLevels) -> int:
     """The bytes an optimizer step reads and writes: a sharded plan's stored states, not its transient
     gathered weights and unsharded gradient copies."""
-    if levels.replicated:
-        return levels.weights + levels.optimizer_gradients + levels.optimizer_states
+    if levels.replicated:  # paged states are streamed too, wherever the driver keeps them
+        return levels.weights + levels.optimizer_gradients + levels.optimizer_states + levels.paged
     return sum(levels.stored)
 
 

@@ -4,7 +4,9 @@ Why here and not in the strategies: each strategy's `estimate` answers its own q
 component reaches); the memory model needs the levels at particular moments of the step, and which
 estimate is authoritative depends on the sharding. Replicated plans (none, ddp) take weights, gradients
 and optimizer states from the precision's and the optimizer-state strategy's `estimate`, exact to the byte
-(tests in tests/strategies/), plus DDP's bucket copy from the backend. Sharded plans take the backend's
+(tests in tests/strategies/), plus DDP's bucket copy from the backend; paged states (CUDA unified memory,
+`OptimizerStates.paged_bytes`) are kept outside the device levels (the driver evicts them rather than fail
+an allocation) and held to the host memory. Sharded plans take the backend's
 per-rank `estimate`, which follows what FSDP2, ZeroRedundancyOptimizer or DeepSpeed really allocate, with
 the optimizer-state format passed as an `OptimizerCost`. No byte arithmetic of those strategies is
 repeated. Only trainable parameters have gradients and optimizer states, and of those only the ones the
@@ -116,14 +118,16 @@ def state_levels(
         fp = fp.with_(weights=weights, optimizer_states=fp.optimizer_states + copies)
         fp = quantised_levels(fp, shape, quantization or Quantization(), precision, linear_weights, dim0)
         backward_gradients = reached.trainable_numel * precision.stored_dtype.itemsize
+        paged = optimizer_states.paged_bytes(reached.trainable)
         return StateLevels(
             weights=fp.weights,
-            optimizer_states=fp.optimizer_states,
+            optimizer_states=fp.optimizer_states - paged,
             gradients=backward_gradients,
             optimizer_gradients=fp.gradients,
             optimizer_extra=extra,
             other=fixed_bytes + backend.state_bytes(shape, world_size).buffers,
             stored=(fp.weights, backward_gradients, fp.optimizer_states),
+            paged=paged,
         )
     extra = optimizer_extra(shape, optimizer_states, foreach, master)
     per_rank = backend.state_bytes(

@@ -17,6 +17,16 @@ each mode here keeps fewer of them:
   and everything else — pointwise ops, norms, softmax, activations — is recomputed. The expensive FLOPs
   are never redone; the cheap, numerous elementwise tensors are not kept. Every matmul output is kept,
   saved by autograd or not (an output projection feeding a residual add is not), as torch's SAC does.
+- `selective-op`: torchtitan's selective activation checkpointing in its default `op` mode
+  (`selective_ac_option: op`), the policy behind its published memory figures. Inside each block torch's
+  SAC keeps the outputs of the ops on torchtitan's save list (`aten.mm`, the SDPA kernels, a full
+  `aten.max` for float8 scales, the reduce-scatter and all-to-all of tensor and expert parallelism, flex
+  attention) except every second `aten.mm` of the block, counted per block call (forward and recompute
+  count apart, so the recompute replays the forward's choices), and recomputes everything else. It keeps
+  less than `selective` (about half the projections: for a Llama block q, v, gate and down are kept, k, o
+  and up recomputed) and redoes those matmuls in backward. Only `aten.mm` counts: a linear with a bias
+  runs `addmm`, which the list does not name, so it is recomputed (as in torchtitan). On the CPU the CPU
+  flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) plays the CUDA kernels' part.
 - `offload`: nothing is recomputed; each block's saved tensors go to host memory (pinned, copied on a side
   stream on CUDA) and come back when backward needs them. Weights are never copied.
 
@@ -61,13 +71,16 @@ class Checkpointing(Strategy):
     """`none`: autograd keeps everything. Subclasses choose which blocks to recompute and how.
 
     Facts the planner reads: `checkpointed(num_blocks)` (which blocks recompute), `recompute` (what a
-    recompute costs: "forward" of the block, "elementwise" ops only, or "none"), `offloads_activations`,
-    and `block_modes` / `traced_modes` (the modes whose traces stand for each block's memory).
+    recompute costs: "forward" of the block, "elementwise" ops only, or "none"), `recomputed_matmuls`
+    (the share of the recomputed blocks' weight matmuls an "elementwise" recompute runs again too),
+    `offloads_activations`, and `block_modes` / `traced_modes` (the modes whose traces stand for each
+    block's memory).
     """
 
     kind: ClassVar[str] = "checkpointing"
     name: ClassVar[str] = "none"
     recompute: ClassVar[str] = "none"
+    recomputed_matmuls: ClassVar[float] = 0.0
     offloads_activations: ClassVar[bool] = False
 
     def checkpointed(self, num_blocks: int) -> tuple[bool, ...]:
@@ -247,6 +260,29 @@ class SelectiveCheckpointing(Checkpointing):
 
 @CHECKPOINTING.register
 @dataclass(frozen=True)
+class AlternateMatmulCheckpointing(SelectiveCheckpointing):
+    """torchtitan's op-level selective checkpointing: every block keeps the outputs of the ops on its save
+    list, but only every other `aten.mm`'s, and recomputes the rest (see the module docstring).
+
+    The planner traces it as itself; its `estimate` from a `none` profile is `selective`'s, an upper bound
+    (the profile does not tell every other matmul from the rest).
+
+    Its recompute, for the step-time model: the elementwise ops, as `selective` recomputes them, plus every
+    second `mm` of a block, taken as half of the block's weight matmuls (`recomputed_matmuls`: 2 FLOPs per
+    block weight per token, times 0.5); the attention core is kept, so none of it. Half is exact for mms of
+    alike sizes; a Llama block recomputes its smaller ones (k, o, up: 36.5% of Llama 3 8B's block weights,
+    39% of the test llama's), so the model charges a little more than it runs, and a block of biased
+    linears (`addmm`) recomputes more. That places it between `selective` and `full`."""
+
+    name: ClassVar[str] = "selective-op"
+    recomputed_matmuls: ClassVar[float] = 0.5
+
+    def context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        return _alternate_matmul_contexts
+
+
+@CHECKPOINTING.register
+@dataclass(frozen=True)
 class OffloadCheckpointing(Checkpointing):
     """Nothing recomputes; saved tensors go to pinned host memory and come back for backward."""
 
@@ -383,6 +419,49 @@ def _keep_matmul_outputs(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> Che
 
 def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_keep_matmul_outputs)
+
+
+def _overloads(names: tuple[str, ...], namespace: Any) -> frozenset[Any]:
+    """The `.default` overloads of the ops `names` that this torch has (older ones lack a few)."""
+    packets = (getattr(namespace, name, None) for name in names)
+    return frozenset(packet.default for packet in packets if packet is not None)
+
+
+# torchtitan's save list (its models' `_op_sac_save_list`), the CPU flash kernel added as the CUDA kernels'
+# stand-in on a CPU. `aten.max.default` is the full reduction (float8's amax), not max along a dimension.
+_MM = torch.ops.aten.mm.default
+_OP_SAVE_LIST: frozenset[Any] = (
+    _overloads(
+        (
+            "mm",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_fused_attention_overrideable",
+            "max",
+        ),
+        torch.ops.aten,
+    )
+    | _overloads(("reduce_scatter_tensor", "all_to_all_single"), torch.ops._c10d_functional)
+    | frozenset(op for op in (getattr(torch.ops.higher_order, "flex_attention", None),) if op is not None)
+)
+
+
+def _alternate_matmul_contexts() -> tuple[Any, Any]:
+    """One block call's SAC contexts: a fresh count of `aten.mm` calls, apart for the forward and its
+    recompute, so that the recompute makes the forward's choices op by op (torch replays a saved op's
+    output in the order the forward saved them)."""
+    mm_calls = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        if op == _MM:
+            mm_calls[ctx.is_recompute] += 1
+            if mm_calls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _OP_SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _offloaded(

@@ -3,20 +3,27 @@
 The two Adam moments are the largest model state in fp32 training (8 of 16 bytes per parameter), and
 the cheapest to shrink without touching the forward pass. Names:
 
-- `fp32`: `torch.optim.AdamW` with its defaults, exactly what the trainer builds without a plan. Its
-  moments follow the parameter dtype (fp32 parameters: 4 + 4 bytes; bf16 parameters: 2 + 2), plus a
-  0-dim float32 `step` tensor per parameter tensor (on the CPU unless fused/capturable).
+- `fp32`: `torch.optim.AdamW`, fused (`fused=True`) wherever torch supports it for the parameters (floating
+  parameters on CUDA or the CPU, FSDP2's DTensors included), torch's default path otherwise. Its moments
+  follow the parameter dtype (fp32 parameters: 4 + 4 bytes; bf16 parameters: 2 + 2), plus a 0-dim float32
+  `step` tensor per parameter tensor (on the parameters' device when fused). Why fused: it updates every
+  tensor in place in one kernel, holding no temporaries, where torch's CUDA default (foreach) holds an fp32
+  copy of all parameters and its per-tensor path two of the largest tensor; the update is the same up to
+  float rounding (tests/strategies/test_optimizer_states.py).
 - `bf16`: `BF16StateAdamW` (lowbit_adamw.py): torch's update rule in fp32, moments stored in bf16
   with stochastic rounding, whatever the parameter dtype; `step` is a Python int.
 - under `strategies.precision: bf16-true`, `fp32` and `bf16` both become `StochasticBF16States`
   (`bf16-sr`, not a recipe name): the bf16 states' AdamW that also writes the bf16 parameters with
-  stochastic rounding (`Precision.update_states`); 2 + 2 bytes, no `step` tensor.
+  stochastic rounding (`Precision.update_states`); 2 + 2 bytes, no `step` tensor. `8bit` / `paged-8bit`
+  stay bitsandbytes' (torchtune's single-device full fine-tune): its kernel writes the bf16 parameters
+  rounded to nearest.
 - `8bit`: bitsandbytes `AdamW8bit`: blockwise-quantised uint8 moments (1 + 1 bytes) plus one fp32
   absmax per 256 elements per moment; tensors under `BNB_MIN_8BIT_SIZE` elements keep fp32 moments
   whatever the parameter dtype; the two 256-entry fp32 quantisation maps are shared by all tensors.
 - `paged-8bit`: the same in CUDA unified memory (`PagedAdamW8bit`), so the driver can evict states to
-  host RAM under pressure instead of failing. Same bytes as `8bit` (an upper bound for what is
-  resident; the states do not show in torch's allocator statistics).
+  host RAM under pressure instead of failing. Same bytes as `8bit`; the moments of tensors of at least
+  100k elements are paged (`paged_bytes`): they do not show in torch's allocator statistics (nor in the
+  peaks torchtune publishes), and the planner holds them to host memory, not to the device's budget.
 - `4bit`: torchao's `AdamW4bit` (stepped eagerly, `fourbit_adamw.py`): blockwise 4-bit moments (0.5 + 0.5
   bytes) plus one fp32 scale per 128 elements per moment and a 64-byte code map per state tensor; tensors
   under 4096 elements (or not whole blocks) keep moments in the parameter dtype; a 4-byte `step` each.
@@ -34,6 +41,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -42,14 +50,16 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from memtrain.errors import Unsupported
+from memtrain.memory._torch_private import fused_optimizer_steps
 from memtrain.memory.footprint import Footprint, ModelShape
 from memtrain.memory.ledger import storages_of
-from memtrain.strategies.lowbit_adamw import BF16StateAdamW, StochasticBF16AdamW, local_tensor
+from memtrain.strategies.lowbit_adamw import CHUNK_NUMEL, BF16StateAdamW, StochasticBF16AdamW, local_tensor
 from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy
 
 BNB_MIN_8BIT_SIZE = 4096  # tensors with fewer elements keep fp32 states (passed to bitsandbytes by `build`)
 BNB_BLOCK_SIZE = 256  # elements per fp32 absmax, hard-coded in bitsandbytes' init_state
 BNB_QMAP_BYTES = 2 * 256 * 4  # the signed and unsigned dynamic maps, 256 fp32 entries each
+BNB_MIN_PAGED_SIZE = 100_000  # paged optimizers keep smaller tensors' states as ordinary device tensors
 STEP_TENSOR_BYTES = 4  # torch AdamW's per-parameter 0-dim float32 `step`
 AO_MIN_4BIT_SIZE = 4096  # torchao's low-bit AdamW: smaller tensors keep states in the parameter dtype
 AO_BLOCK_SIZE = 128  # AdamW4bit's default elements per fp32 scale
@@ -60,12 +70,15 @@ AO_QMAP_BYTES = 16 * 4  # each 4-bit state's own 16-entry fp32 code map
 class OptimizerStates(Strategy):
     """`fp32`: torch AdamW. Subclasses store the moments differently.
 
-    Facts the planner reads: `per_tensor_temporaries` / `foreach_temporaries` (fp32 copies of the largest
-    tensor, or of all parameters, that the step holds: measured with the tracker, tests in
-    tests/planner/test_memory_model.py), `per_tensor_carried` (copies of one tensor a per-tensor step still
-    holds during the next tensor's: torch AdamW's `denom`, a loop variable), `relative_step_cost` (seconds per byte streamed relative to
-    fp32 AdamW, per device class; measured on this CPU, estimated for CUDA) and `shape_dependent` (the
-    states' bytes follow each tensor's shape: the sharding arithmetic takes them tensor by tensor).
+    Facts the planner reads: `per_tensor_temporaries` / `foreach_temporaries` / `fused_temporaries` (fp32
+    copies of the largest tensor, or of all parameters, that the step holds: measured with the tracker, tests
+    in tests/planner/test_memory_model.py; `fused_temporaries` None: no fused path, else the planner takes
+    it, as `build` does), `step_chunk_numel` (a per-tensor step that works on flat chunks of at most this
+    many elements holds its temporaries over one chunk, not the whole tensor; None: whole tensors),
+    `per_tensor_carried` (copies of one tensor a per-tensor step still holds during the next tensor's: torch
+    AdamW's `denom`, a loop variable), `relative_step_cost` (seconds per byte streamed relative to fp32
+    AdamW, per device class; measured on this CPU, estimated for CUDA) and `shape_dependent` (the states'
+    bytes follow each tensor's shape: the sharding arithmetic takes them tensor by tensor).
     """
 
     kind: ClassVar[str] = "optimizer_states"
@@ -73,6 +86,8 @@ class OptimizerStates(Strategy):
     per_tensor_temporaries: ClassVar[int] = 2
     per_tensor_carried: ClassVar[int] = 1  # torch's `_single_tensor_adam` keeps `denom` into the next tensor
     foreach_temporaries: ClassVar[int | None] = 1  # None: no multi-tensor path
+    fused_temporaries: ClassVar[int | None] = 0  # torch's fused AdamW updates in place
+    step_chunk_numel: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = STEP_TENSOR_BYTES  # the 0-dim `step` tensor per parameter tensor
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.0, "cpu": 1.0}
     shape_dependent: ClassVar[bool] = False  # bytes follow each tensor's shape, not only its size
@@ -80,7 +95,15 @@ class OptimizerStates(Strategy):
     def build(
         self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
     ) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        """torch AdamW, fused where torch supports it for every parameter (floating, on a device with fused
+        kernels: torch would refuse only at the first step), its default path otherwise."""
+        given: list[Any] = list(params)
+        fused = all(fused_optimizer_steps(p) for p in _tensors(given)) or None
+        return torch.optim.AdamW(given, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+
+    def step_elements(self, numel: int) -> int:
+        """Elements of a tensor of `numel` whose temporaries the per-tensor step holds at once."""
+        return numel if self.step_chunk_numel is None else min(numel, self.step_chunk_numel)
 
     def state_bytes(self, shape: ModelShape, param_bytes: int) -> int:
         """Bytes of the states of the (trainable) parameters in `shape` after the first step."""
@@ -96,6 +119,11 @@ class OptimizerStates(Strategy):
         """
         states = self.state_bytes(shape.trainable, param_bytes)
         return footprint.with_(optimizer_states=footprint.optimizer_states + states)
+
+    def paged_bytes(self, shape: ModelShape) -> int:
+        """Of `state_bytes(shape)`, the bytes in CUDA unified memory, which the driver evicts to host memory
+        rather than fail an allocation: outside the device peak torch's allocator sees and limits."""
+        return 0
 
 
 OPTIMIZER_STATES: Registry[OptimizerStates] = Registry(
@@ -121,6 +149,8 @@ class BF16States(OptimizerStates):
     per_tensor_temporaries: ClassVar[int] = 6
     per_tensor_carried: ClassVar[int] = 0
     foreach_temporaries: ClassVar[int | None] = None
+    fused_temporaries: ClassVar[int | None] = None
+    step_chunk_numel: ClassVar[int | None] = CHUNK_NUMEL  # `BF16StateAdamW` steps a tensor chunk by chunk
     per_tensor_step_bytes: ClassVar[int] = 0
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.6, "cpu": 3.2}
 
@@ -151,6 +181,16 @@ class StochasticBF16States(BF16States):
         return StochasticBF16AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+def _tensors(params: list[Any]) -> Iterator[torch.Tensor]:
+    """The parameters of `params` as an optimizer takes them: tensors, (name, tensor) pairs or param groups."""
+    for entry in params:
+        if isinstance(entry, dict):
+            group = entry["params"]
+            yield from _tensors([group] if isinstance(group, torch.Tensor) else list(group))
+        else:
+            yield entry[1] if isinstance(entry, tuple) else entry
+
+
 def _own_override_manager(name: str) -> Any:
     """A bitsandbytes override manager of the optimizer's own, holding no override. bitsandbytes keeps one
     per process and keys its overrides by (group, position): after an HF Trainer with an 8-bit optimizer
@@ -172,6 +212,7 @@ class EightBitStates(OptimizerStates):
     per_tensor_temporaries: ClassVar[int] = 0
     per_tensor_carried: ClassVar[int] = 0
     foreach_temporaries: ClassVar[int | None] = None
+    fused_temporaries: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = 0
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.2, "cpu": 6.6}
 
@@ -219,6 +260,12 @@ class PagedEightBitStates(EightBitStates):
     def _optimizer_class(self) -> Any:
         return _bitsandbytes(self.name).optim.PagedAdamW8bit
 
+    def paged_bytes(self, shape: ModelShape) -> int:
+        """The two uint8 moments of each tensor of at least `BNB_MIN_PAGED_SIZE` elements (bitsandbytes'
+        `get_state_buffer`, 0.50); the absmax blocks, the maps and smaller tensors' states are ordinary device
+        tensors."""
+        return sum(2 * p.numel for p in shape.params if p.numel >= BNB_MIN_PAGED_SIZE)
+
 
 @OPTIMIZER_STATES.register
 @dataclass(frozen=True)
@@ -229,6 +276,7 @@ class FourBitStates(OptimizerStates):
     per_tensor_temporaries: ClassVar[int] = 8
     per_tensor_carried: ClassVar[int] = 0
     foreach_temporaries: ClassVar[int | None] = None
+    fused_temporaries: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = STEP_TENSOR_BYTES
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 2.0, "cpu": 8.0}
 

@@ -130,6 +130,7 @@ class AdafactorStates(OptimizerStates):
     per_tensor_temporaries: ClassVar[int] = 3
     per_tensor_carried: ClassVar[int] = 1
     foreach_temporaries: ClassVar[int | None] = 3
+    fused_temporaries: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = STEP_TENSOR_BYTES
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 1.0, "cpu": 1.0}
 
@@ -165,6 +166,7 @@ class LionStates(OptimizerStates):
     per_tensor_temporaries: ClassVar[int] = 1
     per_tensor_carried: ClassVar[int] = 0
     foreach_temporaries: ClassVar[int | None] = None
+    fused_temporaries: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = 0
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 0.8, "cpu": 0.8}
 
@@ -187,6 +189,7 @@ class GaLoreStates(OptimizerStates):
     per_tensor_temporaries: ClassVar[int] = 4
     per_tensor_carried: ClassVar[int] = 1
     foreach_temporaries: ClassVar[int | None] = None
+    fused_temporaries: ClassVar[int | None] = None
     per_tensor_step_bytes: ClassVar[int] = 0
     relative_step_cost: ClassVar[dict[str, float]] = {"cuda": 2.0, "cpu": 2.0}
     rank: int = 128

@@ -14,8 +14,12 @@ are bf16 too (2 + 2 + 4 = 8 bytes per parameter instead of bf16-master's 12 and 
 master copy does for bf16-master, stochastic rounding of the parameter write does here (`update_states`:
 `StochasticBF16AdamW`), so updates below bf16's resolution move the weights on average instead of being
 lost. It trains with AdamW only, its moments in bf16 (`optimizer_states` fp32 or bf16, the same bytes
-over bf16 parameters); the other optimizers and state formats would round the update to nearest and are
-refused, as DeepSpeed is (its bf16 mode keeps fp32 masters: bf16-mixed). FSDP2 shards the bf16
+over bf16 parameters), or in 8 bits (`8bit` / `paged-8bit`: bitsandbytes' AdamW8bit over the bf16
+parameters, torchtune's single-device full fine-tune of Llama 3.1 8B on a 24 GB card, 2 bytes per parameter
+of states): bitsandbytes writes the bf16 parameters itself, rounded to nearest (on the CPU, where memtrain
+checks it), so updates below half a bf16 ulp are lost there, as they are in torchtune. The other optimizers
+and 4-bit states would round the update to nearest with no such precedent and are refused, as DeepSpeed is
+(its bf16 mode keeps fp32 masters: bf16-mixed). FSDP2 shards the bf16
 parameters as they are (no mixed-precision policy: gathers and reductions in bf16).
 
 Precision changes numerics, so the planner only picks among the names a recipe allows. fp16-mixed
@@ -210,11 +214,14 @@ class BF16True(Precision):
                 "the bf16 weights to nearest and lose the small ones (only adamw rounds them stochastically "
                 "here); use optimizer.name=adamw, or strategies.precision=bf16-master or bf16-mixed"
             )
+        if stored.name in ("8bit", "paged-8bit"):
+            return stored  # bitsandbytes steps the bf16 parameters (rounded to nearest: the module doc)
         if stored.name not in ("fp32", "bf16"):
             raise Unsupported(
                 f"strategies.optimizer_states: {stored.name} under strategies.precision=bf16-true would round "
                 "the updates of the bf16 weights to nearest; use optimizer_states fp32 or bf16 (both keep bf16 "
-                f"moments here, 4 bytes per parameter), or strategies.precision=bf16-master with {stored.name}"
+                f"moments here, 4 bytes per parameter), 8bit, or strategies.precision=bf16-master with "
+                f"{stored.name}"
             )
         return StochasticBF16States()
 
