@@ -9,7 +9,7 @@ quantised base with a sharding that shards weights passed `pinned_plan` too (FSD
 after the weights were loaded).
 
 The rules (one case each, found in `build_grid` and `pinned_plan`): a quantised base with a sharding
-that shards weights; a sharding that cannot train on this many ranks, or with this precision, or with
+that cannot hold it (zero1, DeepSpeed); a sharding that cannot train on this many ranks, or with this precision, or with
 this gradient reduction (`Sharding.check_with`); a loss the sharding cannot run (`Loss.check_sharding`);
 offload on a device where it saves nothing; paged 8-bit states with offload; `in_backward` where it is
 not exact (`OptimizerStep.check_plan`); a kind whose every listed option this device cannot run, and a
@@ -45,10 +45,10 @@ QLORA = {"model": {"quantization": "nf4"}, "adapters": {"kind": "lora", "r": 4}}
 
 # name -> (ranks, recipe sections, the key=value the first line of plan's error names)
 CPU_RULES: dict[str, tuple[int, dict[str, dict[str, Any]], str]] = {
-    "quantised-base-sharding-that-shards-weights": (
+    "quantised-base-sharding-that-cannot-hold-it": (
         1,
-        {**QLORA, "strategies": {"sharding": ["zero3"]}},
-        "strategies.sharding=zero3",
+        {**QLORA, "strategies": {"sharding": ["zero1"]}},
+        "strategies.sharding=zero1",
     ),
     "sharding-that-cannot-train-on-these-ranks": (
         2,
@@ -80,12 +80,12 @@ CPU_RULES: dict[str, tuple[int, dict[str, dict[str, Any]], str]] = {
         {"strategies": {"precision": ["fp8"]}},
         "strategies.precision",
     ),
-    "pinned-quantised-base-with-zero3": (
+    "pinned-quantised-base-with-zero1": (
         1,
         {
             **QLORA,
             "batch": {"micro_size": 8},
-            "strategies": {"sharding": "zero3", "sharding_offload": "none"},
+            "strategies": {"sharding": "zero1", "sharding_offload": "none"},
         },
         "model.quantization",
     ),

@@ -14,8 +14,8 @@ knob offer their `search_variants` (`fraction`: `strategies.checkpointing_fracti
 `planner.checkpointing_fractions`); variants that recompute the same blocks as another candidate are
 dropped as duplicates. With one rank, `auto` sharding is `none`: every other layout shards nothing there.
 A loss that cannot run with a sharding (`chunked` on DeepSpeed ZeRO-3) leaves the grid for that sharding.
-A quantised base leaves out every sharding that shards weights (`Quantization.check_sharding`, which
-`pinned_plan` applies too). `planner.rules` builds this grid for `memtrain validate`: when the rules leave
+A quantised base leaves out every sharding that cannot hold it (zero1, DeepSpeed; FSDP2's zero2/zero3 shard
+it: `Quantization.check_sharding`, which `pinned_plan` applies too). `planner.rules` builds this grid for `memtrain validate`: when the rules leave
 no candidate, validate names them.
 The optimizers are the ones `optimizer.name` lists (never more: the optimizer changes the training), each
 with the state formats and shardings it can run with (`Optimizer.check_with`) and under the precision

@@ -93,7 +93,7 @@ def describe(result: PlanResult, title: str) -> str:
         lines.append(
             "  full fine-tuning would keep: "
             + ", ".join(f"{k} {_gib(v)}" for k, v in full.items())
-            + f" ({_gib(saved)} more than {label})"
+            + f" ({_gib(abs(saved))} {'more' if saved >= 0 else 'less'} than {label})"
         )
     lines += ["", *table([*result.ranked[: 1 + RUNNERS_UP]], usable)]
     if len(result.ranked) > 1 + RUNNERS_UP:

@@ -2,7 +2,7 @@
 own choices leave no plan that can run, whatever the memory?
 
 Why: the grid (`candidates.build_grid`) drops every combination a rule forbids (a quantised base with a
-sharding that shards weights, a loss DeepSpeed ZeRO-3 cannot run, `in_backward` with accumulation or a
+sharding that cannot hold it, a loss DeepSpeed ZeRO-3 cannot run, `in_backward` with accumulation or a
 master copy, a sharding that cannot train on this many ranks, offload where it saves nothing, ...). When
 the rules drop them all, `train` and `plan` used to answer "no plan fits the memory budget", and `memtrain
 validate` said ok, as it never built the grid. Here the same grid (or the pinned plan, for a recipe that

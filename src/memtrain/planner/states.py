@@ -34,7 +34,7 @@ from memtrain.strategies.optimizer import OptimizerStates
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 from memtrain.strategies.sharding.base import ShardingBackend
-from memtrain.strategies.sharding.state_bytes import OptimizerCost
+from memtrain.strategies.sharding.state_bytes import OptimizerCost, QuantisedWeight
 
 
 def optimizer_cost(shape: ModelShape, optimizer_states: OptimizerStates) -> OptimizerCost:
@@ -80,6 +80,16 @@ def quantised_levels(
     )
 
 
+def quantised_storage(
+    shape: ModelShape, quantization: Quantization | None, linear_weights: frozenset[str]
+) -> dict[str, QuantisedWeight]:
+    """The base weights a sharded plan stores quantised, by name, laid out as its backend shards them (a
+    plan's sharding holds a quantised base only if `Quantization.check_sharding` let it)."""
+    if quantization is None or quantization.name == "none":
+        return {}
+    return {p.name: quantization.sharded_layout(p.numel) for p in shape.params if p.name in linear_weights}
+
+
 def state_levels(
     shape: ModelShape,
     *,
@@ -120,7 +130,13 @@ def state_levels(
             paged=paged,
         )
     extra = optimizer_extra(shape, optimizer_states, foreach, master)
-    per_rank = backend.state_bytes(shape, world_size, optimizer_cost(shape, optimizer_states), dim0=dim0)
+    per_rank = backend.state_bytes(
+        shape,
+        world_size,
+        optimizer_cost(shape, optimizer_states),
+        dim0=dim0,
+        quantised=quantised_storage(shape, quantization, linear_weights),
+    )
     fp = per_rank.footprint(Footprint())  # what the backend's `estimate` returns
     return StateLevels(
         weights=fp.weights,

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from memtrain.distributed import DistEnv, with_device_mesh
-from memtrain.errors import Unsupported
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing, unwrap_blocks
@@ -92,19 +91,28 @@ def apply_strategies(
     if quantization.name != "none":  # after the weights are loaded (it reads them), before the adapters
         compute = precision.autocast_dtype or precision.stored_dtype
         head = output_head(model)
+
+        def skip(name: str) -> bool:  # the output head stays unquantised
+            return head is not None and name == head
+
         if env is None:  # the planner's fake tensors: bitsandbytes' layers cannot hold them
-            quantization.stand_in(model, lambda name: head is not None and name == head, compute)
+            quantization.stand_in(model, skip, compute)
+        elif materialise_in is not None:  # the rank trace's meta model: the packed layout, no values
+            quantization.packed_stand_in(model, skip, compute)
         elif any(p.is_meta for p in model.parameters()):
-            if sharding is not None and sharding.shards_meta_models:
-                raise Unsupported(
-                    f"model.quantization: {quantization.name} base weights cannot be sharded by "
-                    f"{sharding.name} on FSDP2; use strategies.sharding=ddp or none"
-                )
-            materialise_parameters(model, env.device)
+            # Quantisation reads every weight, so each rank loads the whole base first: on the device for
+            # a replicated plan, on the host under FSDP2 (its layers are quantised onto the device one by
+            # one, then sharded), so that the unquantised model never sits on the device whole.
+            sharded = sharding is not None and sharding.shards_meta_models
+            materialise_parameters(model, torch.device("cpu") if sharded else env.device)
             if load_weights is not None:
                 load_weights(model)
-        if env is not None:
-            quantization.apply(model.to(env.device), lambda name: head is not None and name == head, compute)
+        if env is not None and materialise_in is None:
+            if all(p.device == env.device for p in model.parameters()):
+                quantization.apply(model, skip, compute)
+            else:
+                quantization.apply(model, skip, compute, device=env.device)
+                model.to(env.device)
             setattr(model, f"is_loaded_in_{quantization.bits}bit", True)  # peft's quantised LoRA layers
     adapters.apply(model)
     precision.swap_modules(model, blocks)

@@ -21,6 +21,26 @@ dequantises into it (int8 quantises from fp16, as bitsandbytes does). The bias i
 `compute_dtype` too: bitsandbytes' `Linear4bit` would cast it at its first forward, changing the bytes
 after the plan was made.
 
+Sharded (FSDP2's zero2/zero3: `shards_under`): the same bitsandbytes layers, whose `Params4bit` stores the
+packed 4-bit values as a uint8 tensor of shape ((n + 1) // 2, 1); FSDP2 shards that tensor on dim 0 like
+any frozen parameter, all-gathers it as stored (an integer tensor: no mixed-precision cast) before the
+block runs, and `Linear4bit` dequantises the gathered bytes with the quantisation state it keeps on the
+module (bitsandbytes' `fix_4bit_weight_quant_state_from_module`), whole on every rank. Each rank quantises
+the whole base (deterministic, so the ranks agree) and keeps its shard. Why bitsandbytes and not torchao's
+`NF4Tensor` (which implements FSDP2's all-gather hooks and shards its scales too): both trained under
+FSDP2 on 2 gloo ranks here, but bitsandbytes' gathered layer computes bit for bit what the replicated layer
+computes (max difference 0.0 in fp32), so `nf4` means the same weights with any sharding, the replicated
+behaviour, its byte arithmetic and checkpoints are unchanged, and a zero3 run trains like one process;
+torchao's NF4 quantises differently (its own double quantisation), casts to a float dtype by dequantising
+(which the precision's frozen-weight cast would do), and needs each weight's size to be a multiple of
+64 x 256 elements and its inner tensors to split evenly over the ranks. What bitsandbytes costs: the constants (absmax, nested absmax, code tables: ~1/64 byte
+per element with double quantisation, 3% of the packed bytes) are not sharded, as in Hugging Face's
+FSDP-QLoRA (`sharded_layout`). zero1 (ZeroRedundancyOptimizer over DDP, untested with these layers),
+DeepSpeed (its flat buffers reinterpret the packed bytes; zero.Init fails on this stack) and int8 under
+FSDP2 (its row scales live on the weight tensor FSDP2 replaces) are refused naming the key
+(`check_sharding`). A meta-device (pretrained) base under FSDP2 is loaded whole on the host and quantised
+onto the device layer by layer (`apply(device=...)`): the transient is host memory, a full base per rank.
+
 `weight_bytes` / `estimate` are the planner's arithmetic: the bytes of the quantised weights *with* their
 quantisation constants, checked to the byte by tests/strategies/test_quantization.py against the tensors
 bitsandbytes creates. The constants below were read from bitsandbytes 0.50 (see each comment).
@@ -51,6 +71,7 @@ from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 from memtrain.strategies.registry import DeviceFacts, RecipeKey, Registry, Strategy, option
 from memtrain.strategies.sharding import Sharding
+from memtrain.strategies.sharding.state_bytes import QuantisedWeight
 
 # 4-bit (bitsandbytes/functional.py `quantize_4bit` and `QuantState`, backends/*/ops.py `quantize_4bit`):
 BNB_4BIT_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # the block sizes quantize_4bit accepts
@@ -65,6 +86,16 @@ BNB_OFFSET_BYTES = 4  # `offset`: a 0-dim fp32 tensor
 # int8 (bitsandbytes/nn/modules.py `Int8Params._quantize` -> functional.py `int8_vectorwise_quant`):
 BNB_INT8_SCALE_BYTES = 4  # `SCB`: one fp32 absmax per row (output feature) of the int8 weight `CB`
 
+# Why each layout that shards but cannot hold a quantised base refuses it (`Quantization.check_sharding`).
+SHARDING_REFUSALS = {
+    "zero1": "ZeroRedundancyOptimizer over DDP is untested with bitsandbytes layers; use strategies.sharding "
+    "zero3 (sharding_backend fsdp2), ddp or none",
+    "fsdp2": "FSDP2 gathers a weight as a plain tensor, without the row scales int8 keeps on it "
+    "(Int8Params.SCB); use nf4 or fp4, or strategies.sharding ddp or none",
+    "deepspeed": "DeepSpeed partitions parameters by flattening them into its dtype's buffers, which would "
+    "reinterpret the packed 4-bit bytes, and its zero.Init fails on this stack; use "
+    "strategies.sharding_backend fsdp2",
+}
 SUPPORTED_DEVICES = ("cuda", "cpu")  # bitsandbytes' CUDA kernels; CPU checked by the tests here
 BNB_MODULE = "bitsandbytes"
 
@@ -77,23 +108,48 @@ class Quantization(Strategy):
     name: ClassVar[str] = "none"
     bits: ClassVar[int] = 16  # bits per stored base weight (4 or 8 for the bitsandbytes formats)
 
-    def apply(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> list[str]:
-        """Replace `model`'s linear layers in place; return the names of the replaced modules."""
+    def apply(
+        self,
+        model: nn.Module,
+        skip: Callable[[str], bool],
+        compute_dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> list[str]:
+        """Replace `model`'s linear layers in place, each quantised onto `device` (default: where its weight
+        is); return the names of the replaced modules."""
         return []
 
     def stand_in(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> None:
         """What the planner's fake-tensor trace runs in place of `apply` (nothing, without quantisation)."""
 
     def check_sharding(self, sharding: Sharding) -> None:
-        """`Unsupported` when the base cannot be stored as `sharding` lays weights out: a quantised base is
-        kept whole on every rank, so only the replicated layouts (none, ddp) hold it. The one rule for the
-        planner's grid, a pinned plan and `memtrain validate`."""
-        if self.name != "none" and not sharding.replicated:
-            raise Unsupported(
-                f"model.quantization: {self.name} keeps the quantised base whole on every rank, and "
-                f"strategies.sharding {sharding.name} shards the weights; use strategies.sharding none or ddp "
-                "(or model.quantization: none)"
-            )
+        """`Unsupported` when the base cannot be stored as `sharding` lays weights out: the replicated layouts
+        (none, ddp) keep it whole on every rank, FSDP2's zero2/zero3 shard its packed storage (module
+        docstring); zero1 and DeepSpeed cannot hold it. The one rule for the planner's grid, a pinned plan
+        and `memtrain validate`."""
+        if self.name == "none" or sharding.replicated or self.shards_under(sharding):
+            return
+        layout = (
+            "deepspeed" if sharding.backend == "deepspeed" else "zero1" if sharding.name == "zero1" else ""
+        )
+        raise Unsupported(
+            f"model.quantization: {self.name} with strategies.sharding {sharding.name} (sharding_backend "
+            f"{sharding.backend}): {SHARDING_REFUSALS.get(layout, SHARDING_REFUSALS['fsdp2'])}"
+        )
+
+    def shards_under(self, sharding: Sharding) -> bool:
+        """Whether `sharding` shards this base's stored weights across ranks (only 4-bit, under FSDP2)."""
+        return False
+
+    def packed_stand_in(
+        self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype
+    ) -> None:
+        """What the rank trace runs in place of `apply` on its meta model (nothing, without quantisation)."""
+
+    def sharded_layout(self, numel: int) -> QuantisedWeight:
+        """How a sharding backend lays out a weight of `numel` elements stored in this format (what it
+        shards and gathers, what stays whole): for the formats `shards_under` some sharding."""
+        raise NotImplementedError(f"model.quantization: {self.name} is not sharded")
 
     def weight_bytes(
         self,
@@ -150,6 +206,12 @@ class BitsAndBytes(Quantization):
     """What the bitsandbytes formats share: the device check, the layer swap and the estimate."""
 
     def check(self, facts: DeviceFacts) -> None:
+        if facts.mesh is not None and facts.mesh.tp > 1:
+            raise Unsupported(
+                f"model.quantization: {self.name} with strategies.mesh.tp={facts.mesh.tp}: tensor parallelism "
+                "splits nn.Linear weights by rows and columns, not bitsandbytes' packed ones; set "
+                "strategies.mesh.tp: 1 (FSDP2's zero3 shards the quantised base)"
+            )
         if facts.device_type not in SUPPORTED_DEVICES:
             raise Unsupported(
                 f"model.quantization: {self.name} runs on {' or '.join(SUPPORTED_DEVICES)} (bitsandbytes "
@@ -157,7 +219,13 @@ class BitsAndBytes(Quantization):
             )
         _bitsandbytes(self.name)
 
-    def apply(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> list[str]:
+    def apply(
+        self,
+        model: nn.Module,
+        skip: Callable[[str], bool],
+        compute_dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> list[str]:
         bnb = _bitsandbytes(self.name)
         targets = [(n, m) for n, m in model.named_modules() if n and type(m) is nn.Linear and not skip(n)]
         owners: dict[int, list[str]] = {}
@@ -177,16 +245,19 @@ class BitsAndBytes(Quantization):
                     f"untie them, so leave {module_name} unquantised (skip it)"
                 )
         for module_name, linear in targets:
-            layer = self._layer(bnb, linear, compute_dtype)
+            layer = self._layer(bnb, linear, compute_dtype, device or linear.weight.device)
             if linear.bias is not None:
-                layer.bias = nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False)
+                bias = linear.bias.detach().to(device=device or linear.bias.device, dtype=compute_dtype)
+                layer.bias = nn.Parameter(bias, requires_grad=False)
             layer.train(linear.training)
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)
         return [n for n, _ in targets]
 
-    def _layer(self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
-        """The quantised layer holding `linear`'s weight (its bias is set by `apply`)."""
+    def _layer(
+        self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
+        """The quantised layer holding `linear`'s weight on `device` (its bias is set by `apply`)."""
         raise NotImplementedError
 
     def stand_in(self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype) -> None:
@@ -241,6 +312,9 @@ class FourBit(BitsAndBytes):
     )
     block_size: int = option(64, doc="nf4/fp4: elements per scale.", changes_trajectory=True, gt=0)
 
+    def shards_under(self, sharding: Sharding) -> bool:
+        return sharding.name in ("zero2", "zero3") and sharding.backend == "fsdp2"
+
     def check(self, facts: DeviceFacts) -> None:
         if self.block_size not in BNB_4BIT_BLOCK_SIZES:
             raise Unsupported(
@@ -257,6 +331,32 @@ class FourBit(BitsAndBytes):
     ) -> int:
         return sum(self._tensor_bytes(n) for n in numel_per_tensor)
 
+    def packed_stand_in(
+        self, model: nn.Module, skip: Callable[[str], bool], compute_dtype: torch.dtype
+    ) -> None:
+        """The rank trace's stand-in (its model is on the meta device, then fake: no values to quantise):
+        each target linear as a `PackedLinear` holding the layout `sharded_layout` gives, which FSDP2 shards
+        and gathers as it does bitsandbytes' packed weight."""
+        for name, module in list(model.named_modules()):
+            if name and type(module) is nn.Linear and not skip(name):
+                layout = self.sharded_layout(module.in_features * module.out_features)
+                module.__class__ = PackedLinear
+                device = module.weight.device
+                packed = torch.empty((layout.rows, layout.row_bytes), dtype=torch.uint8, device=device)
+                module.weight = nn.Parameter(packed, requires_grad=False)
+                module.register_buffer(
+                    "constants", torch.empty(layout.whole, dtype=torch.uint8, device=device)
+                )
+                module.compute_dtype = compute_dtype  # type: ignore[assignment]
+                if module.bias is not None:
+                    module.bias.requires_grad_(False)
+
+    def sharded_layout(self, numel: int) -> QuantisedWeight:
+        """`Params4bit`'s packed uint8 storage, ((numel + 1) // 2, 1), sharded on dim 0 (its bytes as rows),
+        and its quantisation state (absmax, nested absmax, code tables) whole on every rank."""
+        packed = (numel + 1) // 2
+        return QuantisedWeight(rows=packed, row_bytes=1, whole=self._tensor_bytes(numel) - packed)
+
     def _tensor_bytes(self, numel: int) -> int:
         packed = (numel + 1) // 2  # two 4-bit values per uint8, the last one padded
         blocks = math.ceil(numel / self.block_size)
@@ -266,7 +366,9 @@ class FourBit(BitsAndBytes):
         absmax = blocks * BNB_NESTED_ABSMAX_BYTES + BNB_OFFSET_BYTES + nested
         return packed + absmax + BNB_4BIT_CODE_BYTES
 
-    def _layer(self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    def _layer(
+        self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
         layer: Any = bnb.nn.Linear4bit(
             linear.in_features,
             linear.out_features,
@@ -286,7 +388,7 @@ class FourBit(BitsAndBytes):
             quant_type=self.quant_type,
             module=layer,
         )
-        layer.weight = weight.to(linear.weight.device)  # quantises (Params4bit.to -> _quantize)
+        layer.weight = weight.to(device)  # quantises (Params4bit.to -> _quantize)
         return layer
 
 
@@ -336,7 +438,9 @@ class Int8(BitsAndBytes):
             raise ValueError("int8 has one scale per row: give the rows (output features) of every weight")
         return sum(numel_per_tensor) + BNB_INT8_SCALE_BYTES * sum(rows_per_tensor)
 
-    def _layer(self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    def _layer(
+        self, bnb: ModuleType, linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device
+    ) -> nn.Module:
         layer: Any = bnb.nn.Linear8bitLt(
             linear.in_features,
             linear.out_features,
@@ -347,7 +451,7 @@ class Int8(BitsAndBytes):
         )
         # What Int8Params._quantize does, on whatever device the weight is (Int8Params.to quantises only
         # when the weight comes from the CPU).
-        source = linear.weight.detach().to(torch.float16).contiguous()
+        source = linear.weight.detach().to(device=device, dtype=torch.float16).contiguous()
         cb, scb, _ = bnb.functional.int8_vectorwise_quant(source)
         layer.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
         layer.compute_dtype = compute_dtype
@@ -396,3 +500,39 @@ class _DequantisedMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (weight,) = ctx.saved_tensors
         return grad @ weight.to(ctx.dtype, copy=True), None, None
+
+
+class PackedLinear(nn.Linear):
+    """The rank trace's stand-in of a 4-bit layer (`FourBit.packed_stand_in`): `weight` is the packed uint8
+    storage, `constants` a uint8 buffer of the quantisation state's bytes (a buffer: FSDP2 keeps it whole,
+    as bitsandbytes keeps its state on the module); the forward dequantises into a transient (out, in) copy
+    in the compute dtype for the forward and again for the backward, as `DequantisedLinear` does."""
+
+    compute_dtype: torch.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _UnpackedMatmul.apply(
+            x.to(self.compute_dtype), self.weight, self.out_features, self.compute_dtype
+        )
+        if self.bias is not None:
+            out = out + self.bias.to(self.compute_dtype)
+        return out.to(x.dtype)  # type: ignore[no-any-return]
+
+
+class _UnpackedMatmul(torch.autograd.Function):
+    """x @ W.T with W (out x in) unpacked from the packed bytes (placeholder values: the rank trace's
+    tensors are fake), keeping only the packed weight for backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, packed: torch.Tensor, rows: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        ctx.save_for_backward(packed)
+        ctx.shape = (rows, x.shape[-1])
+        ctx.dtype = dtype
+        return x @ packed.new_empty(ctx.shape, dtype=dtype).t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (packed,) = ctx.saved_tensors
+        return grad @ packed.new_empty(ctx.shape, dtype=ctx.dtype), None, None, None

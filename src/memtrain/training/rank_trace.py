@@ -23,6 +23,10 @@ What differs from the run, and why the bytes do not:
   besides its fake ones for a CPU run (`MemoryTracker(host=True)`: 4.2 KB of `other` under without);
 - values the step reads keep them where they come from the batch and are placeholders where they come
   from fake tensors (`memtrain.memory.HostValues`);
+- a 4-bit base (QLoRA) cannot be quantised here (bitsandbytes reads real values; the model is meta, then
+  fake), so its linears are `PackedLinear`s (`FourBit.packed_stand_in`): the packed uint8 weight FSDP2
+  shards and gathers, the quantisation state's bytes as a buffer kept whole, the dequantised copy made per
+  forward and backward; int8 is not traced (the planner keeps its arithmetic);
 - what the run's backend holds that the fake group does not (gloo, the backend of a CPU run: its copy of a
   reduce-scatter's input, an asynchronous collective's or an all-gather's tensors until its worker thread
   lets go of them, a send's tensor while the caller keeps its work) is
@@ -51,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from memtrain.distributed import collective_backend
+from memtrain.errors import Unsupported
 from memtrain.memory import HostValues, MemoryTracker, StepMemory, fake_tensors_with_real_inputs
 from memtrain.memory.gloo_buffers import GlooBuffers
 from memtrain.plan import Plan
@@ -64,6 +69,11 @@ def trace_step(trainer: Trainer, plan: Plan, rows: int | None = None) -> StepMem
     """The tracker's report of one step of `plan` on this process's rank of the fake process group
     (`rows`: the data-parallel rank's rows per step; default the recipe's); `Unsupported` for a plan
     its sharding refuses on the mesh."""
+    if plan.quantization.name != "none" and plan.quantization.bits != 4:  # before anything is built
+        raise Unsupported(
+            f"model.quantization: {plan.quantization.name} is not traced per rank (only the 4-bit formats have "
+            "the rank trace's stand-in); the planner keeps its arithmetic"
+        )
     env = dataclasses.replace(
         trainer.env, rank=dist.get_rank(), world_size=plan.shape.size, mesh=plan.shape, device_mesh=None
     )

@@ -41,7 +41,13 @@ from memtrain import checkpoint as ckpt
 from memtrain.distributed import DistEnv
 from memtrain.errors import Unsupported
 from memtrain.memory.footprint import Footprint, ModelShape
-from memtrain.strategies.sharding.state_bytes import ADAMW, OptimizerCost, StateBytes, replicated_bytes
+from memtrain.strategies.sharding.state_bytes import (
+    ADAMW,
+    OptimizerCost,
+    QuantisedWeight,
+    StateBytes,
+    replicated_bytes,
+)
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 Materialise = Callable[[nn.Module], None]
@@ -163,9 +169,12 @@ class ShardingBackend:
         *,
         dim0: Mapping[str, int] | None = None,
         rank: int | None = None,
+        quantised: Mapping[str, QuantisedWeight] | None = None,
     ) -> StateBytes:
         """Per-rank bytes of weights, gradients, optimizer states and backend buffers (`rank=None`:
-        the most loaded rank); `dim0` maps parameter names to their leading dimension (FSDP2 padding)."""
+        the most loaded rank); `dim0` maps parameter names to their leading dimension (FSDP2 padding);
+        `quantised`: a QLoRA base's packed weights, read by the backends that shard one (FSDP2; the others
+        refuse it, `Quantization.check_sharding`, or keep it whole: the planner's replicated arithmetic)."""
         return replicated_bytes(shape, self.options.precision, optimizer, ddp=False)
 
     def estimate(
@@ -310,6 +319,7 @@ class DDPBackend(ShardingBackend):
         *,
         dim0: Mapping[str, int] | None = None,
         rank: int | None = None,
+        quantised: Mapping[str, QuantisedWeight] | None = None,
     ) -> StateBytes:
         return replicated_bytes(shape, self.options.precision, optimizer, ddp=world_size > 1)
 

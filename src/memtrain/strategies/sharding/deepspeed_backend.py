@@ -61,6 +61,7 @@ from memtrain.strategies.sharding.state_bytes import (
     ADAMW,
     DeepSpeedZero3Knobs,
     OptimizerCost,
+    QuantisedWeight,
     StateBytes,
     deepspeed_bytes,
 )
@@ -199,6 +200,7 @@ class DeepSpeedBackend(ShardingBackend):
         *,
         dim0: Mapping[str, int] | None = None,
         rank: int | None = None,
+        quantised: Mapping[str, QuantisedWeight] | None = None,
     ) -> StateBytes:
         zero = self.config(shape.numel, world_size)["zero_optimization"]
         default = DeepSpeedZero3Knobs()

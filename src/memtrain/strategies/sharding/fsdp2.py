@@ -69,7 +69,13 @@ from memtrain.strategies.sharding.base import (
     ensure_process_group,
     warn_one_rank,
 )
-from memtrain.strategies.sharding.state_bytes import ADAMW, OptimizerCost, StateBytes, fsdp2_bytes
+from memtrain.strategies.sharding.state_bytes import (
+    ADAMW,
+    OptimizerCost,
+    QuantisedWeight,
+    StateBytes,
+    fsdp2_bytes,
+)
 
 REFUSED_PRECISIONS = {
     "bf16-master": "FSDP2's bf16-mixed already keeps sharded fp32 master weights and computes in bf16; "
@@ -184,6 +190,7 @@ class FSDP2Backend(ShardingBackend):
         *,
         dim0: Mapping[str, int] | None = None,
         rank: int | None = None,
+        quantised: Mapping[str, QuantisedWeight] | None = None,
     ) -> StateBytes:
         return fsdp2_bytes(
             shape,
@@ -196,6 +203,7 @@ class FSDP2Backend(ShardingBackend):
             offload=self.options.offload == "params",
             dim0=dim0,
             rank=rank,
+            quantised=quantised,
         )
 
     def save(self, staging: Path, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> None:

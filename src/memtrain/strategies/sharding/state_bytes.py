@@ -18,6 +18,8 @@ backends differ from the idealisation in ways that matter at the margin of a GPU
   With accumulation and `gradient_reduction=per_step`, gradients are not reduced on non-final
   micro-steps, so each rank holds an unsharded fp32 gradient of the whole model until the last
   micro-step; with `per_micro_step` every micro-step reduce-scatters into the sharded gradient.
+  A QLoRA base (`QuantisedWeight`) is sharded and gathered as its packed uint8 storage, its
+  quantisation constants whole on every rank.
 - DeepSpeed ZeRO-1/2 flattens the parameters into one buffer (padded to a multiple of 2 x the world
   size) that stays whole on every rank, keeps a separate fp32 master partition even when training in
   fp32, and keeps the gradients of every parameter that overlaps its partition - whole. ZeRO-3 pads
@@ -173,6 +175,18 @@ def zero1_bytes(
 # ----------------------------------------------------------------------------------------- FSDP2
 
 
+@dataclass(frozen=True)
+class QuantisedWeight:
+    """A frozen base weight stored quantised (QLoRA under FSDP2): its packed storage, `rows` rows of
+    `row_bytes` bytes on dim 0, is what FSDP2 shards and all-gathers as it is stored (an integer tensor: no
+    mixed-precision cast; the layer dequantises it in its forward), and `whole` bytes of quantisation
+    constants stay whole on every rank (bitsandbytes keeps them on the module, beside the parameter)."""
+
+    rows: int
+    row_bytes: int
+    whole: int
+
+
 def fsdp2_rows(dim0: int, world_size: int, rank: int) -> int:
     """Rows of a dim-0 shard (torch.chunk semantics, empty chunks for the last ranks)."""
     chunk = math.ceil(dim0 / world_size)
@@ -199,12 +213,15 @@ def fsdp2_bytes(
     offload: bool = False,
     dim0: Mapping[str, int] | None = None,
     rank: int | None = None,
+    quantised: Mapping[str, QuantisedWeight] | None = None,
 ) -> StateBytes:
     """zero2 / zero3 on FSDP2 (`fully_shard` per block, then the root). `reduce_every_micro_step`:
     `gradient_reduction=per_micro_step` (no unsharded gradient between micro-steps).
 
     `dim0` gives each parameter's leading dimension (by name) for the padding arithmetic; without
     it every parameter is taken as 1-D (padding of at most `world_size - 1` elements per tensor).
+    `quantised`: the frozen base weights stored quantised, by name (`QuantisedWeight`): their shards and
+    gathered copies are of the packed storage, their constants whole on this rank.
     """
     if rank is None:
         # The busiest rank is rank 0: every tensor's shard is padded to the same ceil(rows / N) rows on every
@@ -222,20 +239,33 @@ def fsdp2_bytes(
         per_row = p.numel // rows
         return math.ceil(rows / world_size) * per_row, fsdp2_rows(rows, world_size, r) * per_row
 
-    padded = sum(shard(p, rank)[0] for p in shape.params)
+    packed = quantised or {}
+
+    def stored(p: ParamInfo) -> int:
+        """This rank's bytes of `p` between steps."""
+        if (q := packed.get(p.name)) is not None:
+            return math.ceil(q.rows / world_size) * q.row_bytes + q.whole
+        return shard(p, rank)[0] * kinds.param
+
+    def all_gathered(p: ParamInfo) -> int:
+        """`p` all-gathered (padded), as the forward reads it."""
+        if (q := packed.get(p.name)) is not None:
+            return world_size * math.ceil(q.rows / world_size) * q.row_bytes
+        return world_size * shard(p, rank)[0] * kinds.compute
+
     trainable = shape.trainable.params
     padded_trainable = sum(shard(p, rank)[0] for p in trainable)
     local_trainable = sum(shard(p, rank)[1] for p in trainable)
     groups = _groups(shape)
 
     def gathered_group(params: list[ParamInfo]) -> int:
-        return world_size * sum(shard(p, rank)[0] for p in params) * kinds.compute
+        return sum(all_gathered(p) for p in params)
 
     root = gathered_group(groups.get(None, []))
     largest_block = max((gathered_group(v) for k, v in groups.items() if k is not None), default=0)
     everything = sum(gathered_group(v) for v in groups.values())
     states = StateBytes(
-        weights=padded * kinds.param,
+        weights=sum(stored(p) for p in shape.params),
         gradients=padded_trainable * kinds.grad,
         optimizer_states=optimizer.bytes(local_trainable, len(trainable)),
     )
@@ -244,12 +274,14 @@ def fsdp2_bytes(
     prefetch = 2 * largest_block if reshard_after_forward else 0
     unsharded = accumulation_steps > 1 and not reduce_every_micro_step
     copies = shape.trainable_numel * kinds.grad if unsharded else 0  # unsharded accumulated grads
-    if offload:
+    if offload:  # a quantised weight's constants are not a parameter: they stay on the device
+        constants = sum(q.whole for q in packed.values())
         return StateBytes(
+            weights=constants,
             gathered=gathered,
             prefetch=prefetch,
             gradient_copies=copies,
-            host=states.weights + states.gradients + states.optimizer_states,
+            host=states.weights - constants + states.gradients + states.optimizer_states,
         )
     return StateBytes(
         weights=states.weights,

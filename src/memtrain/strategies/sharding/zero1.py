@@ -42,6 +42,7 @@ from memtrain.strategies.sharding.base import (
 from memtrain.strategies.sharding.state_bytes import (
     ADAMW,
     OptimizerCost,
+    QuantisedWeight,
     StateBytes,
     replicated_bytes,
     zero1_bytes,
@@ -95,6 +96,7 @@ class Zero1Backend(DDPBackend):
         *,
         dim0: Mapping[str, int] | None = None,
         rank: int | None = None,
+        quantised: Mapping[str, QuantisedWeight] | None = None,
     ) -> StateBytes:
         if world_size == 1:
             return replicated_bytes(shape, self.options.precision, optimizer, ddp=False)
