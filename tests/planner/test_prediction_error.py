@@ -50,19 +50,26 @@ def test_a_malformed_file_is_an_error_naming_it(tmp_path: Path, text: str) -> No
         measured_error(path)
 
 
-def test_the_replay_measures_under_and_over_prediction_on_counted_rows_only() -> None:
+def test_the_replay_measures_under_and_over_prediction_on_counted_rows_and_torchs_counters() -> None:
     import bench_published
 
-    def record(published: float, predicted_gib: float, counted: bool) -> dict[str, object]:
+    def record(
+        published: float, predicted_gib: float, counted: bool, counter: str = "reserved"
+    ) -> dict[str, object]:
         return {
-            "row": {"published": published, "unit": "GiB"},
+            "row": {"published": published, "unit": "GiB", "counter": counter},
             "predicted_on_counter": int(predicted_gib * 2**30),
             "counted": counted,
         }
 
     found = bench_published.measured(
-        [record(52.0, 50.0, True), record(45.0, 50.0, True), record(99.0, 50.0, False)]
+        [
+            record(52.0, 50.0, True),
+            record(45.0, 50.0, True),
+            record(99.0, 50.0, False),
+            record(80.0, 50.0, True, counter="device"),
+        ]
     )
     assert found.under_prediction == pytest.approx(0.04) and found.over_prediction == pytest.approx(0.1)
-    assert found.runs == 2, "a row with a lever memtrain lacks is not counted"
+    assert found.runs == 2, "a row with a lever memtrain lacks, or on the device's counter, does not size it"
     assert ERROR_FILE.name == "prediction_error.json"
