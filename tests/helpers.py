@@ -93,6 +93,24 @@ def tracked_step(tracker: Any, model: Any, optimizer: Any, x: Any) -> None:
         optimizer.zero_grad()
 
 
+def one_device_levels(shape: Any, precision: Any, optimizer_states: Any, dim0: Any = None) -> Any:
+    """The planner's state levels of `shape` on one device, nothing sharded (`planner.states.state_levels`)."""
+    from memtrain.planner.states import state_levels
+    from memtrain.strategies.sharding import make_sharding
+
+    return state_levels(
+        shape,
+        precision=precision,
+        optimizer_states=optimizer_states,
+        backend=make_sharding("none"),
+        replicated=True,
+        world_size=1,
+        dim0=dim0 or {},
+        fixed_bytes=0,
+        foreach=False,
+    )
+
+
 def probe_of(recipe: CausalLMRecipe) -> Any:
     """The planner's view of the built-in causal-LM trainer's job for `recipe`."""
     from memtrain.causal_lm.trainer import CausalLMTrainer

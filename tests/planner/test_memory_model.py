@@ -18,14 +18,12 @@ from memtrain.memory import MemoryTracker
 from memtrain.memory.footprint import Footprint
 from memtrain.planner.activations import SegmentKey
 from memtrain.planner.memory_model import predict, step_walk
-from memtrain.planner.states import state_levels
 from memtrain.strategies.checkpointing import NoCheckpointing
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
 from memtrain.strategies.precision import PRECISION, Precision
-from memtrain.strategies.sharding import make_sharding
 
-from helpers import probe_of
+from helpers import one_device_levels, probe_of
 from planner_cases import cpu_target, plan_on, planner_recipe, scored_plan
 
 PLANS = [  # precision, checkpointing, fraction, optimizer states, micro-batch rows (of 8)
@@ -113,17 +111,7 @@ def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str, la
             measured = tracker.end_step().peak_bytes
     from memtrain.strategies.blocks import model_shape
 
-    levels = state_levels(
-        model_shape(model, []),
-        precision=PRECISION.create(precision),
-        optimizer_states=stepped,
-        backend=make_sharding("none"),
-        replicated=True,
-        world_size=1,
-        dim0={},
-        fixed_bytes=0,
-        foreach=False,
-    )
+    levels = one_device_levels(model_shape(model, []), PRECISION.create(precision), stepped)
     predicted = levels.weights + levels.optimizer_states + levels.optimizer_gradients + levels.optimizer_extra
     assert abs(predicted - measured) <= 64, (predicted, measured)  # clipping's scalars
 
@@ -153,17 +141,7 @@ def test_runs_of_blocks_walk_like_single_blocks(tmp_path: Path) -> None:
 
 def test_prediction_breakdown_sums_to_the_peak(tmp_path: Path) -> None:
     probe = probe_of(planner_recipe(tmp_path))
-    levels = state_levels(
-        probe.shape,
-        precision=FP32,
-        optimizer_states=OptimizerStates(),
-        backend=make_sharding("none"),
-        replicated=True,
-        world_size=1,
-        dim0=probe.dim0,
-        fixed_bytes=0,
-        foreach=False,
-    )
+    levels = one_device_levels(probe.shape, FP32, OptimizerStates(), probe.dim0)
     prediction = predict(levels, step_walk({NONE: probe.trace(FP32, NONE, (1, 2))}, [NONE] * 5, 64, 2))
     assert isinstance(prediction.at_peak, Footprint)
     assert prediction.peak == prediction.at_peak.peak

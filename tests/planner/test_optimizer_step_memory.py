@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from memtrain.memory import MemoryTracker
-from memtrain.planner.states import state_levels
 from memtrain.strategies.blocks import model_shape
 from memtrain.strategies.lowbit_adamw import CHUNK_NUMEL
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer import OPTIMIZER_STATES
 from memtrain.strategies.precision import PRECISION
-from memtrain.strategies.sharding import make_sharding
+
+from helpers import one_device_levels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,16 +66,10 @@ def _measured_steps(precision: str, states: str, model: nn.Module, steps: int) -
 
 def _predicted(precision: str, states: str, model: nn.Module) -> tuple[int, int]:
     """The planner's optimizer-step moment, and its temporaries (`optimizer_extra`)."""
-    levels = state_levels(
+    levels = one_device_levels(
         model_shape(model, []),
-        precision=PRECISION.create(precision),
-        optimizer_states=PRECISION.create(precision).update_states(OPTIMIZER_STATES.create(states)),
-        backend=make_sharding("none"),
-        replicated=True,
-        world_size=1,
-        dim0={},
-        fixed_bytes=0,
-        foreach=False,
+        PRECISION.create(precision),
+        PRECISION.create(precision).update_states(OPTIMIZER_STATES.create(states)),
     )
     at_rest = levels.weights + levels.optimizer_states + levels.optimizer_gradients
     return at_rest + levels.optimizer_extra, levels.optimizer_extra

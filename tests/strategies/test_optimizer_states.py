@@ -25,6 +25,8 @@ from memtrain.strategies.lowbit_adamw import BF16StateAdamW, round_stochastic_
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, measured_state_bytes
 from memtrain.strategies.registry import DeviceFacts
 
+from helpers import one_device_levels
+
 VOCAB = 300
 TINY: dict[str, Any] = {
     "hidden_size": 64,
@@ -393,10 +395,8 @@ def test_paged_states_are_outside_the_device_levels() -> None:
 
     import bitsandbytes
 
-    from memtrain.planner.states import state_levels
     from memtrain.strategies.optimizer import BNB_MIN_PAGED_SIZE
     from memtrain.strategies.precision import PRECISION
-    from memtrain.strategies.sharding import make_sharding
 
     source = inspect.getsource(bitsandbytes.optim.optimizer.Optimizer8bit.get_state_buffer)
     assert f"p.numel() < {BNB_MIN_PAGED_SIZE:.0e}".replace("+0", "") in source, source
@@ -406,17 +406,7 @@ def test_paged_states_are_outside_the_device_levels() -> None:
     )
 
     def levels(name: str) -> Any:
-        return state_levels(
-            shape,
-            precision=PRECISION.create("bf16-true"),
-            optimizer_states=OPTIMIZER_STATES.create(name),
-            backend=make_sharding("none"),
-            replicated=True,
-            world_size=1,
-            dim0={},
-            fixed_bytes=0,
-            foreach=False,
-        )
+        return one_device_levels(shape, PRECISION.create("bf16-true"), OPTIMIZER_STATES.create(name))
 
     paged, plain = levels("paged-8bit"), levels("8bit")
     assert paged.paged == 2 * BNB_MIN_PAGED_SIZE and plain.paged == 0
