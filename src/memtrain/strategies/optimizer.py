@@ -4,7 +4,10 @@ The two Adam moments are the largest model state in fp32 training (8 of 16 bytes
 the cheapest to shrink without touching the forward pass. Names:
 
 - `fp32`: `torch.optim.AdamW`, fused (`fused=True`) wherever torch supports it for the parameters (floating
-  parameters on CUDA or the CPU, FSDP2's DTensors included), torch's default path otherwise. Its moments
+  parameters on CUDA or the CPU, FSDP2's DTensors of a 1-D mesh included; not on a 2-D mesh or with plain and
+  distributed parameters mixed, where torch's fused kernel refuses), torch's default path otherwise. The
+  planner charges the fused step's temporaries (none) on every mesh: a 2-D mesh's foreach copy of the local
+  shards is not counted (small beside the sharded states; a known gap). Its moments
   follow the parameter dtype (fp32 parameters: 4 + 4 bytes; bf16 parameters: 2 + 2), plus a 0-dim float32
   `step` tensor per parameter tensor (on the parameters' device when fused). Why fused: it updates every
   tensor in place in one kernel, holding no temporaries, where torch's CUDA default (foreach) holds an fp32
@@ -98,7 +101,7 @@ class OptimizerStates(Strategy):
         """torch AdamW, fused where torch supports it for every parameter (floating, on a device with fused
         kernels: torch would refuse only at the first step), its default path otherwise."""
         given: list[Any] = list(params)
-        fused = all(fused_optimizer_steps(p) for p in _tensors(given)) or None
+        fused = _fused_steps(list(_tensors(given))) or None
         return torch.optim.AdamW(given, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
 
     def step_elements(self, numel: int) -> int:
@@ -179,6 +182,22 @@ class StochasticBF16States(BF16States):
         self, params: ParamsT, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
     ) -> torch.optim.Optimizer:
         return StochasticBF16AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def _fused_steps(tensors: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW steps these parameters: torch's check for each, and either no DTensor or
+    all of them DTensors of one 1-D mesh (FSDP2 over one dimension). On a 2-D mesh (HSDP, FSDP x TP) or with
+    plain and distributed parameters mixed (tensor parallelism's replicated norms), torch 2.13's
+    `_fused_adamw_` refuses at the first step ("got mixed torch.Tensor and DTensor"), so those take its
+    default path (measured on 2-4 gloo ranks: tests/parallel/test_mesh.py)."""
+    from torch.distributed.tensor import DTensor  # here: `memtrain --help` does not import it
+
+    if not all(fused_optimizer_steps(t) for t in tensors):
+        return False
+    meshes = {t.device_mesh for t in tensors if isinstance(t, DTensor)}
+    if not meshes:
+        return True
+    return len(meshes) == 1 and next(iter(meshes)).ndim == 1 and all(isinstance(t, DTensor) for t in tensors)
 
 
 def _tensors(params: list[Any]) -> Iterator[torch.Tensor]:
