@@ -359,6 +359,18 @@ for _ in range(3):
 gap = max((a.full_tensor() - b.full_tensor()).abs().max().item()
           for a, b in zip(models[0].parameters(), models[1].parameters()))
 assert gap < 1e-6, gap
+# plain parameters beside distributed ones (torch's fused kernel refuses them at the first step: "got mixed
+# torch.Tensor and DTensor"), and a 2-D mesh (HSDP; fused untested on several ranks) take the default path
+from torch.distributed.device_mesh import init_device_mesh
+hsdp = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+fully_shard(hsdp, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+mixed = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+fully_shard(mixed[0])
+for m in (hsdp, mixed):
+    o = OPTIMIZER_STATES.create("fp32").build(m.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                                              weight_decay=0.01)
+    assert not o.param_groups[0]["fused"], m
+    m(x).square().mean().backward(); o.step(); o.zero_grad()
 dist.destroy_process_group()
 print("ok")
 """
@@ -366,7 +378,8 @@ print("ok")
 
 def test_fused_adamw_steps_fsdp2_dtensor_parameters() -> None:
     """FSDP2's parameters are DTensors: torch's fused AdamW steps them (DTensor dispatches the fused kernel to
-    the local shards), as its foreach path does (one rank; a process of its own for the process group)."""
+    the local shards), as its foreach path does (one rank; a process of its own for the process group). Plain
+    parameters beside DTensors (which fused refuses) and a 2-D mesh take the default path, and step."""
     import socket
     import subprocess
 

@@ -4,8 +4,8 @@ The two Adam moments are the largest model state in fp32 training (8 of 16 bytes
 the cheapest to shrink without touching the forward pass. Names:
 
 - `fp32`: `torch.optim.AdamW`, fused (`fused=True`) wherever torch supports it for the parameters (floating
-  parameters on CUDA or the CPU, FSDP2's DTensors of a 1-D mesh included; not on a 2-D mesh or with plain and
-  distributed parameters mixed, where torch's fused kernel refuses), torch's default path otherwise. The
+  parameters on CUDA or the CPU, FSDP2's DTensors of a 1-D mesh included; not with plain and distributed
+  parameters mixed, which torch's fused kernel refuses, nor on 2-D meshes), torch's default path otherwise. The
   planner charges the fused step's temporaries (none) on every mesh: a 2-D mesh's foreach copy of the local
   shards is not counted (small beside the sharded states; a known gap). Its moments
   follow the parameter dtype (fp32 parameters: 4 + 4 bytes; bf16 parameters: 2 + 2), plus a 0-dim float32
@@ -186,10 +186,10 @@ class StochasticBF16States(BF16States):
 
 def _fused_steps(tensors: list[torch.Tensor]) -> bool:
     """Whether torch's fused AdamW steps these parameters: torch's check for each, and either no DTensor or
-    all of them DTensors of one 1-D mesh (FSDP2 over one dimension). On a 2-D mesh (HSDP, FSDP x TP) or with
-    plain and distributed parameters mixed (tensor parallelism's replicated norms), torch 2.13's
-    `_fused_adamw_` refuses at the first step ("got mixed torch.Tensor and DTensor"), so those take its
-    default path (measured on 2-4 gloo ranks: tests/parallel/test_mesh.py)."""
+    all of them DTensors of one 1-D mesh (FSDP2 over one dimension, tested on one and two ranks). With plain
+    and distributed parameters mixed, torch 2.13's `_fused_adamw_` refuses at the first step ("got mixed
+    torch.Tensor and DTensor": every FSDP x TP, TP and pipeline run of tests/parallel/test_mesh.py did);
+    2-D meshes (HSDP, FSDP x TP) take the default path too: fused on them is not tested on several ranks."""
     from torch.distributed.tensor import DTensor  # here: `memtrain --help` does not import it
 
     if not all(fused_optimizer_steps(t) for t in tensors):
