@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_mesh_plan import LLAMA8B, LLAMA70B, LLAMA405B, _mesh  # the same recipes and mesh overrides
 
 from memtrain.commands.plan import _at_sequence, _spec
 from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
@@ -89,15 +90,7 @@ class Outcome:
         return self.reserved + (self.outside_allocator if counter == "device" else 0)
 
 
-def _mesh(**degrees: object) -> tuple[str, ...]:
-    return tuple(f"strategies.mesh.{k}={v}" for k, v in degrees.items())
-
-
-LLAMA8B, LLAMA70B, LLAMA3B = (
-    "recipes/llama3-8b-8xh100.yaml",
-    "recipes/llama-70b-64gpu.yaml",
-    "recipes/published/llama3.2-3b.yaml",
-)
+LLAMA3B = "recipes/published/llama3.2-3b.yaml"
 LLAMA8B_TUNE = "recipes/published/llama3.1-8b.yaml"
 TORCHTUNE_8B = "torchtune README, Llama 3.1 8B on one RTX 4090 (batch 2 packed to 2048, compiled; peak GiB)"
 # torchtune's llama3_1 8B LoRA / QLoRA single-device configs: rank 8, alpha 16, q/v/output projections and the
@@ -269,7 +262,6 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-LLAMA405B = "recipes/llama-405b.yaml"
 TORCHTITAN_OLD = "torchtitan's older docs (H100 96 GB; whether it ran, no figure)"
 TORCHTITAN_H200 = "torchtitan benchmarks/llama3_8b_h200_2025-06 (Trainy; H200, reserved peak at step 100)"
 COMPILED_FLOAT8 = ("torch.compile", "float8 linears", "float8 all-gather")

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from memtrain.causal_lm.recipe import CausalLMRecipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,6 +95,21 @@ def tracked_step(tracker: Any, model: Any, optimizer: Any, x: Any) -> None:
         optimizer.zero_grad()
 
 
+def clipped_optimizer_step(model: Any, optimizer: Any) -> None:
+    """The trainer's optimizer phase: the master weights' gradient hand-over (bf16-master), clipping at 1.0,
+    the step, the gradients set to None."""
+    from memtrain.strategies.master_weights import MasterWeightOptimizer
+
+    params = (
+        optimizer.gradients_to_master()
+        if isinstance(optimizer, MasterWeightOptimizer)
+        else list(model.parameters())
+    )
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def one_device_levels(shape: Any, precision: Any, optimizer_states: Any, dim0: Any = None) -> Any:
     """The planner's state levels of `shape` on one device, nothing sharded (`planner.states.state_levels`)."""
     from memtrain.planner.states import state_levels
@@ -159,7 +176,6 @@ def assert_trained_alike(
     """`got` and `expected`: final weights of one job trained from `initial` with its gradients summed in
     another order. Weights the job did not train are bit-identical; the trained ones end within
     `rel` of the distance `expected` moved from `initial`, over all of them (`REDUCTION_ORDER`)."""
-    import torch
 
     assert got.keys() == expected.keys()
     moved = {name: expected[name].float() - initial[name].float() for name in expected}

@@ -19,11 +19,10 @@ from memtrain.memory.footprint import Footprint
 from memtrain.planner.activations import SegmentKey
 from memtrain.planner.memory_model import predict, step_walk
 from memtrain.strategies.checkpointing import NoCheckpointing
-from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer import OPTIMIZER_STATES, OptimizerStates
 from memtrain.strategies.precision import PRECISION, Precision
 
-from helpers import one_device_levels, probe_of
+from helpers import clipped_optimizer_step, one_device_levels, probe_of
 from planner_cases import cpu_target, plan_on, planner_recipe, scored_plan
 
 PLANS = [  # precision, checkpointing, fraction, optimizer states, micro-batch rows (of 8)
@@ -100,14 +99,7 @@ def test_optimizer_step_peak_matches_the_tracker(precision: str, states: str, la
                 p.grad = torch.zeros_like(p)
             tracker.begin_step(step)
             with tracker.phase("optimizer"):
-                params = (
-                    optimizer.gradients_to_master()
-                    if isinstance(optimizer, MasterWeightOptimizer)
-                    else list(model.parameters())
-                )
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                clipped_optimizer_step(model, optimizer)
             measured = tracker.end_step().peak_bytes
     from memtrain.strategies.blocks import model_shape
 

@@ -19,11 +19,10 @@ from torch import nn
 from memtrain.memory import MemoryTracker
 from memtrain.strategies.blocks import model_shape
 from memtrain.strategies.lowbit_adamw import CHUNK_NUMEL
-from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer import OPTIMIZER_STATES
 from memtrain.strategies.precision import PRECISION
 
-from helpers import one_device_levels
+from helpers import clipped_optimizer_step, one_device_levels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,14 +51,7 @@ def _measured_steps(precision: str, states: str, model: nn.Module, steps: int) -
                 p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
             tracker.begin_step(step)
             with tracker.phase("optimizer"):
-                params = (
-                    optimizer.gradients_to_master()
-                    if isinstance(optimizer, MasterWeightOptimizer)
-                    else list(model.parameters())
-                )
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                clipped_optimizer_step(model, optimizer)
             peaks.append(tracker.end_step().peak_bytes)
     return peaks
 
