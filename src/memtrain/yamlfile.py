@@ -104,6 +104,8 @@ class _GraphSize:
             return 1, 0
         if depth >= MAX_YAML_DEPTH:
             self._refuse(path, f"nested too deeply (more than {MAX_YAML_DEPTH} levels)")
+        if isinstance(node, yaml.MappingNode):
+            self._check_unique_keys(node, path)
         size, height = 1, 1
         self.open.add(id(node))
         for name, child in _children(node):
@@ -118,6 +120,24 @@ class _GraphSize:
         self.open.discard(id(node))
         self.known[id(node)] = size, height
         return size, height
+
+    def _check_unique_keys(self, node: yaml.MappingNode, path: list[str]) -> None:
+        """A key given twice in one mapping: YAML keeps the last silently, so a recipe that says two things
+        would train one. Merge keys (`<<: *anchor`) may repeat, and a key may override a merged one."""
+        seen: dict[tuple[str, str], yaml.Node] = {}
+        for key, _value in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.setdefault((key.tag, key.value), key)
+            if first is not key:
+                where = ".".join(cut(p, 40) for p in [*path, str(key.value)])
+                raise RecipeError(
+                    [
+                        f"{where}: given twice, at line {first.start_mark.line + 1} and line "
+                        f"{key.start_mark.line + 1} (YAML would keep the last silently); keep one"
+                    ],
+                    self.source,
+                )
 
     def _refuse(self, path: list[str], problem: str) -> NoReturn:
         where = ".".join(cut(p, 40) for p in path[:3]) + ("..." if len(path) > 3 else "")

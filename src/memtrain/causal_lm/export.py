@@ -181,8 +181,12 @@ def model_config(recipe: Recipe) -> Any:
     if pretrained is not None:
         from transformers import AutoConfig
 
+        from memtrain.causal_lm import pretrained as pretrained_lib
+
+        directory = pretrained_lib.resolve(pretrained)  # a run's recipe.json is input too: no remote code
+        pretrained_lib.refuse_remote_code(directory, "model.pretrained")
         try:
-            return AutoConfig.from_pretrained(pretrained, local_files_only=True)
+            return AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as exc:
             raise MemtrainError(f"model.pretrained: cannot read the config of {pretrained} ({exc})") from None
     from memtrain.causal_lm.trainer import build_config
@@ -302,7 +306,7 @@ def _model_with_state(
     the checkpoint stored (each adapter tensor in its own stored dtype)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     dtype = _stored_dtype(state)
     if dtype is not None and dtype != next(model.parameters()).dtype:
         model.to(dtype)
@@ -408,7 +412,7 @@ def _adapter_writer(
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # names and shapes only: no base weights are allocated
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     adapters.apply(model)
     owned = {name: p for name, p in model.named_parameters() if adapters.owns(name)}
     missing = [name for name in owned if name not in state]

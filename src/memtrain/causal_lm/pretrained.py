@@ -12,6 +12,11 @@ bf16-mixed: `Precision.frozen_stored_dtype`; fp32 otherwise); a floating paramet
 stored as integers is refused, since the conversion would silently turn it into other values. Only safetensors are
 read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths a recipe names.
 
+No code from a model or tokenizer directory is ever imported: a config.json or tokenizer_config.json with
+`auto_map` (classes transformers would import from the directory's own .py files, after asking "Do you wish
+to run the custom code?" on stdin) is refused by name (`refuse_remote_code`), and every transformers loader
+memtrain calls gets `trust_remote_code=False`.
+
 Planning needs shapes, not weights: a directory (or a cached hub id) with its config.json alone is a
 `model.pretrained` for `memtrain plan` and `validate` (a what-if before a 16 GB download); `train` refuses
 it before anything is allocated (`check_directory`).
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 CONFIG_FILE = "config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -77,10 +83,26 @@ def _fetch_config(repo_id: str) -> Path | None:
         return None
 
 
+def refuse_remote_code(directory: Path, key: str) -> None:
+    """`RecipeError` naming `key` when `directory`'s config.json or tokenizer_config.json has `auto_map`:
+    classes transformers would import from the directory's own Python files (code from a download)."""
+    for name in (CONFIG_FILE, TOKENIZER_CONFIG_FILE):
+        file = directory / name
+        if file.is_file() and "auto_map" in read_json_object(str(file), key):
+            raise RecipeError(
+                [
+                    f"{key}: {file} has auto_map (custom classes in the directory's own Python files); "
+                    "memtrain never runs code from a model or tokenizer directory: use a model transformers "
+                    "implements, with auto_map removed"
+                ]
+            )
+
+
 def check_config(directory: Path) -> None:
-    """`RecipeError` naming model.pretrained unless `directory` has a config.json (all shapes need), and
-    whatever weights it holds (safetensors, or pickles it would refuse) are as `train` reads them: only a
-    directory without weight files at all is a config alone."""
+    """`RecipeError` naming model.pretrained unless `directory` has a config.json (all shapes need) without
+    remote code, and whatever weights it holds (safetensors, or pickles it would refuse) are as `train`
+    reads them: only a directory without weight files at all is a config alone."""
+    refuse_remote_code(directory, "model.pretrained")
     if has_weights(directory) or any(directory.glob("*.bin")):
         check_directory(directory)
     elif not (directory / CONFIG_FILE).is_file():
@@ -94,7 +116,9 @@ def has_weights(directory: Path) -> bool:
 
 
 def check_directory(directory: Path) -> None:
-    """`RecipeError` naming model.pretrained unless `directory` has a config and safetensors weights."""
+    """`RecipeError` naming model.pretrained unless `directory` has a config (without remote code) and
+    safetensors weights."""
+    refuse_remote_code(directory, "model.pretrained")
     problems = []
     if not (directory / CONFIG_FILE).is_file():
         problems.append(f"model.pretrained: {directory} has no {CONFIG_FILE}")

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from memtrain.causal_lm.pretrained import resolve
+from memtrain.causal_lm.pretrained import refuse_remote_code, resolve
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import mib
 
@@ -94,7 +94,9 @@ class PretrainedTokenizer:
         from transformers import AutoTokenizer
 
         self.directory = directory
-        self.hf: Any = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        self.hf: Any = AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, trust_remote_code=False
+        )
         # added special tokens included (`hf.vocab_size` leaves them out), and ids past the count
         self.vocab_size = max(len(self.hf), id_space(self.hf.get_vocab().values()))
         eos = self.hf.eos_token_id
@@ -165,6 +167,7 @@ def _directory(path: Path) -> PretrainedTokenizer:
                 f"{', '.join(TOKENIZER_FILES[:3])}, ...): save one there with tokenizer.save_pretrained()"
             ]
         )
+    refuse_remote_code(path, "data.tokenizer")
     try:
         return PretrainedTokenizer(path)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for a broken directory

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.causal_lm import config_values, data_checks, pretrained
 from memtrain.causal_lm import data as data_lib
-from memtrain.causal_lm import data_checks, pretrained
 from memtrain.causal_lm import tokenizer as tokenizer_lib
 from memtrain.causal_lm.pipeline import pipeline_problems, split_causal_lm
 from memtrain.causal_lm.recipe import CausalLMRecipe
@@ -104,11 +104,19 @@ def build_config(recipe: CausalLMRecipe) -> Any:
     raw, key = config_dict(recipe)
     if recipe.model.pretrained is not None:  # a saved config: transformers reads it as it wrote it
         try:
-            return AutoConfig.from_pretrained(str(pretrained_directory(recipe)), local_files_only=True)
+            return AutoConfig.from_pretrained(
+                str(pretrained_directory(recipe)), local_files_only=True, trust_remote_code=False
+            )
         except (OSError, ValueError, KeyError) as exc:
             raise RecipeError(
                 [f"model.pretrained: its config.json is not a transformers config ({exc})"]
             ) from None
+    if "auto_map" in raw:  # classes from a hub repository's own Python files
+        raise RecipeError(
+            [
+                f"{key}.auto_map: memtrain never runs a model's own code; remove it (model_type picks the class)"
+            ]
+        )
     model_type = raw.pop("model_type", None)
     raw.pop("architectures", None)
     raw.pop("transformers_version", None)
@@ -121,8 +129,8 @@ def build_config(recipe: CausalLMRecipe) -> Any:
         )
     bad = [
         f"{key}.{name}: must be a positive integer or a per-layer list of them (got {shortened(raw[name])})"
-        for name in _SIZES
-        if raw.get(name) is not None and not _positive_sizes(raw[name])
+        for name in config_values.SIZES
+        if raw.get(name) is not None and not config_values.positive(raw[name])
     ]
     # before transformers, whose own checks would not name the field (or would pass)
     bad = bad or _head_problems(raw, key)
@@ -161,12 +169,6 @@ def build_config(recipe: CausalLMRecipe) -> Any:
     return config
 
 
-def _positive_sizes(value: Any) -> bool:
-    """A positive integer, or a non-empty list of them (a per-layer size, e.g. Gemma-3n's intermediate_size)."""
-    values = value if isinstance(value, list) and value else [value]
-    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
-
-
 def _has_field(config: Any, name: str) -> bool:
     """`hasattr`, where a per-layer field of a heterogeneous config (Gemma-4), whose global read transformers
     refuses with a RuntimeError (AmbiguousGlobalPerLayerAttributeError), is a field too."""
@@ -197,25 +199,6 @@ def _head_problems(raw: dict[str, Any], key: str) -> list[str]:
                 f"{key}.{count}: {heads} does not divide {key}.{size} ({total}); each head needs an equal share"
             )
     return problems
-
-
-# Size fields (of the common configs) that must be positive: torch would fail deep inside the model
-# build (a negative dimension, a division by zero heads) with a traceback instead.
-_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "max_position_embeddings",
-    "n_embd",
-    "n_layer",
-    "n_head",
-    "n_positions",
-    "n_inner",
-)
 
 
 # Fields every transformers config takes even when the default instance lacks the attribute.
@@ -256,7 +239,12 @@ def model_problems(recipe: CausalLMRecipe) -> list[str]:
     problems += data_problems
     if config is None:
         return problems
-    problems += _attention_problems(recipe, config)
+    _, key = config_dict(recipe)
+    built = config_values.value_problems(config, key) + _attention_problems(recipe, config)
+    if not built:  # what `train` builds, on the meta device: a value transformers takes but cannot build
+        problem = config_values.build_problem(config, key, recipe.model.attn_implementation)
+        built = [problem] if problem is not None else []
+    problems += built
     tp = recipe.strategies.mesh.tp
     problems += tensor_parallel_problems(config, tp) if isinstance(tp, int) else []
     pp = recipe.strategies.mesh.pp
@@ -501,7 +489,9 @@ class CausalLMTrainer(Trainer):
         from transformers import AutoModelForCausalLM
 
         attention = attn_implementation or self.recipe.model.attn_implementation
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention, dtype=torch.float32, trust_remote_code=False
+        )
         _freeze_cross_attention(model)
         return model
 

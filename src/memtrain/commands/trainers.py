@@ -186,7 +186,9 @@ def _validated_model(recipe: Recipe, source: str, trainer: type[Trainer]) -> str
         causal = CausalLMRecipe.adopt(recipe)
         config = build_config(causal)
         described = config.model_type + weights_note(causal)
-        problems = preflight.model_problems(recipe, lambda: AutoModelForCausalLM.from_config(config))
+        problems = preflight.model_problems(
+            recipe, lambda: AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        )
     else:
         from memtrain.distributed import shutdown
 

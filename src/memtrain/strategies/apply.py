@@ -130,8 +130,9 @@ def apply_strategies(
     head_name = output_head(model)
     (loss or Loss()).apply(model, None if head_name is None else model.get_submodule(head_name))
     dtype = weights_dtype or precision.stored_dtype
-    if dtype != torch.float32:
-        cast_floating(model, dtype)
+    # The plan's stored dtype, whatever the model was built in (a hub config's torch_dtype: bfloat16 builds
+    # bf16); under fp32 the parameters alone, buffers (rotary tables) as the model keeps them.
+    cast_floating(model, dtype, model.parameters() if dtype == torch.float32 else None)
     if weights_dtype is None and sharding is not None and sharding.name in SHARDING:
         precision = SHARDING.get(sharding.name).as_stored(precision)
     frozen = [p for p in model.parameters() if not p.requires_grad]
