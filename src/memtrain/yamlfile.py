@@ -76,7 +76,10 @@ def parse_yaml(text: str, source: str, key: str = "") -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
-        _GraphSize(source).measure(node, [key] if key else [], 0)
+        graph = _GraphSize(source)
+        graph.measure(node, [key] if key else [], 0)
+        if graph.duplicate:  # after the size: a bomb that also repeats a key is reported as the bomb
+            raise RecipeError([graph.duplicate], source)
         return loader.construct_document(node)
     finally:
         loader.dispose()
@@ -90,6 +93,7 @@ class _GraphSize:
         self.source = source
         self.known: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded values, height)
         self.open: set[int] = set()  # nodes being measured (an alias to one of them is a cycle)
+        self.duplicate = ""  # the first key given twice in one mapping, as a message
 
     def measure(self, node: yaml.Node, path: list[str], depth: int) -> tuple[int, int]:
         if id(node) in self.open:
@@ -104,8 +108,8 @@ class _GraphSize:
             return 1, 0
         if depth >= MAX_YAML_DEPTH:
             self._refuse(path, f"nested too deeply (more than {MAX_YAML_DEPTH} levels)")
-        if isinstance(node, yaml.MappingNode):
-            self._check_unique_keys(node, path)
+        if isinstance(node, yaml.MappingNode) and not self.duplicate:
+            self.duplicate = _duplicate_key(node, path)
         size, height = 1, 1
         self.open.add(id(node))
         for name, child in _children(node):
@@ -120,24 +124,6 @@ class _GraphSize:
         self.open.discard(id(node))
         self.known[id(node)] = size, height
         return size, height
-
-    def _check_unique_keys(self, node: yaml.MappingNode, path: list[str]) -> None:
-        """A key given twice in one mapping: YAML keeps the last silently, so a recipe that says two things
-        would train one. Merge keys (`<<: *anchor`) may repeat, and a key may override a merged one."""
-        seen: dict[tuple[str, str], yaml.Node] = {}
-        for key, _value in node.value:
-            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
-                continue
-            first = seen.setdefault((key.tag, key.value), key)
-            if first is not key:
-                where = ".".join(cut(p, 40) for p in [*path, str(key.value)])
-                raise RecipeError(
-                    [
-                        f"{where}: given twice, at line {first.start_mark.line + 1} and line "
-                        f"{key.start_mark.line + 1} (YAML would keep the last silently); keep one"
-                    ],
-                    self.source,
-                )
 
     def _refuse(self, path: list[str], problem: str) -> NoReturn:
         where = ".".join(cut(p, 40) for p in path[:3]) + ("..." if len(path) > 3 else "")
@@ -155,3 +141,21 @@ def _children(node: yaml.Node) -> list[tuple[str, yaml.Node]]:
             pairs += [(name, key), (name, value)]
         return pairs
     return []
+
+
+def _duplicate_key(node: yaml.MappingNode, path: list[str]) -> str:
+    """A key given twice in one mapping, as a message naming both lines ("" when none): YAML keeps the last
+    silently, so a recipe that says two things would train one. Merge keys (`<<: *anchor`) may repeat,
+    and a key may override a merged one."""
+    seen: dict[tuple[str, str], yaml.Node] = {}
+    for key, _value in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue
+        first = seen.setdefault((key.tag, key.value), key)
+        if first is not key:
+            where = ".".join(cut(p, 40) for p in [*path, str(key.value)])
+            return (
+                f"{where}: given twice, at line {first.start_mark.line + 1} and line {key.start_mark.line + 1} "
+                "(YAML would keep the last silently); keep one"
+            )
+    return ""

@@ -1,5 +1,6 @@
 """One rank of tests/pretrained/test_pretrained.py (launched by torchrun): set up a pretrained recipe under a
-sharded plan, gather the full weights, and (rank 0) write whether they equal the checkpoint's."""
+sharded plan, gather the full weights, and (rank 0) write whether they equal the checkpoint's (or, with a
+fourth argument `from_pretrained`, transformers' own load of it: names mapped as transformers maps them)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def full_weights(trainer: CausalLMTrainer) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    recipe_path, out, directory = sys.argv[1:]
+    recipe_path, out, directory = sys.argv[1:4]
     trainer = CausalLMTrainer(CausalLMRecipe.from_dict(yaml.safe_load(Path(recipe_path).read_text())))
     trainer.setup()
     weights = full_weights(trainer)
@@ -41,6 +42,10 @@ def main() -> None:
         files = {}
         for file in sorted(Path(directory).glob("*.safetensors")):
             files.update(load_file(str(file)))
+        if sys.argv[4:] == ["from_pretrained"]:
+            from transformers import AutoModelForCausalLM
+
+            files = AutoModelForCausalLM.from_pretrained(directory).state_dict()
         compared = {name: bool(torch.equal(files[name].float(), weights[name])) for name in files}
         Path(out).write_text(json.dumps({"compared": compared, "gathered": sorted(weights)}))
     barrier(trainer.env)

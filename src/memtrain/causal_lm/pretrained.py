@@ -25,13 +25,14 @@ it before anything is allocated (`check_directory`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from memtrain.causal_lm import checkpoint_keys
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import read_json_object
 
@@ -180,33 +181,49 @@ def load_weights(
     model: nn.Module, directory: Path, skip: Callable[[str], bool] = lambda _name: False
 ) -> None:
     """Fill `model`'s materialised (empty) parameters from the safetensors files of `directory`: whole
-    tensors for plain parameters, this rank's block for DTensors on any mesh (FSDP2, HSDP, tensor parallel). Tied parameters
-    (an output layer sharing the input embedding) are filled once; a parameter the files lack is an error."""
+    tensors for plain parameters, this rank's block for DTensors on any mesh (FSDP2, HSDP, tensor parallel).
+    Checkpoint names are mapped as transformers' `from_pretrained` maps them (`checkpoint_keys`: per-expert
+    tensors into a fused parameter, renamed heads). Tied parameters (an output layer sharing the input
+    embedding) are filled once; a parameter the files lack is an error."""
     files = weight_files(directory)
+    params = dict(_parameters(model))
+    found = checkpoint_keys.sources(model, params, files)
     filled: set[int] = set()
-    missing = []
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
+
+        def handle(key: str) -> Any:
+            file = files[key]
+            if file not in handles:
+                handles[file] = stack.enter_context(_open(file))
+            return handles[file]
+
         for name, param in _parameters(model):
-            if id(param) in filled or skip(name):
+            source = found.get(name)
+            if id(param) in filled or skip(name) or source is None or source.converter is not None:
                 continue
-            file = files.get(name)
-            if file is None:
-                missing.append(name)
-                continue
-            try:
-                if file not in handles:
-                    handles[file] = stack.enter_context(_open(file))
-                _check_dtype(param, handles[file], name, file)
-                _fill(param, handles[file], name)
-            except RecipeError:
-                raise
-            except Exception as exc:  # a missing shard, a file cut short, a damaged header
-                raise RecipeError(
-                    [f"model.pretrained: cannot read {name} from {file} ({' '.join(str(exc).split())[:200]})"]
-                ) from None
+            key = source.keys[0]
+            with _reading(key, files[key]):
+                _check_dtype(param, handle(key), key, files[key])
+                _fill(param, handle(key), key, name)
             filled.add(id(param))
-    missing = [name for name in missing if not _tied_to_filled(model, name, filled)]
+        for target, source in found.items():
+            if source.converter is None:
+                continue
+            with _reading(target, files[source.keys[0]]):
+                for key in source.keys:
+                    _check_dtype(params[target], handle(key), key, files[key])
+                built = source.convert(target, lambda key: handle(key).get_tensor(key), model)
+                for name, tensor in built.items():
+                    target_param = params.get(name)
+                    if target_param is not None and id(target_param) not in filled and not skip(name):
+                        _fill_from(target_param, tensor, name)
+                        filled.add(id(target_param))
+    missing = [
+        name
+        for name, param in _parameters(model)
+        if id(param) not in filled and not skip(name) and not _tied_to_filled(model, name, filled)
+    ]
     if missing:
         raise RecipeError(
             [
@@ -214,6 +231,20 @@ def load_weights(
                 f"{' ...' if len(missing) > 5 else ''} (another model's checkpoint?)"
             ]
         )
+
+
+@contextmanager
+def _reading(name: str, file: Path) -> Iterator[None]:
+    """A `RecipeError` naming `name` and `file` for what reading it raises (a missing shard, a file cut
+    short, a damaged header, a converter that cannot build the parameter)."""
+    try:
+        yield
+    except RecipeError:
+        raise
+    except Exception as exc:
+        raise RecipeError(
+            [f"model.pretrained: cannot read {name} from {file} ({' '.join(str(exc).split())[:200]})"]
+        ) from None
 
 
 def _parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -237,25 +268,40 @@ def _check_dtype(param: nn.Parameter, handle: Any, name: str, file: Path) -> Non
         )
 
 
-def _fill(param: nn.Parameter, handle: Any, name: str) -> None:
+def _fill(param: nn.Parameter, handle: Any, key: str, name: str) -> None:
+    """`param` (named `name` in the model) from checkpoint tensor `key`: this rank's block of it alone for
+    a DTensor."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         if isinstance(param.data, DTensor):
-            _fill_shard(param.data, handle.get_slice(name), name)
+            _fill_shard(param.data, handle.get_slice(key), name)
             return
-        source = handle.get_tensor(name)
+        source = handle.get_tensor(key)
         _check_shape(name, tuple(source.shape), tuple(param.shape))
         param.data.copy_(source)
 
 
+def _fill_from(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    """`param` from a whole tensor a converter built (this rank's block of it for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if isinstance(param.data, DTensor):
+            _fill_shard(param.data, tensor, name)
+            return
+        _check_shape(name, tuple(tensor.shape), tuple(param.shape))
+        param.data.copy_(tensor)
+
+
 def _fill_shard(param: DTensor, source: Any, name: str) -> None:
-    """This rank's block of DTensor `param` from safetensors slice `source`, on any mesh and placements
+    """This rank's block of DTensor `param` from safetensors slice `source` (or a whole tensor), on any mesh and placements
     (FSDP's dim-0 shards, HSDP's replicas of them, tensor parallel's column or row shards, both at once):
     the block's shape and global offset are those torch itself gives the local tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _check_shape(name, tuple(source.get_shape()), tuple(param.shape))
+    stored = source.shape if isinstance(source, torch.Tensor) else source.get_shape()
+    _check_shape(name, tuple(stored), tuple(param.shape))
     local = param.to_local()
     if local.numel() == 0:  # an uneven split left this rank nothing
         return

@@ -1,0 +1,94 @@
+"""`model.pretrained` reads transformers' own checkpoints of families whose parameters are not the saved
+tensors: MoE layers built with fused experts but saved one tensor per expert (Mixtral's `experts.0.w1`,
+Qwen2-MoE's and DeepSeek-V3's `experts.0.gate_proj`), and GPT-NeoX's head built as `lm_head` but saved as
+`embed_out`. The loaded model is transformers' own `from_pretrained` load, tensor for tensor and logit for
+logit, and trains a step; on two ranks under FSDP2 zero3 each rank's block of it is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from family_sweep import tiny_config
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from memtrain.causal_lm.recipe import CausalLMRecipe
+from memtrain.causal_lm.trainer import CausalLMTrainer
+
+from helpers import run_two_ranks, tiny_recipe_dict
+
+FAMILIES = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_neox", "llama"]
+
+
+def saved(directory: Path, family: str, shard: str | None = None) -> Any:
+    """A tiny `family` model saved by `save_pretrained`, loaded back by transformers' `from_pretrained`."""
+    fields = tiny_config(family)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+
+
+def recipe_dict(tmp_path: Path, directory: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    raw = tiny_recipe_dict(tmp_path, **sections)
+    raw["model"] = {"pretrained": str(directory), "attn_implementation": "eager"}
+    raw["train"]["steps"] = 1
+    return raw
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "mixtral" else f for f in FAMILIES]
+)
+def test_transformers_own_checkpoint_loads_as_from_pretrained_loads_it(tmp_path: Path, family: str) -> None:
+    reference = saved(tmp_path / "model", family, "30KB")
+    if family != "llama":  # the saved names are not the model's: the key mapping is what is tested
+        from safetensors import safe_open
+
+        index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text(encoding="utf-8"))
+        assert set(index["weight_map"]) != {n for n, _ in reference.named_parameters()}
+        for file in set(index["weight_map"].values()):
+            with safe_open(str(tmp_path / "model" / file), "pt") as handle:
+                assert handle.keys()
+    raw = recipe_dict(tmp_path, tmp_path / "model")
+    trainer = CausalLMTrainer(CausalLMRecipe.from_dict(raw))
+    try:
+        trainer.setup()
+        model = trainer.model
+        assert model is not None
+        own = reference.state_dict()
+        loaded = model.state_dict()
+        for name, value in own.items():
+            assert torch.equal(loaded[name], value), name
+        batch = trainer.split_batch(trainer.step_batch(0), 8)[0]
+        with torch.no_grad():
+            ours = model(input_ids=batch["input_ids"], use_cache=False).logits
+            theirs = reference(input_ids=batch["input_ids"], use_cache=False).logits
+        assert torch.equal(ours, theirs), float((ours - theirs).abs().max())
+        assert trainer.fit().steps_done == 1
+    finally:
+        trainer.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_zero3_read_their_blocks_of_a_moe_checkpoint(tmp_path: Path) -> None:
+    saved(tmp_path / "model", "mixtral", "30KB")
+    raw = recipe_dict(
+        tmp_path,
+        tmp_path / "model",
+        strategies={"sharding": "zero3", "sharding_backend": "fsdp2"},
+        batch={"global_size": 8, "micro_size": 2},
+    )
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    out = tmp_path / "result.json"
+    job = str(Path(__file__).with_name("rank_job.py"))
+    run_two_ranks(job, str(recipe), str(out), str(tmp_path / "model"), "from_pretrained")
+    result = json.loads(out.read_text())
+    assert result["compared"] and all(result["compared"].values()), result
+    assert any("experts.gate_up_proj" in name for name in result["compared"]), result
