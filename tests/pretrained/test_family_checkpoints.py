@@ -92,3 +92,43 @@ def test_two_ranks_zero3_read_their_blocks_of_a_moe_checkpoint(tmp_path: Path) -
     result = json.loads(out.read_text())
     assert result["compared"] and all(result["compared"].values()), result
     assert any("experts.gate_up_proj" in name for name in result["compared"]), result
+
+
+def _loads_as_transformers_does(family: str, directory: Path) -> str | None:
+    """ "" when memtrain's `load_weights` fills a fresh `family` model with what transformers'
+    `from_pretrained` loads from its tiny saved checkpoint; what differs otherwise. Families transformers
+    cannot save and load back themselves are not memtrain's to read (None: not compared)."""
+    from memtrain.causal_lm import pretrained
+
+    try:
+        reference = saved(directory, family).state_dict()
+        fields = tiny_config(family)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    except Exception:  # noqa: BLE001 - a composite or multimodal family, or one transformers cannot reload
+        return None
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    pretrained.load_weights(model, directory)
+    loaded = model.state_dict()
+    differ = [
+        name
+        for name, value in reference.items()
+        if name in loaded
+        and value.is_floating_point()
+        and not torch.equal(loaded[name].to(value.dtype), value)
+    ]
+    return f"{family}: {differ[:3]}" if differ else ""
+
+
+@pytest.mark.slow
+def test_every_swept_family_loads_as_from_pretrained_loads_it(tmp_path: Path) -> None:
+    """Every family the family sweep trains (scripts/family_sweep.py), saved by transformers, loads tensor
+    for tensor as transformers' own `from_pretrained` loads it (175 of them with transformers 5.25)."""
+    from family_sweep import families
+
+    outcomes = {family: _loads_as_transformers_does(family, tmp_path / family) for family in families()}
+    assert not [problem for problem in outcomes.values() if problem], outcomes
+    compared = {family for family, problem in outcomes.items() if problem == ""}
+    assert {"mixtral", "qwen2_moe", "deepseek_v3", "gpt_neox"} <= compared, sorted(compared)
+    assert len(compared) >= 150, sorted(set(outcomes) - compared)

@@ -187,7 +187,8 @@ def _validated_model(recipe: Recipe, source: str, trainer: type[Trainer]) -> str
         config = build_config(causal)
         described = config.model_type + weights_note(causal)
         problems = preflight.model_problems(
-            recipe, lambda: AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            recipe,
+            lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False),
         )
     else:
         from memtrain.distributed import shutdown
