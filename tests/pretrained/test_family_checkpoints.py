@@ -132,3 +132,32 @@ def test_every_swept_family_loads_as_from_pretrained_loads_it(tmp_path: Path) ->
     compared = {family for family, problem in outcomes.items() if problem == ""}
     assert {"mixtral", "qwen2_moe", "deepseek_v3", "gpt_neox"} <= compared, sorted(compared)
     assert len(compared) >= 150, sorted(set(outcomes) - compared)
+
+
+def test_a_rank_reads_only_its_own_experts(tmp_path: Path) -> None:
+    """Under FSDP's dim-0 shards a rank keeps its rows of a stacked-experts parameter: only those experts'
+    tensors are read, and they build exactly those rows of transformers' own parameter."""
+    from safetensors import safe_open
+
+    from memtrain.causal_lm import checkpoint_keys, pretrained
+
+    reference = saved(tmp_path / "model", "mixtral")
+    files = pretrained.weight_files(tmp_path / "model")
+    names = dict(reference.named_parameters())
+    found = checkpoint_keys.sources(reference, names, files)
+    target = "model.layers.0.mlp.experts.gate_up_proj"
+    source, whole = found[target], names[target]
+    experts = whole.shape[0]
+    assert experts >= 2 and source.stacks_experts(experts)
+    read: list[str] = []
+
+    def reader(key: str) -> torch.Tensor:
+        read.append(key)
+        with safe_open(str(files[key]), "pt") as handle:
+            return handle.get_tensor(key)
+
+    rows = slice(experts // 2, experts)
+    built = source.convert(target, reader, reference, rows)
+    assert torch.equal(built[target], whole.detach()[rows])
+    assert len(read) == len(source.keys) - len(source.keys) // 2  # gate and up of the second half only
+    assert all(int(key.split("experts.")[1].split(".")[0]) >= experts // 2 for key in read), read

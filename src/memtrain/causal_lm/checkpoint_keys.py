@@ -7,8 +7,9 @@ are not the model's. Each checkpoint name is mapped as `from_pretrained` maps it
 conversion mapping of the model (`get_model_conversion_mapping`: its renamings, then at most one converter),
 so memtrain reads whatever layout transformers reads. A renamed parameter is still read a block at a time
 (`pretrained.load_weights`); a converted one, whose tensor is built from several (the experts stacked, gate
-and up concatenated), is built whole by the converter's own operations, one parameter at a time, and each
-rank copies its block of it.
+and up concatenated), is built by the converter's own operations, one parameter at a time: from this rank's
+experts alone where the converter stacks experts along dimension 0 (`stacks_experts`: a rank of FSDP's
+dim-0 shards reads its own experts' tensors), whole otherwise, and each rank copies its block of it.
 """
 
 from __future__ import annotations
@@ -31,13 +32,39 @@ class Source:
     patterns: list[str] = field(default_factory=list)
     converter: Any = None
 
+    def stacks_experts(self, experts: int) -> bool:
+        """Whether the converter stacks `experts` tensors of each source pattern along dimension 0 into one
+        target (then at most concatenates the patterns along a later dimension): row i of the parameter is
+        built from the i-th tensor of each pattern alone."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        operations = list(getattr(self.converter, "operations", []))
+        first, rest = (operations[0], operations[1:]) if operations else (None, [])
+        return (
+            isinstance(first, MergeModulelist)
+            and first.dim == 0
+            and all(isinstance(op, Concatenate) and op.dim >= 1 for op in rest)
+            and len(self.converter.target_patterns) == 1
+            and all(self.patterns.count(p) == experts for p in set(self.patterns))
+        )
+
     def convert(
-        self, target: str, read: Callable[[str], torch.Tensor], model: nn.Module
+        self,
+        target: str,
+        read: Callable[[str], torch.Tensor],
+        model: nn.Module,
+        rows: slice | None = None,
     ) -> dict[str, torch.Tensor]:
         """The parameters the converter builds from the checkpoint tensors (several for a one-to-many
-        converter, e.g. a fused qkv split), by their names in the model."""
+        converter, e.g. a fused qkv split), by their names in the model. With `rows` (`stacks_experts`
+        only): those experts' tensors alone are read, and the tensor built holds those rows alone."""
         converter = copy.deepcopy(self.converter)
-        for key, pattern in zip(self.keys, self.patterns, strict=True):
+        pairs = list(zip(self.keys, self.patterns, strict=True))
+        if rows is not None:  # each pattern's tensors are in expert order (`sources` sorts them)
+            pairs = [
+                pair for p in dict.fromkeys(self.patterns) for pair in [q for q in pairs if q[1] == p][rows]
+            ]
+        for key, pattern in pairs:
             converter.add_tensor(target, key, pattern, lambda key=key: read(key))
         built = converter.convert(target, model=model, config=getattr(model, "config", None))
         return {name: value[0] if isinstance(value, list) else value for name, value in built.items()}

@@ -210,15 +210,20 @@ def load_weights(
         for target, source in found.items():
             if source.converter is None:
                 continue
+            rows = _block_rows(params[target]) if source.stacks_experts(params[target].shape[0]) else None
             with _reading(target, files[source.keys[0]]):
                 for key in source.keys:
                     _check_dtype(params[target], handle(key), key, files[key])
-                built = source.convert(target, lambda key: handle(key).get_tensor(key), model)
+                built = (
+                    source.convert(target, lambda key: handle(key).get_tensor(key), model, rows)
+                    if rows is None or rows.stop > rows.start  # an uneven split left this rank no experts
+                    else {}
+                )
                 for name, tensor in built.items():
                     target_param = params.get(name)
                     if target_param is not None and id(target_param) not in filled and not skip(name):
-                        _fill_from(target_param, tensor, name)
-                        filled.add(id(target_param))
+                        _fill_from(target_param, tensor, name, 0 if rows is None else rows.start)
+            filled.update(id(params[name]) for name in [target, *built] if name in params)
     missing = [
         name
         for name, param in _parameters(model)
@@ -282,26 +287,44 @@ def _fill(param: nn.Parameter, handle: Any, key: str, name: str) -> None:
         param.data.copy_(source)
 
 
-def _fill_from(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
-    """`param` from a whole tensor a converter built (this rank's block of it for a DTensor)."""
+def _fill_from(param: nn.Parameter, tensor: torch.Tensor, name: str, first_row: int = 0) -> None:
+    """`param` from a tensor a converter built (this rank's block of it for a DTensor), which holds the
+    parameter's rows from `first_row` on (all of them, or this rank's experts alone)."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         if isinstance(param.data, DTensor):
-            _fill_shard(param.data, tensor, name)
+            _fill_shard(param.data, tensor, name, first_row)
             return
         _check_shape(name, tuple(tensor.shape), tuple(param.shape))
         param.data.copy_(tensor)
 
 
-def _fill_shard(param: DTensor, source: Any, name: str) -> None:
-    """This rank's block of DTensor `param` from safetensors slice `source` (or a whole tensor), on any mesh and placements
+def _block_rows(param: nn.Parameter) -> slice | None:
+    """The rows of dimension 0 this rank's block of a DTensor parameter holds (None for a plain one)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    data = param.data
+    if not isinstance(data, DTensor) or data.dim() == 0:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(data.shape, data.device_mesh, data.placements)
+    return slice(offset[0], offset[0] + shape[0])
+
+
+def _fill_shard(param: DTensor, source: Any, name: str, first_row: int | None = None) -> None:
+    """This rank's block of DTensor `param` from safetensors slice `source` (or a tensor a converter built,
+    holding the rows from `first_row` on), on any mesh and placements
     (FSDP's dim-0 shards, HSDP's replicas of them, tensor parallel's column or row shards, both at once):
     the block's shape and global offset are those torch itself gives the local tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    stored = source.shape if isinstance(source, torch.Tensor) else source.get_shape()
-    _check_shape(name, tuple(stored), tuple(param.shape))
+    stored = tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
+    if first_row is None or stored[:1] == tuple(param.shape[:1]):
+        first_row = 0
+        _check_shape(name, stored, tuple(param.shape))
+    else:  # this rank's rows alone
+        _check_shape(name, stored[1:], tuple(param.shape[1:]))
     local = param.to_local()
     if local.numel() == 0:  # an uneven split left this rank nothing
         return
@@ -309,7 +332,8 @@ def _fill_shard(param: DTensor, source: Any, name: str) -> None:
         local.copy_(source[...])
         return
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    local.copy_(source[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))])
+    starts = [offset[0] - first_row, *offset[1:]]
+    local.copy_(source[tuple(slice(start, start + size) for start, size in zip(starts, shape, strict=True))])
 
 
 def _check_shape(name: str, stored: tuple[int, ...], built: tuple[int, ...]) -> None:
