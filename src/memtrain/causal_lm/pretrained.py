@@ -13,8 +13,9 @@ stored as integers is refused, since the conversion would silently turn it into 
 read: a `.bin` checkpoint is a pickle, and memtrain loads no pickles from paths a recipe names.
 
 Planning needs shapes, not weights: a directory (or a cached hub id) with its config.json alone is a
-`model.pretrained` for `memtrain plan` and `validate` (a what-if before a 16 GB download); `train` refuses
-it before anything is allocated (`check_directory`).
+`model.pretrained` for `memtrain plan` and `validate` (a what-if before a 16 GB download), and so is a hub
+id memtrain has a shape card for (`causal_lm.cards`); `train` refuses either before anything is allocated
+(`check_directory`, and `resolve` without cards).
 """
 
 from __future__ import annotations

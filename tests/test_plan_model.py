@@ -1,0 +1,113 @@
+"""`memtrain plan --model ID|DIR --gpu PROFILE [--world-size N] [--seq-len L] [--lora|--qlora] [--mode ...]
+[--write-recipe FILE]`: a what-if without a recipe, on a machine that has downloaded nothing (the models
+come from memtrain's shape cards). The recipe it builds plans as the shipped recipe it is modelled on; the
+recipe it writes validates and plans the same; a wrong flag is one line naming it.
+
+The hole: a what-if needed a recipe file and the model in the local cache (issue 42)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from memtrain.cli import main
+from memtrain.planner import model_probe
+
+import hf_cache
+from helpers import REPO
+
+QWEN3_30B_A3B = 30.5e9  # parameters, Qwen3-30B-A3B's model card ("30.5B in total, 3.3B activated")
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _plan(argv: list[str]) -> dict[str, Any]:
+    rc, out, err = _run(["plan", *argv, "--json"])
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    doc: dict[str, Any] = json.loads(out)
+    return doc
+
+
+@pytest.fixture(autouse=True)
+def _nothing_downloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf_cache.use_cache(monkeypatch, tmp_path / "empty-hf")
+
+
+def test_qlora_what_if_is_the_shipped_qlora_recipe(tmp_path: Path) -> None:
+    """`--model meta-llama/Llama-3.1-8B-Instruct --gpu rtx4090-24gb --qlora` plans as
+    recipes/llama3-8b-qlora-24gb.yaml (the same model, 4-bit base, adapters, batch and sequence length; one
+    set of traces serves both plans) and writes the recipe it planned, which validates."""
+    written = tmp_path / "qlora.yaml"
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    what_if = ["--model", model, "--gpu", "rtx4090-24gb", "--qlora"]
+    with model_probe.shared_traces():
+        doc = _plan([*what_if, "--write-recipe", str(written)])
+        shipped = _plan([str(REPO / "recipes/llama3-8b-qlora-24gb.yaml"), "--gpu", "rtx4090-24gb"])
+    assert doc["summary"] == shipped["summary"] and doc["model_states"] == shipped["model_states"]
+    assert doc["predicted"] == shipped["predicted"]
+    assert doc["model_states"]["weights"] < 6 * 2**30, "a 4-bit base, not 15 GiB of bf16"
+    raw = yaml.safe_load(written.read_text())
+    assert raw["model"] == {"pretrained": model, "quantization": "nf4", "double_quant": True}
+    assert written.read_text().startswith(f"# Written by `memtrain plan --model {model} --mode sft --qlora")
+    rc, out, err = _run(["validate", str(written)])
+    assert rc == 0 and "`train` needs its weights" in out, err
+
+
+def test_moe_what_if_on_eight_h100(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3-30B-A3B, full fine-tuning on 8 H100s: every expert trains, so the fp32 gradients are the whole
+    model's over 8 ranks (within 0.5% of the published count)."""
+    rc, out, err = _run(["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpu", "h100-80gb", "--world-size", "8"])
+    assert rc == 0, err[-3000:]
+    assert out.startswith("memtrain plan: --model Qwen/Qwen3-30B-A3B (sft) on 8 ranks\n")
+    assert "shapes from memtrain's card for Qwen/Qwen3-30B-A3B; download the model to train" in err
+    chosen = next(line for line in out.splitlines() if line.startswith("  weights "))
+    gradients = float(chosen.split("gradients ")[1].split(" GiB")[0]) * 2**30
+    assert abs(gradients / (4 * QWEN3_30B_A3B / 8) - 1) < 0.005, chosen
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["recipes/default.yaml", "--model", "Qwen/Qwen3-8B"], "--model: give a recipe"),
+        (["recipes/default.yaml", "--lora"], "--lora: only with --model"),
+        (["recipes/default.yaml", "--seq-len", "512"], "--seq-len: only with --model"),
+        (["--model", "Qwen/Qwen3-8B", "--seq-len", "0"], "--seq-len: must be at least 1"),
+        (["--model", "someone/not-a-card"], "--model: 'someone/not-a-card' is not a local directory"),
+        ([], "plan: give a recipe file, or --model"),
+    ],
+)
+def test_a_wrong_flag_is_named(argv: list[str], said: str) -> None:
+    rc, out, err = _run(["plan", *argv, "--gpu", "h100-80gb"])
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert said in err, err
+
+
+def test_an_existing_recipe_is_not_overwritten(tmp_path: Path) -> None:
+    kept = tmp_path / "mine.yaml"
+    kept.write_text("run: {name: mine}\n")
+    rc, _, err = _run(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "h100-80gb", "--write-recipe", str(kept)])
+    assert rc == 2 and f"--write-recipe: {kept} exists" in err
+    assert kept.read_text() == "run: {name: mine}\n"
+
+
+def test_modes_and_adapters_shape_the_recipe() -> None:
+    """What each mode trains on, and what the adapters change (read back as the recipe schema reads it)."""
+    from memtrain.causal_lm.recipe import CausalLMRecipe
+    from memtrain.commands import what_if
+
+    dpo = CausalLMRecipe.from_dict(what_if.recipe(what_if.WhatIf("Qwen/Qwen3-8B", mode="dpo", world_size=8)))
+    assert dpo.data.kind == "preference" and dpo.data.seq_len == 2048 and not dpo.data.packing
+    lora = CausalLMRecipe.from_dict(what_if.recipe(what_if.WhatIf("Qwen/Qwen3-8B", "pretrain", "lora", 8192)))
+    assert lora.data.kind == "text" and lora.data.seq_len == 8192 and lora.adapters.kind == "lora"
+    assert lora.model.quantization == "none" and lora.strategies.sharding == "none"
