@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from memtrain.cli import main
+from memtrain.plan import Plan
 from memtrain.planner import model_probe
 
 import hf_cache
@@ -111,3 +112,31 @@ def test_modes_and_adapters_shape_the_recipe() -> None:
     lora = CausalLMRecipe.from_dict(what_if.recipe(what_if.WhatIf("Qwen/Qwen3-8B", "pretrain", "lora", 8192)))
     assert lora.data.kind == "text" and lora.data.seq_len == 8192 and lora.adapters.kind == "lora"
     assert lora.model.quantization == "none" and lora.strategies.sharding == "none"
+
+
+def test_a_model_directory_with_its_config_alone(tmp_path: Path) -> None:
+    """`--model DIR`: the written recipe names the directory by its absolute path, and plans from it, with
+    an override given as with a recipe (and written with it)."""
+    from helpers import TINY_LLAMA
+
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny/config.json").write_text(json.dumps(TINY_LLAMA))
+    written = tmp_path / "out/pretrain.yaml"
+    written.parent.mkdir()
+    argv = [
+        "--model",
+        str(tmp_path / "tiny"),
+        "--mode",
+        "pretrain",
+        "--seq-len",
+        "32",
+        "--gpu-memory",
+        "8GiB",
+    ]
+    doc = _plan(["batch.global_size=2", *argv, "--write-recipe", str(written)])
+    assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
+    raw = yaml.safe_load(written.read_text())
+    assert raw["model"]["pretrained"] == str((tmp_path / "tiny").resolve()) == raw["data"]["tokenizer"]
+    assert (raw["data"]["kind"], raw["data"]["seq_len"], raw["batch"]["global_size"]) == ("text", 32, 2)
+    plan = Plan.from_dict(doc["plan"])
+    assert plan.micro_batch_size * plan.accumulation_steps == 2, "the override took"

@@ -20,16 +20,12 @@ import yaml
 
 from memtrain.causal_lm.pretrained import resolve
 from memtrain.errors import MemtrainError, RecipeError
+from memtrain.recipe import apply_overrides
 
-MODES = ("pretrain", "sft", "dpo")
-ADAPTERS = ("lora", "qlora")
-DATA = {  # mode -> the data section a user points at their own file
-    "pretrain": {
-        "source": "text",
-        "path": "data/corpus.txt",
-        "kind": "text",
-        "packing": True,
-    },  # from its weights
+# mode -> the data section a user points at their own file. pretrain: the model's weights trained on
+# text (from scratch, model.config holds its config.json instead of model.pretrained: the same plan).
+DATA = {
+    "pretrain": {"source": "text", "path": "data/corpus.txt", "kind": "text", "packing": True},
     "sft": {"source": "dataset", "path": "data/chat.jsonl", "kind": "chat", "packing": True},
     "dpo": {"source": "dataset", "path": "data/pairs.jsonl", "kind": "preference", "packing": False},
 }
@@ -159,15 +155,16 @@ def write(raw: dict[str, Any], path: Path, command: str) -> None:
 
 
 def plan(what: WhatIf, overrides: list[str], write_to: Path | None, **target: Any) -> int:
-    """Build `what`'s recipe, write it (to `write_to`, else a temporary file) and plan it as `memtrain plan
-    RECIPE` would, for the `target` flags (--gpu, --world-size, ...)."""
+    """Build `what`'s recipe with the `overrides` (key=value, as with a recipe file), write it (to
+    `write_to`, else a temporary file) and plan it as `memtrain plan RECIPE` would, for the `target` flags
+    (--gpu, --world-size, ...): the file written is the recipe planned."""
     from memtrain.commands import plan as plan_command
 
-    raw = recipe(what)
+    raw = apply_overrides(recipe(what), overrides, "--model")
     with tempfile.TemporaryDirectory(prefix="memtrain-what-if-") as tmp:
-        path = write_to if write_to is not None else Path(tmp) / "recipe.yaml"
+        path = write_to if write_to is not None else Path(tmp) / "what-if.yaml"
         write(raw, path, command_line(what, target.get("gpu"), path))
         title = (
             str(write_to) if write_to is not None else f"--model {what.model} ({what.adapters or what.mode})"
         )
-        return plan_command.run(str(path), overrides, name=title, **target)
+        return plan_command.run(str(path), [], name=title, **target)
