@@ -112,6 +112,10 @@ def test_modes_and_adapters_shape_the_recipe() -> None:
     lora = CausalLMRecipe.from_dict(what_if.recipe(what_if.WhatIf("Qwen/Qwen3-8B", "pretrain", "lora", 8192)))
     assert lora.data.kind == "text" and lora.data.seq_len == 8192 and lora.adapters.kind == "lora"
     assert lora.model.quantization == "none" and lora.strategies.sharding == "none"
+    nodes = what_if.WhatIf("Qwen/Qwen3-8B", adapters="qlora", nodes=2)
+    assert CausalLMRecipe.from_dict(what_if.recipe(nodes)).strategies.sharding == "auto", (
+        "2 nodes: many ranks"
+    )
 
 
 def test_a_model_directory_with_its_config_alone(tmp_path: Path) -> None:

@@ -313,6 +313,7 @@ def _plan(args: argparse.Namespace) -> int:
         adapters="qlora" if args.qlora else "lora" if args.lora else None,
         seq_len=args.seq_len,
         world_size=args.world_size or 1,
+        nodes=args.nodes,
     )
     return what_if.plan(what, overrides, args.write_recipe, **target)
 

@@ -43,6 +43,11 @@ class WhatIf:
     adapters: str | None = None  # lora | qlora
     seq_len: int | None = None
     world_size: int = 1
+    nodes: int | None = None
+
+    @property
+    def one_rank(self) -> bool:
+        return self.nodes is None and self.world_size == 1
 
     def sequence_length(self) -> int:
         """--seq-len, else the shipped recipes' (2048 for DPO pairs and for QLoRA on one GPU, else 4096)."""
@@ -99,8 +104,9 @@ def recipe(what: WhatIf) -> dict[str, Any]:
 
 def _strategies(what: WhatIf) -> dict[str, Any]:
     """Precision pinned (numerics), the rest planned: adapters train in fp32 states beside a frozen base in
-    the compute dtype; full training may keep 8-bit states."""
-    sharding = "auto" if what.world_size > 1 else "none"
+    the compute dtype (on one rank unsharded, as recipes/llama3-8b-qlora-24gb.yaml); full training may keep
+    8-bit states."""
+    sharding = "none" if what.one_rank else "auto"
     if what.adapters is not None:
         return {
             "precision": "bf16-mixed",
@@ -135,6 +141,7 @@ def command_line(what: WhatIf, gpu: str | None, write_to: Path) -> str:
     parts += ["--seq-len", str(what.seq_len)] if what.seq_len is not None else []
     parts += ["--gpu", gpu] if gpu is not None else []
     parts += ["--world-size", str(what.world_size)] if what.world_size > 1 else []
+    parts += ["--nodes", str(what.nodes)] if what.nodes is not None else []
     return " ".join([*parts, "--write-recipe", str(write_to)])
 
 
