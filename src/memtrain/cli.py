@@ -81,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     plan = commands.add_parser("plan", help="predict every allowed plan's memory; show the fastest that fits")
-    plan.add_argument("recipe")
+    plan.add_argument("recipe", nargs="?", help="a recipe YAML file (or --model for a what-if without one)")
     plan.add_argument("overrides", nargs="*")
+    _what_if_flags(plan)
     plan.add_argument("--json", action="store_true", help="print the plan, predictions and budget as JSON")
     plan.add_argument(
         "--gpu",
@@ -245,6 +246,78 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _what_if_flags(plan: argparse.ArgumentParser) -> None:
+    """`memtrain plan --model ...`: a what-if without a recipe (`commands.what_if`)."""
+    plan.add_argument(
+        "--model",
+        default=None,
+        metavar="ID|DIR",
+        help="plan this model without a recipe: a model directory, a hub id in the cache, or one memtrain "
+        "has a shape card for (e.g. meta-llama/Llama-3.1-8B); the recipe is built from defaults",
+    )
+    plan.add_argument(
+        "--mode",
+        choices=("pretrain", "sft", "dpo"),
+        default=None,
+        help="with --model: what to train (default sft)",
+    )
+    adapters = plan.add_mutually_exclusive_group()
+    adapters.add_argument("--lora", action="store_true", help="with --model: LoRA adapters on a frozen base")
+    adapters.add_argument("--qlora", action="store_true", help="with --model: LoRA on a 4-bit (nf4) base")
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="with --model: tokens per row (default 4096; 2048 for dpo, qlora)",
+    )
+    plan.add_argument(
+        "--write-recipe",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --model: write the recipe it planned",
+    )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from memtrain.commands import plan, what_if
+
+    target = {
+        "trainer": args.trainer,
+        "as_json": args.json,
+        "gpu": args.gpu,
+        "gpu_memory": args.gpu_memory,
+        "world_size": args.world_size,
+        "host_memory": args.host_memory,
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+    }
+    overrides, recipe = list(args.overrides), args.recipe
+    if args.model is not None and recipe is not None and "=" in recipe:  # an override, not a recipe
+        overrides, recipe = [recipe, *overrides], None
+    flags = {
+        "--mode": args.mode,
+        "--lora": args.lora,
+        "--qlora": args.qlora,
+        "--seq-len": args.seq_len,
+        "--write-recipe": args.write_recipe,
+    }
+    what_if.check_flags(args.model, recipe, flags)
+    if args.model is None:
+        assert recipe is not None
+        return plan.run(recipe, overrides, **target)
+    what = what_if.WhatIf(
+        model=args.model,
+        mode=args.mode or "sft",
+        adapters="qlora" if args.qlora else "lora" if args.lora else None,
+        seq_len=args.seq_len,
+        world_size=args.world_size or 1,
+        nodes=args.nodes,
+    )
+    return what_if.plan(what, overrides, args.write_recipe, **target)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "schema":
         from memtrain.commands.trainers import recipe_schema
@@ -258,20 +331,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return export.run(args.run_dir, args.out, args.step, adapters_only=args.adapters_only)
     if args.command == "plan":
-        from memtrain.commands import plan
-
-        return plan.run(
-            args.recipe,
-            list(args.overrides),
-            trainer=args.trainer,
-            as_json=args.json,
-            gpu=args.gpu,
-            gpu_memory=args.gpu_memory,
-            world_size=args.world_size,
-            host_memory=args.host_memory,
-            nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-        )
+        return _plan(args)
     overrides = list(args.overrides)
     if args.command == "train":
         if isinstance(args.resume, str) and "=" in args.resume and not os.path.exists(args.resume):

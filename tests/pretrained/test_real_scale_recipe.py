@@ -138,12 +138,14 @@ def test_train_refuses_a_config_alone_before_allocating(tmp_path: Path) -> None:
 
 
 def test_not_downloaded_says_how(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Offline, a hub id not in the cache: one line saying how to download it (its config alone is
-    enough to plan)."""
+    """Offline, a hub id neither in the cache nor among memtrain's shape cards: one line saying how to
+    download it (its config alone is enough to plan)."""
     hf_cache.use_cache(monkeypatch, tmp_path / "empty")
     recipe = str(REPO / "recipes/llama3-8b-chat-sft.yaml")
-    rc, _, err = _run(["validate", recipe, f"data.path={REPO / 'data/tiny_chat.jsonl'}"])
-    assert rc == 2 and f"huggingface-cli download {hf_cache.HUB_ID}" in err
+    other = "someone/not-a-card"
+    models = [f"model.pretrained={other}", f"data.tokenizer={other}"]
+    rc, _, err = _run(["validate", recipe, f"data.path={REPO / 'data/tiny_chat.jsonl'}", *models])
+    assert rc == 2 and f"huggingface-cli download {other}" in err
 
 
 def test_eight_h100_shard_the_weights(config_alone: Callable[[str, str], Outcome]) -> None:

@@ -18,12 +18,16 @@ to run the custom code?" on stdin) is refused by name (`refuse_remote_code`), an
 memtrain calls gets `trust_remote_code=False`.
 
 Planning needs shapes, not weights: a directory (or a cached hub id) with its config.json alone is a
-`model.pretrained` for `memtrain plan` and `validate` (a what-if before a 16 GB download); `train` refuses
-it before anything is allocated (`check_directory`).
+`model.pretrained` for `memtrain plan` and `validate` (a what-if before a 16 GB download), and so is a hub
+id memtrain has a shape card for (`causal_lm.cards`); `train` refuses either before anything is allocated
+(`check_directory`, and `resolve` without cards).
 """
 
 from __future__ import annotations
 
+import functools
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from memtrain.causal_lm import checkpoint_keys
+from memtrain.causal_lm import cards, checkpoint_keys
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import read_json_object
 
@@ -43,44 +47,64 @@ CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HUB_TIMEOUT_S = 3.0  # one probe of the hub before a config.json is fetched: offline is answered at once
 
 
 def resolve(value: str, key: str = "model.pretrained", *, fetch_config: bool = False) -> Path:
     """The directory `value` names: a local directory, or a hub id in the local Hugging Face cache (its
     config.json alone is enough for shapes). With `fetch_config` (reading the model's shapes: `plan`,
-    `validate`), a hub id the cache lacks has its config.json alone fetched when the hub is reachable
-    (`hf_hub_download`, which honours HF_HUB_OFFLINE); nothing else is ever downloaded. `RecipeError`
-    naming `key` otherwise."""
+    `validate`), a hub id the cache lacks has its config.json alone fetched when the hub answers at once
+    (one probe, `HUB_TIMEOUT_S`; none with HF_HUB_OFFLINE), else its shape card (`causal_lm.cards`), said
+    in one line; nothing else is ever downloaded. `RecipeError` naming `key` otherwise."""
     path = Path(value)
     if path.is_dir():
         return path
     if path.exists() or value.startswith((".", "/")) or value.count("/") != 1:
         raise RecipeError([f"{key}: {value} is not a directory (nor a hub id like org/name)"])
+    cached = _cached(value)
+    if cached is not None:
+        return cached
+    card = cards.card_directory(value)
+    if fetch_config:
+        found = _fetch_config(value) or card
+        if found is card and card is not None:
+            cards.announce(value)
+        if found is not None:
+            return found
+    shapes = (
+        "memtrain's shape card is enough for memtrain plan and validate"
+        if card is not None
+        else "its config.json alone is enough for memtrain plan and validate"
+    )
+    raise RecipeError(
+        [
+            f"{key}: {value!r} is not a local directory and not in the Hugging Face cache; download it "
+            f"first (huggingface-cli download {value}; {shapes}) or give its directory"
+        ]
+    )
+
+
+def _cached(repo_id: str) -> Path | None:
+    """`repo_id`'s snapshot directory in the local Hugging Face cache, or None."""
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=value, local_files_only=True))
+        return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
     except Exception:  # LocalEntryNotFoundError, or an offline cache miss of another kind
-        fetched = _fetch_config(value) if fetch_config else None
-        if fetched is not None:
-            return fetched
-        raise RecipeError(
-            [
-                f"{key}: {value!r} is not a local directory and not in the Hugging Face cache; download it "
-                f"first (huggingface-cli download {value}; its config.json alone is enough for memtrain plan "
-                "and validate) or give its directory"
-            ]
-        ) from None
+        return None
 
 
 def _fetch_config(repo_id: str) -> Path | None:
-    """The snapshot directory holding `repo_id`'s config.json fetched alone, or None (offline, no such
-    repository, no access)."""
+    """The snapshot directory holding `repo_id`'s config.json fetched alone, or None (offline, the hub not
+    answering within `HUB_TIMEOUT_S`, no such repository, no access). One probe first: huggingface_hub
+    retries a failed request five times with back-off (23 s per file with no network)."""
+    if not hub_reachable():
+        return None
     try:
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(repo_id, CONFIG_FILE)).parent
-    except Exception:  # OfflineModeIsEnabled, RepositoryNotFoundError, a network error, ...
+        return Path(hf_hub_download(repo_id, CONFIG_FILE, etag_timeout=HUB_TIMEOUT_S)).parent
+    except Exception:  # RepositoryNotFoundError, GatedRepoError, a network error, ...
         return None
 
 
@@ -97,6 +121,25 @@ def refuse_remote_code(directory: Path, key: str) -> None:
                     "implements, with auto_map removed"
                 ]
             )
+
+
+def hub_reachable() -> bool:
+    """Whether the Hugging Face hub answers: False with HF_HUB_OFFLINE, else one HEAD request to its
+    endpoint with a timeout of `HUB_TIMEOUT_S`, asked once per process."""
+    from huggingface_hub import constants
+
+    return not constants.HF_HUB_OFFLINE and _answers(constants.ENDPOINT)
+
+
+@functools.cache
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=HUB_TIMEOUT_S).close()
+    except urllib.error.HTTPError:  # it answered (with an error status): the hub is there
+        return True
+    except (OSError, ValueError):  # no route, no name resolution, refused, timed out
+        return False
+    return True
 
 
 def check_config(directory: Path) -> None:

@@ -26,7 +26,8 @@ class CausalLMModelSection(ModelSection):
     pretrained: str | None = Field(
         default=None,
         description="A Hugging Face model directory (config.json + safetensors weights, single or sharded) or "
-        "a hub id already in the local cache: fine-tune its weights.",
+        "a hub id already in the local cache: fine-tune its weights. plan and validate also take a hub id "
+        "memtrain has a shape card for (its shapes, no download).",
     )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 

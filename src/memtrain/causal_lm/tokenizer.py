@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from memtrain.causal_lm.cards import card_directory
 from memtrain.causal_lm.pretrained import refuse_remote_code, resolve
 from memtrain.errors import RecipeError
 from memtrain.jsonfile import mib
@@ -112,13 +113,14 @@ class PretrainedTokenizer:
 
 def absent(spec: str) -> bool:
     """Whether `data.tokenizer` names a directory (or cached hub id) that holds no tokenizer files, such as
-    a config-only model directory: a tokenizer not downloaded yet, not a wrong one."""
+    a config-only model directory, or a hub id not downloaded that memtrain has a shape card for: a
+    tokenizer not downloaded yet, not a wrong one."""
     if spec == "byte" or Path(spec).is_file():
         return False
     try:
         path = Path(spec) if Path(spec).is_dir() else resolve(spec, "data.tokenizer")
     except RecipeError:
-        return False
+        return card_directory(spec) is not None
     return not any((path / name).is_file() for name in TOKENIZER_FILES)
 
 

@@ -48,7 +48,9 @@ def run(
     host_memory: str | None = None,
     nodes: int | None = None,
     gpus_per_node: int | None = None,
+    name: str | None = None,
 ) -> int:
+    """Plan the recipe at `recipe_path` (`name`: how the title calls it, default its path)."""
     profile = load_gpu(gpu) if gpu is not None else None
     cluster = _cluster(profile, gpus_per_node)
     ranks = _ranks(world_size, nodes, cluster)
@@ -74,7 +76,9 @@ def run(
             cluster,
             spec_at=lambda seq: _spec(trainer_cls, _at_sequence(recipe_path, overrides, trainer_cls, seq)),
         )
-        title = f"memtrain plan: {recipe_path} on {ranks} rank{'s' if ranks != 1 else ''} (mesh search)"
+        title = (
+            f"memtrain plan: {name or recipe_path} on {ranks} rank{'s' if ranks != 1 else ''} (mesh search)"
+        )
         if found.chosen is None:  # as the one-device plan: the table is the error
             raise PlanError(f"no plan fits on any mesh of {ranks} ranks\n{describe_meshes(found, title)}")
         print(json_out.dumps(meshes_to_json(found), indent=2) if as_json else describe_meshes(found, title))
@@ -94,7 +98,7 @@ def run(
     print(
         json_out.dumps(to_json(result), indent=2)
         if as_json
-        else describe(result, _title(recipe_path, result))
+        else describe(result, _title(name or recipe_path, result))
     )
     return 0
 
