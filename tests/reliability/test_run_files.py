@@ -231,6 +231,16 @@ def test_a_step_directory_symlinked_outside_is_refused_not_read(finished: Path, 
     assert sorted(p.name for p in outside.iterdir()) == before and steps(run) == [2, 3]
 
 
+def test_a_checkpoint_file_symlinked_outside_is_not_read(finished: Path, tmp_path: Path) -> None:
+    """Hole: `model.pt` linked to a file outside the run was loaded (weights from anywhere the link led)."""
+    recipe, run = copy_of(finished, tmp_path)
+    model = RunLayout(run).checkpoints / "step_00000003" / "model.pt"
+    outside = tmp_path / "outside.pt"
+    shutil.move(model, outside)
+    model.symlink_to(outside)
+    one_line_error(["train", str(recipe), "--resume", "auto", "train.steps=4"], "model.pt: is a symlink")
+
+
 def test_pruning_leaves_a_users_tmp_files(finished: Path, tmp_path: Path) -> None:
     """Hole: every `*.tmp` in checkpoints/ was deleted at the start of a run and at each save."""
     recipe, run = copy_of(finished, tmp_path)

@@ -11,9 +11,11 @@ module uses on the way ends in `.tmp` and is never listed:
   The old one is renamed aside whole, the new one renamed in, then the old deleted. A crash between the
   two renames leaves no `step_X` at all, and `recover` (run at the start of every `fit`) renames the old
   one back, so `step_X` is always either the whole old or the whole new checkpoint.
-- `step_X.tmp/` again for pruning: only the last `keep` checkpoints are kept, and an old one is renamed
-  out of the listing before it is deleted, so a crash mid-prune never leaves a half-deleted checkpoint
-  that looks complete.
+- `step_X.tmp/` again for pruning: the checkpoint just saved and the newest `keep - 1` older ones are
+  kept (a newer step directory, a damaged one a fallback skipped, is neither counted nor deleted), and an
+  old one is renamed out of the listing before it is deleted, so a crash mid-prune never leaves a
+  half-deleted checkpoint that looks complete. Only these names are removed as leftovers (`OWN_TMP`): a
+  user's other `*.tmp` in checkpoints/ stay.
 
 None of these deletions follows a symlink (`confine.remove_tree`: a link planted at a `.tmp` name is
 unlinked, its target untouched), and the `checkpoints/` folder itself must stay inside the run

@@ -13,6 +13,9 @@ would empty) or a directory is a one-line `RunPathError`, and nothing is written
 The lock belongs to the open file, not to the file's existence: the kernel drops it when the holder's
 process ends, however it ends (SIGKILL included). A lock file left by a dead process is therefore simply
 taken over; the file is never deleted (deleting it would let two processes lock two different files).
+One that other hard links share (a run copied with `cp -al`: the original's lock file) is replaced by a
+new one, locked before it is renamed into place, and the shared one stays locked until release, so a
+process that opened it first still finds the run in use.
 Its content is information only: the holder (pid, host, start time, command line) as JSON, written after
 locking and emptied on release.
 
