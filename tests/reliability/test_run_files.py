@@ -27,6 +27,7 @@ from memtrain.checkpoint import CheckpointError
 from memtrain.errors import MemtrainError, RecipeError
 from memtrain.run import RunDirectory, RunLayout, lineage
 from memtrain.run import checkpoints as ckpt
+from memtrain.strategies.sharding.safe_readers import read_dcp_metadata
 
 from fault_kit.run_dir_faults import copy_of
 from fault_kit.scenarios import in_process, write_recipe
@@ -124,6 +125,15 @@ def test_a_fifo_in_place_of_a_run_file_never_blocks(tmp_path: Path, name: str) -
     read = (lambda: ckpt.read_meta(step, 1)) if name == "meta" else run.read_recipe
     outcome = returns_within(5.0, read, unblock=fifo)
     assert isinstance(outcome.get("error"), MemtrainError), outcome
+    assert "not a regular file" in str(outcome["error"])
+
+
+def test_a_fifo_as_dcp_metadata_never_blocks(tmp_path: Path) -> None:
+    """Hole: `dcp/.metadata` as a FIFO made a resume of a zero2/zero3 checkpoint wait for a writer."""
+    fifo = tmp_path / ".metadata"
+    os.mkfifo(fifo)
+    outcome = returns_within(5.0, lambda: read_dcp_metadata(fifo), unblock=fifo)
+    assert isinstance(outcome.get("error"), CheckpointError), outcome
     assert "not a regular file" in str(outcome["error"])
 
 

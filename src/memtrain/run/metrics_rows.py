@@ -40,7 +40,10 @@ def abandon_rows_after(path: Path, step: int, to: Path) -> int:
 def split_after(path: Path, step: int) -> tuple[list[bytes], list[bytes]]:
     """The lines of `path` up to `step`, and the rest (from a line cut by a crash, or any line that is not
     a UTF-8 JSON row, on: all of it, moved aside whole rather than read further)."""
-    lines = path.read_bytes().splitlines() if path.is_file() else []
+    if not os.path.lexists(path):
+        return [], []
+    with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as handle:  # a regular file, never blocking
+        lines = handle.read().splitlines()
     for index, line in enumerate(lines):
         try:
             row = json.loads(line.decode("utf-8"))

@@ -42,9 +42,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from memtrain import jsonfile
 from memtrain.checkpoint import CheckpointError, load_weights_only
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+MAX_DCP_METADATA_BYTES = 256 * 2**20  # DCP's index of a checkpoint: kilobytes per tensor
 DCP_METADATA_GLOBALS = frozenset(
     {
         *(
@@ -93,9 +95,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """A DCP checkpoint's `.metadata` file, unpickled with the allow-list (`CheckpointError` naming it)."""
-    try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle, path).load()
+    try:  # a regular file, not a symlink, bounded, never blocking (a FIFO hung resume under the lock)
+        data = jsonfile.read_regular_file(path, MAX_DCP_METADATA_BYTES)
+        metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
     except CheckpointError:
         raise
     except Exception as exc:  # truncated or foreign bytes: any of pickle's and the classes' errors
