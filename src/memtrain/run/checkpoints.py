@@ -199,10 +199,12 @@ def commit_save(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     """Write meta.json last, rename the staging directory into place (an existing checkpoint of the same
     step is renamed aside first and deleted after), then prune old checkpoints."""
     staging = staging_dir(root, step)
-    tensor_files.write_file(
-        CheckpointFiles(staging).meta,
-        lambda h: h.write(json_out.dumps(meta, indent=2, sort_keys=True).encode()),
-    )
+    encoded = json_out.dumps(meta, indent=2, sort_keys=True).encode()
+    if len(encoded) > MAX_META_BYTES:  # never write what `read_meta` refuses (the recipe is bounded at load)
+        raise CheckpointError(
+            f"{CheckpointFiles(staging).meta}: {len(encoded):,} bytes, over what read_meta reads"
+        )
+    tensor_files.write_file(CheckpointFiles(staging).meta, lambda h: h.write(encoded))
     _fsync_dir(staging)
     final = root / step_dir_name(step)
     trash = trash_dir(root, step) if os.path.lexists(final) else None
