@@ -337,12 +337,14 @@ def _export_run(run_dir: Path, step: int) -> None:
 
 def _profile(args: argparse.Namespace) -> int:
     from memtrain.commands.profile import describe, run_profile
+    from memtrain.commands.trainers import no_exit_from_hooks
 
     if args.steps < 1:
         raise MemtrainError("--steps: must be at least 1")
-    report, out_dir = run_profile(
-        args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out, args.trainer
-    )
+    with no_exit_from_hooks():
+        report, out_dir = run_profile(
+            args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out, args.trainer
+        )
     if os.environ.get("RANK", "0") == "0":
         print(json_out.dumps(report, indent=2) if args.json else describe(report, out_dir))
     return 0

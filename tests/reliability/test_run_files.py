@@ -357,7 +357,8 @@ def test_10k_unknown_override_keys_give_a_short_message(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------- trainer hooks
 
 
-def test_sys_exit_0_in_a_trainer_hook_is_a_failure_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["train", "validate", "profile"])
+def test_sys_exit_0_in_a_trainer_hook_is_a_failure_naming_it(tmp_path: Path, command: str) -> None:
     """Hole: a `--trainer` hook calling `sys.exit(0)` ended `train` with exit 0 and no message, read as a
     finished run."""
     trainer = tmp_path / "my_trainer.py"
@@ -370,7 +371,7 @@ def test_sys_exit_0_in_a_trainer_hook_is_a_failure_naming_it(tmp_path: Path) -> 
     )
     path = write_recipe(tmp_path / "r.yaml", tiny_recipe_dict(tmp_path))
     err = one_line_error(
-        ["train", str(path), "--trainer", f"{trainer}:Quitter"], "hook build_model", "sys.exit(0)"
+        [command, str(path), "--trainer", f"{trainer}:Quitter"], "hook build_model", "sys.exit(0)"
     )
     assert "my_trainer.py, line 7" in err
 
