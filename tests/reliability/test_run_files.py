@@ -25,7 +25,7 @@ from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.tokenizer import load_tokenizer
 from memtrain.checkpoint import CheckpointError
 from memtrain.errors import MemtrainError, RecipeError
-from memtrain.run import RunDirectory, RunLayout, lineage
+from memtrain.run import RunDirectory, RunLayout, lineage, metrics_rows
 from memtrain.run import checkpoints as ckpt
 from memtrain.strategies.sharding.safe_readers import read_dcp_metadata
 
@@ -153,6 +153,20 @@ def test_export_with_a_deep_recipe_json_is_one_line(finished: Path, tmp_path: Pa
     _, run = copy_of(finished, tmp_path)
     RunLayout(run).recipe_file.write_text("[" * 100_000 + "]" * 100_000)
     one_line_error(["export", str(run), "--out", str(tmp_path / "hf")], "recipe.json", "nested more than 64")
+
+
+def test_metrics_rows_are_set_aside_line_by_line(tmp_path: Path) -> None:
+    """metrics.jsonl is streamed, not read whole (a long run's file may exceed memory): the rows past the
+    step, and from a line longer than any row memtrain writes on, everything, move aside byte for byte."""
+    rows = [json.dumps({"step": step, "loss": 1.0}).encode() + b"\n" for step in (1, 2, 3)]
+    long_line = b'{"step": 2, "pad": "' + b"x" * (metrics_rows.MAX_ROW_BYTES + 1) + b'"}\n'
+    path, aside = tmp_path / "metrics.jsonl", tmp_path / "abandoned" / "metrics.jsonl"
+    path.write_bytes(rows[0] + long_line + rows[2])
+    assert metrics_rows.abandon_rows_after(path, 5, aside) == 2
+    assert path.read_bytes() == rows[0] and aside.read_bytes() == long_line + rows[2]
+    path.write_bytes(rows[0] + rows[1] + rows[2][:-1])  # a last row without its newline
+    assert metrics_rows.abandon_rows_after(path, 1, aside) == 2
+    assert path.read_bytes() == rows[0] and aside.read_bytes().endswith(rows[1] + rows[2])
 
 
 # ------------------------------------------------------------------------------------------ export
