@@ -7,6 +7,7 @@ Each test names the hole it closes and fails on the code before the fix.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from memtrain.causal_lm.recipe import DataConfig
 from memtrain.causal_lm.tokenizer import load_tokenizer
 from memtrain.checkpoint import CheckpointError
 from memtrain.errors import MemtrainError, RecipeError
-from memtrain.run import RunDirectory, RunLayout, lineage, metrics_rows
+from memtrain.run import RunDirectory, RunLayout, lineage, lock, metrics_rows
 from memtrain.run import checkpoints as ckpt
 from memtrain.strategies.sharding.safe_readers import read_dcp_metadata
 
@@ -314,6 +315,27 @@ def test_resuming_a_cp_al_copy_leaves_the_original_run_untouched(finished: Path,
     assert {name: (original / name).read_bytes() for name in names} == before
     assert steps(original) == [2, 3] and steps(copy) == [2, 3, 4]
     assert len((copy / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_hard_linked_lock_file_is_replaced_and_stays_locked_until_release(tmp_path: Path) -> None:
+    """Hole: the holder was written into a lock file another name shares (the original run's, after
+    `cp -al`). Now the run gets a lock file of its own, and the shared one stays locked while it runs (a
+    process that opened it before the rename must still find the run in use)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shared = tmp_path / "original.lock"
+    shared.write_bytes(b"")
+    os.link(shared, RunLayout(run).lock_file)
+    held = lock.acquire(run)
+    try:
+        assert not os.path.samefile(shared, RunLayout(run).lock_file)
+        assert shared.read_bytes() == b"" and lock.read_holder(RunLayout(run).lock_file) is not None
+        with shared.open("rb") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        held.release()
+    with shared.open("rb") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 # ------------------------------------------------------------------------------------------ recipes
