@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import stat
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,6 +119,11 @@ class SafeFileSystemReader(FileSystemReader):
     def checked(cls, source: Path) -> SafeFileSystemReader:
         reader = cls(str(source))
         read_dcp_metadata(Path(reader._get_metadata_path()))  # one line naming the file, before DCP runs
+        for file in sorted(source.iterdir()):  # DCP opens its data files plainly: a FIFO would block it
+            if not stat.S_ISREG(file.lstat().st_mode):
+                raise CheckpointError(
+                    f"{file}: not a regular file (DCP writes only files); remove this checkpoint"
+                )
         return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
