@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer, build_config
 from memtrain.cli import main
 from memtrain.errors import MemtrainError
+from memtrain.run import RunLayout
 
 from helpers import REPO, TINY_LLAMA, run_two_ranks, tiny_recipe, tiny_recipe_dict
 
@@ -151,7 +153,8 @@ def _tokenizer_dir(path: Path) -> Path:
 
 def test_pretrained_config_generation_config_and_tokenizer_files(tmp_path: Path) -> None:
     """A run of `model.pretrained` with a tokenizer directory: its config, its generation defaults and
-    the tokenizer files go with the weights (the run directory is laid out by hand here)."""
+    the tokenizer files (the copy the run keeps) go with the weights (the run directory is laid out by
+    hand here)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     pretrained = tmp_path / "base"
@@ -167,6 +170,7 @@ def test_pretrained_config_generation_config_and_tokenizer_files(tmp_path: Path)
     run = tmp_path / "run"
     run.mkdir()
     (run / "recipe.json").write_text(json.dumps(recipe.to_dict()))
+    shutil.copytree(tokenizer, RunLayout(run).tokenizer_dir)  # what a run keeps of it when it starts
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained))
     step = run / "checkpoints/step_00000004"

@@ -40,6 +40,8 @@ def save_tensor_file(path: Path, obj: Any) -> None:
 
 
 def load_tensor_file(path: Path) -> Any:
+    if path.is_symlink():  # memtrain writes regular files: a link may lead out of the run, or to a device
+        raise CheckpointError(f"{path}: is a symlink, not a file memtrain wrote; remove this checkpoint")
     if not path.is_file():
         raise CheckpointError(f"{path}: missing from the checkpoint")
     return load_weights_only(path, str(path), map_location="cpu")

@@ -339,7 +339,7 @@ def _run(args: argparse.Namespace) -> int:
             args.resume = True
         if args.no_progress:
             overrides.append("output.progress=off")
-    from memtrain.commands.trainers import for_recipe, load_checked_recipe, trainer_class
+    from memtrain.commands.trainers import for_recipe, load_checked_recipe, no_exit_from_hooks, trainer_class
 
     with _ctrl_c_deferred():  # imports of the trainer's module and its libraries: C++ code too
         trainer_cls = trainer_class(args.trainer)
@@ -349,7 +349,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "validate":
         from memtrain.commands.trainers import validate
 
-        model = validate(recipe, args.recipe, trainer_cls)
+        with no_exit_from_hooks():
+            model = validate(recipe, args.recipe, trainer_cls)
         print(
             f"{args.recipe}: ok ({model}, {recipe.train.steps} steps, global batch {recipe.batch.global_size})"
         )
@@ -359,7 +360,7 @@ def _run(args: argparse.Namespace) -> int:
         from memtrain.causal_lm.export import model_config
 
         model_config(recipe)
-    with preemption.watching(recipe.train.stop_signals):  # from before the process group joins
+    with preemption.watching(recipe.train.stop_signals), no_exit_from_hooks():  # from before the group joins
         trainer = for_recipe(trainer_cls, recipe)(recipe)
         try:
             trainer.setup()
@@ -396,12 +397,14 @@ def _export_run(run_dir: Path, step: int) -> None:
 
 def _profile(args: argparse.Namespace) -> int:
     from memtrain.commands.profile import describe, run_profile
+    from memtrain.commands.trainers import no_exit_from_hooks
 
     if args.steps < 1:
         raise MemtrainError("--steps: must be at least 1")
-    report, out_dir = run_profile(
-        args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out, args.trainer
-    )
+    with no_exit_from_hooks():
+        report, out_dir = run_profile(
+            args.recipe, list(args.overrides) + ["output.progress=off"], args.steps, args.out, args.trainer
+        )
     if os.environ.get("RANK", "0") == "0":
         print(json_out.dumps(report, indent=2) if args.json else describe(report, out_dir))
     return 0

@@ -9,6 +9,8 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
+MAX_PROBLEMS_SHOWN = 20  # problems listed in a RecipeError's message; the rest are counted
+
 
 class MemtrainError(Exception):
     """Base for errors caused by the user's input, not by a bug in memtrain."""
@@ -20,9 +22,12 @@ class RecipeError(MemtrainError):
     def __init__(self, problems: list[str], source: str = "recipe") -> None:
         self.problems = list(problems)
         self.source = source
-        lines = "\n".join(f"  - {p}" for p in self.problems)
+        shown = self.problems[:MAX_PROBLEMS_SHOWN]  # 10k unknown override keys made a 269 KB message
+        lines = "\n".join(f"  - {p}" for p in shown)
+        if len(self.problems) > len(shown):
+            lines += f"\n  - ... and {len(self.problems) - len(shown):,} more (fix these first)"
         count = len(self.problems)
-        super().__init__(f"{source}: {count} problem{'s' if count != 1 else ''}\n{lines}")
+        super().__init__(f"{source}: {count:,} problem{'s' if count != 1 else ''}\n{lines}")
 
 
 class PlanError(MemtrainError):

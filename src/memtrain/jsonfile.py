@@ -6,12 +6,20 @@ Why bounded: these files come from anywhere (a download, a colleague, a generato
 would be read whole into memory, JSON nested thousands of levels deep makes `json.loads` raise
 `RecursionError`, and nesting below that still makes every later recursive walk (deepcopy, merging,
 hashing) slow or fragile. A config needs neither: the limits below are far above any real one.
+
+memtrain's own files in a run directory (a checkpoint's meta.json, recipe.json) are input too: a shared run
+directory may hold a FIFO (which would block resume while it holds the run's lock), /dev/zero behind a
+symlink, or 50 MB of JSON. `read_regular_file` / `parse_json` read them bounded, never blocking, and say
+why in a `FileRefused` the caller turns into its own one-line error.
 """
 
 from __future__ import annotations
 
 import codecs
+import errno
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +27,49 @@ from memtrain.errors import RecipeError
 
 MAX_JSON_BYTES = 16 * 2**20  # a model config or a DeepSpeed config is kilobytes; a sharded index < 1 MiB
 MAX_JSON_DEPTH = 64  # nesting levels of objects and arrays
+
+
+class FileRefused(ValueError):
+    """A file memtrain will not read (its message says why, without the path: the caller names it)."""
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file `path`, at most `limit`; `FileRefused` when it is a symlink (memtrain
+    writes none), anything but a regular file (a FIFO is refused unread: it is opened without blocking),
+    larger than `limit`, or unreadable. `FileNotFoundError` when it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FileRefused("a symlink, and memtrain writes this file as a regular file") from None
+        raise FileRefused(exc.strerror or str(exc)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, a FIFO, a device
+        os.close(fd)
+        raise FileRefused("not a regular file")
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise FileRefused(f"over {mib(limit)}, far more than memtrain writes there")
+    return data
+
+
+def parse_json(data: bytes) -> Any:
+    """The JSON value of `data`; `FileRefused` when it is not UTF-8, not JSON or nested more than
+    `MAX_JSON_DEPTH` levels."""
+    too_deep = FileRefused(f"nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        loaded = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise FileRefused(f"not UTF-8 (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise FileRefused(f"not JSON ({exc.msg}, line {exc.lineno})") from None
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(loaded) > MAX_JSON_DEPTH:
+        raise too_deep
+    return loaded
 
 
 def read_json_object(path: str, key: str) -> dict[str, Any]:

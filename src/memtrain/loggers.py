@@ -134,8 +134,8 @@ class JsonlLogger:
     def __init__(self, context: LoggerContext) -> None:
         path = context.metrics_file
         path.parent.mkdir(parents=True, exist_ok=True)
-        if context.resume_step is None:
-            path.write_text("")
+        if context.resume_step is None:  # a new empty file (never truncating one a hard link shares)
+            json_out.write_bytes_atomic(path, b"")
         self._handle: TextIO = open(path, "a", encoding="utf-8")
 
     def log(self, step: int, row: Mapping[str, Any]) -> None:

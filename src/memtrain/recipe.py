@@ -824,6 +824,12 @@ def _path_problems(recipe: Recipe) -> list[str]:
         problem = _path_problem(value) if isinstance(value, str) else None
         if problem is not None:
             problems.append(f"{key}: {problem} (got {shortened(value)})")
+    name = recipe.run.name
+    if recipe.run.output_dir is None and ("/" in name or name in ("", ".", "..")):
+        problems.append(  # `..` or `../../x` put the run outside runs/
+            f"run.name: {shortened(name)} must be one folder name under runs/ (no '/', not '.' or '..'); set "
+            "run.output_dir for a run directory elsewhere"
+        )
     return problems
 
 

@@ -4,8 +4,10 @@ Why: YAML aliases repeat what an anchor names, so a "billion laughs" file of a k
 gigabytes inside `yaml.safe_load`'s constructor (15 s and 1 GB at 8 levels, out of memory at 9).
 Aliases are shared nodes in the composed graph, so the graph is measured first, each node once, in
 microseconds, and refused before any Python object is built when it has more than `MAX_YAML_NODES`
-values with every alias expanded, nests deeper than `MAX_YAML_DEPTH`, or holds an alias inside its own
-anchor. Files above `MAX_RECIPE_BYTES` are refused before they are read. Construction is SafeLoader's:
+values with every alias expanded, holds more than `MAX_YAML_CHARS` characters of text with every alias
+expanded (one 1 MB string aliased 89 times passed the count of values and wrote 352 MiB of run files, each
+copy of the recipe in recipe.json, lineage.jsonl and every meta.json), nests deeper than `MAX_YAML_DEPTH`,
+or holds an alias inside its own anchor. Files above `MAX_RECIPE_BYTES` are refused before they are read. Construction is SafeLoader's:
 no tag runs code.
 """
 
@@ -22,6 +24,7 @@ from memtrain.jsonfile import mib
 MAX_RECIPE_BYTES = 2**20  # a recipe file, and each override's value
 MAX_YAML_NODES = 100_000  # values of a recipe with every alias expanded (real recipes have < 1000)
 MAX_YAML_DEPTH = 64  # nesting levels of mappings and sequences
+MAX_YAML_CHARS = MAX_RECIPE_BYTES  # characters of keys and values, aliases expanded: what a file may hold
 
 
 def cut(text: str, limit: int) -> str:
@@ -91,39 +94,45 @@ class _GraphSize:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self.known: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded values, height)
+        self.known: dict[int, tuple[int, int, int]] = {}  # id(node) -> (expanded values, height, chars)
         self.open: set[int] = set()  # nodes being measured (an alias to one of them is a cycle)
         self.duplicate = ""  # the first key given twice in one mapping, as a message
 
-    def measure(self, node: yaml.Node, path: list[str], depth: int) -> tuple[int, int]:
+    def measure(self, node: yaml.Node, path: list[str], depth: int) -> tuple[int, int, int]:
         if id(node) in self.open:
             self._refuse(path, "a YAML alias inside its own anchor (a recursive value)")
-        size, height = self.known.get(id(node)) or self._expand(node, path, depth)
+        size, height, chars = self.known.get(id(node)) or self._expand(node, path, depth)
         if depth + height > MAX_YAML_DEPTH:
             self._refuse(path, f"nested too deeply (more than {MAX_YAML_DEPTH} levels)")
-        return size, height
+        return size, height, chars
 
-    def _expand(self, node: yaml.Node, path: list[str], depth: int) -> tuple[int, int]:
+    def _expand(self, node: yaml.Node, path: list[str], depth: int) -> tuple[int, int, int]:
         if isinstance(node, yaml.ScalarNode):
-            return 1, 0
+            return 1, 0, len(node.value)
         if depth >= MAX_YAML_DEPTH:
             self._refuse(path, f"nested too deeply (more than {MAX_YAML_DEPTH} levels)")
         if isinstance(node, yaml.MappingNode) and not self.duplicate:
             self.duplicate = _duplicate_key(node, path)
-        size, height = 1, 1
+        size, height, chars = 1, 1, 0
         self.open.add(id(node))
         for name, child in _children(node):
-            child_size, child_height = self.measure(child, [*path, name], depth + 1)
-            size, height = size + child_size, max(height, child_height + 1)
+            child_size, child_height, child_chars = self.measure(child, [*path, name], depth + 1)
+            size, height, chars = size + child_size, max(height, child_height + 1), chars + child_chars
             if size > MAX_YAML_NODES:
                 self._refuse(
                     path,
                     f"expands to more than {MAX_YAML_NODES:,} values (YAML aliases repeat what an anchor "
                     "names; a recipe needs far fewer)",
                 )
+            if chars > MAX_YAML_CHARS:
+                self._refuse(
+                    path,
+                    f"expands to more than {MAX_YAML_CHARS:,} characters of text (YAML aliases repeat what "
+                    "an anchor names; memtrain writes the expanded recipe into every checkpoint)",
+                )
         self.open.discard(id(node))
-        self.known[id(node)] = size, height
-        return size, height
+        self.known[id(node)] = size, height, chars
+        return size, height, chars
 
     def _refuse(self, path: list[str], problem: str) -> NoReturn:
         where = ".".join(cut(p, 40) for p in path[:3]) + ("..." if len(path) > 3 else "")

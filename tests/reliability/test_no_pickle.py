@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,6 +200,27 @@ def test_dcp_files_are_never_unpickled_on_export(
     capsys.readouterr()
     _refused(_export(recipe, tmp_path), capsys.readouterr().err, str(step / "dcp"), tmp_path / "MARKER")
     assert not [record.getMessage() for record in caplog.records if record.exc_info]
+
+
+def test_a_fifo_among_the_dcp_files_is_one_line_not_a_hang(
+    dcp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hole (issue 43): DCP opens its data files plainly, so a FIFO in place of one made export (and a
+    resume, under the run's lock) wait for a writer forever."""
+    recipe, step = _copy(dcp_run, tmp_path)
+    data = sorted((step / "dcp").glob("*.distcp"))[0]
+    data.unlink()
+    os.mkfifo(data)
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(_export(recipe, tmp_path)), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # unblock the reader so the test process can end, then fail
+        os.close(os.open(data, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+    assert done == [2], done
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memtrain: error:")]
+    assert len(errors) == 1 and data.name in errors[0] and "not a regular file" in errors[0], errors
 
 
 # ------------------------------------------------------------------------------------- the manifest

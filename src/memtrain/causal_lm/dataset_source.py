@@ -80,6 +80,7 @@ def load(cfg: DataConfig, streaming: bool) -> Any:
         with offline(), quiet():
             if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
                 return _from_disk(path, cfg.split, streaming)
+            check_parquet_files(cfg.path)
             if path.is_file() or glob.has_magic(cfg.path):
                 check_json_files(cfg.path)
                 return datasets.load_dataset(
@@ -166,6 +167,35 @@ def check_json_files(pattern: str) -> None:
         path = Path(name)
         if path.is_file() and path.suffix.lower() in (".json", ".jsonl"):
             check_json_lines(path, "data.path", one_per_line=path.suffix.lower() == ".jsonl")
+
+
+PARQUET_MAGIC = b"PAR1"  # how every parquet file starts and ends
+
+
+def check_parquet_files(pattern: str) -> None:
+    """Each local parquet file `pattern` names (a file, a glob's files, a directory's files) starts and ends
+    with parquet's magic bytes: pyarrow's error on a zeroed or empty one came after a line datasets logs on
+    its own and named the glob or folder, not the file."""
+    base = Path(pattern)
+    if glob.has_magic(pattern):
+        names = [Path(name) for name in sorted(glob.glob(pattern, recursive=True))]
+    else:
+        names = sorted(base.rglob("*.parquet")) if base.is_dir() else [base]
+    for path in names:
+        if path.suffix.lower() != ".parquet" or not path.is_file():  # (a FIFO is not a file: never opened)
+            continue
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            start = handle.read(len(PARQUET_MAGIC))
+            handle.seek(max(0, size - len(PARQUET_MAGIC)))
+            end = handle.read(len(PARQUET_MAGIC))
+        if size < 3 * len(PARQUET_MAGIC) or start != PARQUET_MAGIC or end != PARQUET_MAGIC:
+            what = "empty" if size == 0 else f"{size:,} bytes that do not start and end with parquet's PAR1"
+            raise RecipeError(
+                [
+                    f"data.path: {path} is not a parquet file ({what}); replace it, or leave it out of data.path"
+                ]
+            )
 
 
 def head(cfg: DataConfig, count: int) -> tuple[list[tuple[Mapping[str, Any], str]], list[str]]:

@@ -60,6 +60,7 @@ from torch import nn
 
 from memtrain import checkpoint as ckpt
 from memtrain.causal_lm.recipe import CausalLMRecipe
+from memtrain.causal_lm.tokenizer import DIRECTORY_FILES, directory_files
 from memtrain.errors import MemtrainError
 from memtrain.plan import adapters_of
 from memtrain.recipe import Recipe
@@ -79,22 +80,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 DEEPSPEED_TAG = "state"  # the tag memtrain's DeepSpeed backend saves under (deepspeed_backend.TAG)
-
-# Files a Hugging Face tokenizer directory may hold (slow and fast tokenizers, chat templates).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def export_hf(
@@ -138,7 +123,7 @@ def export_hf(
         write(staging)
         if not adapters_only:
             _copy_generation_config(recipe, staging)
-        _copy_tokenizer(recipe, staging)
+        _copy_tokenizer(run, recipe, staging)
         _replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -487,16 +472,24 @@ def _copy_generation_config(recipe: CausalLMRecipe, staging: Path) -> None:
     own.save_pretrained(staging)
 
 
-def _copy_tokenizer(recipe: CausalLMRecipe, staging: Path) -> None:
-    """The tokenizer files of `data.tokenizer` when it names a directory (a byte tokenizer has none)."""
-    source = Path(recipe.data.tokenizer)
-    if recipe.data.tokenizer == "byte" or not source.is_dir():
+def _copy_tokenizer(run: RunDirectory, recipe: CausalLMRecipe, staging: Path) -> None:
+    """The tokenizer files the run kept in its own folder when it started (`RunDirectory.keep_tokenizer`),
+    regular files inside the run only: never the `data.tokenizer` path its recipe.json names, which may
+    point anywhere (an export copied files from outside the run into what a user then shares)."""
+    try:
+        kept = run.kept_tokenizer_files(DIRECTORY_FILES)
+    except OSError as exc:
+        raise MemtrainError(f"{run.layout.tokenizer_dir}: cannot be read ({exc})") from None
+    if kept is None:
+        if directory_files(recipe.data.tokenizer):
+            warnings.warn(
+                f"{run.path} holds no copy of its tokenizer (trained before memtrain kept one); the export has "
+                f"none: copy the files of data.tokenizer ({recipe.data.tokenizer}) into it yourself",
+                stacklevel=3,
+            )
         return
-    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
-    if not copied:
-        warnings.warn(f"data.tokenizer: {source} holds no tokenizer files; the export has none", stacklevel=3)
-    for name in copied:
-        shutil.copyfile(source / name, staging / name)
+    for name, data in kept.items():
+        (staging / name).write_bytes(data)
 
 
 def _replace(staging: Path, out: Path) -> None:

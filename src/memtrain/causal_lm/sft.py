@@ -27,6 +27,8 @@ from memtrain.causal_lm.tokenizer import PretrainedTokenizer, Tokenizer
 from memtrain.errors import RecipeError, shortened
 
 IGNORE_INDEX = -100
+MAX_CHAT_MESSAGES = 8192  # a chat row's messages: chat templates label them in time growing with the square
+MAX_PREFIX_MESSAGES = 512  # messages of a conversation labelled by rendering prefixes (about 1 s on a CPU)
 ROLES = {
     "text": ("text",),
     "chat": ("messages",),
@@ -138,6 +140,12 @@ def _render(tokenizer: PretrainedTokenizer, messages: list[dict[str, Any]], prom
 def _rendered_prefixes(
     tokenizer: PretrainedTokenizer, messages: list[dict[str, Any]]
 ) -> tuple[list[int], list[int]]:
+    if len(messages) > MAX_PREFIX_MESSAGES:
+        raise ChatError(
+            f"{len(messages):,} messages, over the {MAX_PREFIX_MESSAGES} whose assistant turns are found by "
+            "rendering each prefix (the time grows with the square of the turns: 100k took hours); split the "
+            "conversation into rows, or mark assistant turns with {% generation %} in the chat template"
+        )
     full = _render(tokenizer, messages, prompt=False)
     spans = []
     for index, message in enumerate(messages):
@@ -152,8 +160,18 @@ def _rendered_prefixes(
             )
         spans.append((len(before), len(through)))
     encoded = tokenizer.hf(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in encoded["offset_mapping"]]
-    return list(encoded["input_ids"]), mask
+    return list(encoded["input_ids"]), _inside(spans, [start for start, _ in encoded["offset_mapping"]])
+
+
+def _inside(spans: list[tuple[int, int]], starts: list[int]) -> list[int]:
+    """1 for each (ascending) character offset inside one of the ascending, disjoint `spans`, else 0: one
+    pass over both."""
+    mask, index = [], 0
+    for start in starts:
+        while index < len(spans) and spans[index][1] <= start:
+            index += 1
+        mask.append(int(index < len(spans) and spans[index][0] <= start))
+    return mask
 
 
 class RecordEncoder:
@@ -273,6 +291,8 @@ def message_problem(messages: Any) -> str | None:
     """Why `messages` is not a conversation, or None."""
     if not isinstance(messages, list) or not messages:
         return "no messages"
+    if len(messages) > MAX_CHAT_MESSAGES:
+        return f"{len(messages):,} messages, over the {MAX_CHAT_MESSAGES:,} a row may hold (split the conversation)"
     for number, message in enumerate(messages, start=1):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             return f"message {number} has no role"

@@ -151,6 +151,8 @@ def _path(cfg: DataConfig) -> Path:
     """`data.path`; `RecipeError` naming data.path when it is not a file."""
     assert cfg.path is not None
     path = Path(cfg.path)
+    if path.exists() and not path.is_file():  # a FIFO is never opened: reading it would wait for a writer
+        raise RecipeError([f"data.path: {path} is not a regular file (a directory, a FIFO or a device)"])
     if not path.is_file():
         raise RecipeError([f"data.path: file not found: {path} (relative paths start at {Path.cwd()})"])
     return path

@@ -29,6 +29,22 @@ TOKENIZER_FILES = (
     "spiece.model",
     "sentencepiece.bpe.model",
 )
+# Files a Hugging Face tokenizer directory may hold (slow and fast tokenizers, chat templates): what a run
+# keeps of its tokenizer directory, and what an export of the run copies from that copy.
+DIRECTORY_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # End-of-document tokens looked up in a bare `tokenizers` JSON file, which names no EOS of its own.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]", "<|eos|>")
 BLANK_LINE = "\n\n"  # the document separator of tokenizers without an end-of-document token
@@ -177,3 +193,12 @@ def _directory(path: Path) -> PretrainedTokenizer:
         raise RecipeError(
             [f"data.tokenizer: transformers cannot load the tokenizer in {path} ({text})"]
         ) from None
+
+
+def directory_files(spec: str) -> dict[str, Path]:
+    """The files of `data.tokenizer` a run keeps (name -> path) when it names a directory; {} otherwise (a
+    byte tokenizer, a tokenizers JSON file, a hub id: none is copied, as before)."""
+    source = Path(spec)
+    if spec == "byte" or not source.is_dir():
+        return {}
+    return {name: source / name for name in DIRECTORY_FILES if (source / name).is_file()}

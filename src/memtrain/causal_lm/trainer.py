@@ -402,6 +402,7 @@ class CausalLMTrainer(Trainer):
         if self.recipe.model.pretrained is not None:  # a config.json alone plans, but trains nothing
             pretrained_directory(self.recipe, weights=True)
         _ = self.data  # tokenize before the model and the tracker exist (what `host_data_bytes` counts)
+        self.run.keep_tokenizer(tokenizer_lib.directory_files(self.recipe.data.tokenizer))  # for export
         if self._plan is None:
             self.choose_plan()
         if self.plan.loss.applies_bare_head:  # a pinned loss this model cannot use: before building it

@@ -15,10 +15,12 @@ train` makes before it builds the model, for `memtrain validate` and for the one
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Set
+import traceback
+from collections.abc import Iterator, Set
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,31 @@ def _load_file(path: Path) -> object:
         del sys.modules[module_name]
         raise
     return module
+
+
+@contextlib.contextmanager
+def no_exit_from_hooks() -> Iterator[None]:
+    """While the trainer's code runs (building, setup, `fit`, close): a `SystemExit` it raises (a hook
+    calling `sys.exit(0)` ended `train` with exit 0 and no message, read as a finished run) is a one-line
+    `MemtrainError` naming the hook, exit 2."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise MemtrainError(
+            f"--trainer: {_exiting_hook(exc)} called sys.exit({exc.code!r}), which would end memtrain as if it had "
+            "finished; a hook that must stop the run raises an exception instead"
+        ) from None
+
+
+def _exiting_hook(exc: BaseException) -> str:
+    """The outermost function outside memtrain on the way to `exc` (the hook memtrain called), with its file
+    and line; "the trainer" when memtrain's own code raised it."""
+    package = Path(__file__).resolve().parents[1]
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in frames:
+        if package not in Path(frame.filename).resolve().parents:
+            return f"hook {frame.name} ({frame.filename}, line {frame.lineno})"
+    return "the trainer"
 
 
 def _import(name: str) -> object:

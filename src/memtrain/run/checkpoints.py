@@ -11,9 +11,11 @@ module uses on the way ends in `.tmp` and is never listed:
   The old one is renamed aside whole, the new one renamed in, then the old deleted. A crash between the
   two renames leaves no `step_X` at all, and `recover` (run at the start of every `fit`) renames the old
   one back, so `step_X` is always either the whole old or the whole new checkpoint.
-- `step_X.tmp/` again for pruning: only the last `keep` checkpoints are kept, and an old one is renamed
-  out of the listing before it is deleted, so a crash mid-prune never leaves a half-deleted checkpoint
-  that looks complete.
+- `step_X.tmp/` again for pruning: the checkpoint just saved and the newest `keep - 1` older ones are
+  kept (a newer step directory, a damaged one a fallback skipped, is neither counted nor deleted), and an
+  old one is renamed out of the listing before it is deleted, so a crash mid-prune never leaves a
+  half-deleted checkpoint that looks complete. Only these names are removed as leftovers (`OWN_TMP`): a
+  user's other `*.tmp` in checkpoints/ stay.
 
 None of these deletions follows a symlink (`confine.remove_tree`: a link planted at a `.tmp` name is
 unlinked, its target untouched), and the `checkpoints/` folder itself must stay inside the run
@@ -35,8 +37,8 @@ backends), which knows nothing about runs.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +48,15 @@ from memtrain import checkpoint as tensor_files
 from memtrain import json_out
 from memtrain.checkpoint import CheckpointError
 from memtrain.json_out import DISK_FULL
+from memtrain.jsonfile import FileRefused, parse_json, read_regular_file
 from memtrain.memory.values import format_bytes
 from memtrain.run.confine import remove_tree
 from memtrain.run.layout import STEP_DIR, CheckpointFiles, step_dir_name
 
 STAGING_SUFFIX = ".tmp"  # staging, pruning and trash directories all end so: never listed
 TRASH_SUFFIX = ".old.tmp"  # a checkpoint renamed aside while the same step is replaced
+OWN_TMP = re.compile(r"^step_\d{8}(\.old)?\.tmp$")  # the only .tmp names memtrain makes (and removes) here
+MAX_META_BYTES = 32 * 2**20  # meta.json: the resolved recipe (yamlfile bounds it) and the plan, with margin
 
 
 class DiskFullError(CheckpointError):
@@ -85,13 +90,15 @@ META_TYPES: dict[str, type] = {
 
 
 def list_checkpoints(root: Path) -> list[Checkpoint]:
-    """Checkpoint directories under `root`, oldest first (`.tmp` directories are not checkpoints)."""
+    """Checkpoint directories under `root`, oldest first (`.tmp` directories are not checkpoints, nor is a
+    symlink: memtrain renames its checkpoints, never links them, and one linked out of the run would be
+    read on resume and pruned through; `confine.check_run_paths` refuses it by name)."""
     if not root.is_dir():
         return []
     found = [
         Checkpoint(child, int(match.group(1)))
         for child in root.iterdir()
-        if (match := STEP_DIR.match(child.name)) and child.is_dir()
+        if (match := STEP_DIR.match(child.name)) and _real_dir(child)
     ]
     return sorted(found, key=lambda c: c.step)
 
@@ -100,8 +107,12 @@ def read_meta(path: Path, step: int | None = None) -> dict[str, Any]:
     """The checkpoint's meta.json; CheckpointError naming the file when it is missing or damaged."""
     file = CheckpointFiles(path).meta
     try:
-        meta = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
+        meta = parse_json(read_regular_file(file, MAX_META_BYTES))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{file}: unreadable checkpoint metadata (missing; it is written last)"
+        ) from None
+    except FileRefused as exc:  # a symlink, a FIFO, too large, not UTF-8, not JSON, nested too deeply
         raise CheckpointError(f"{file}: unreadable checkpoint metadata ({exc})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{file}: checkpoint metadata must be a JSON object, not {type(meta).__name__}")
@@ -160,8 +171,13 @@ def recover(root: Path) -> None:
         final = trash.with_name(trash.name[: -len(TRASH_SUFFIX)])
         if STEP_DIR.match(final.name) and not os.path.lexists(final) and _real_dir(trash):
             move_dir(trash, final)
-    for stale in root.glob(f"*{STAGING_SUFFIX}"):
+    for stale in own_leftovers(root):
         remove_tree(stale)
+
+
+def own_leftovers(root: Path) -> list[Path]:
+    """The staging, pruning and trash names memtrain makes in `root` (a user's other `*.tmp` stay)."""
+    return [path for path in root.glob(f"*{STAGING_SUFFIX}") if OWN_TMP.match(path.name)]
 
 
 def _real_dir(path: Path) -> bool:
@@ -172,7 +188,7 @@ def _real_dir(path: Path) -> bool:
 def begin_save(root: Path, step: int) -> Path:
     """Create an empty staging directory for `step` (called on rank 0 before the others write)."""
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"*{STAGING_SUFFIX}"):
+    for stale in own_leftovers(root):
         remove_tree(stale)  # a symlink planted here is unlinked, its target untouched
     staging = staging_dir(root, step)
     staging.mkdir()  # a new directory (exclusive): the files below are written into nothing else
@@ -183,10 +199,12 @@ def commit_save(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     """Write meta.json last, rename the staging directory into place (an existing checkpoint of the same
     step is renamed aside first and deleted after), then prune old checkpoints."""
     staging = staging_dir(root, step)
-    tensor_files.write_file(
-        CheckpointFiles(staging).meta,
-        lambda h: h.write(json_out.dumps(meta, indent=2, sort_keys=True).encode()),
-    )
+    encoded = json_out.dumps(meta, indent=2, sort_keys=True).encode()
+    if len(encoded) > MAX_META_BYTES:  # never write what `read_meta` refuses (the recipe is bounded at load)
+        raise CheckpointError(
+            f"{CheckpointFiles(staging).meta}: {len(encoded):,} bytes, over what read_meta reads"
+        )
+    tensor_files.write_file(CheckpointFiles(staging).meta, lambda h: h.write(encoded))
     _fsync_dir(staging)
     final = root / step_dir_name(step)
     trash = trash_dir(root, step) if os.path.lexists(final) else None
@@ -196,11 +214,19 @@ def commit_save(root: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
     _fsync_dir(root)
     if trash is not None:
         remove_tree(trash)
-    for old in list_checkpoints(root)[:-keep]:
+    prune(root, step, keep)
+    return final
+
+
+def prune(root: Path, saved: int, keep: int) -> None:
+    """Delete the checkpoints older than the one just `saved` but the newest `keep - 1` of them. A newer
+    step directory (a damaged one a `checkpoint.fallback` resume skipped) is neither counted nor deleted:
+    counting it deleted the checkpoint just saved, leaving only the damaged one."""
+    older = [c for c in list_checkpoints(root) if c.step < saved]
+    for old in older[: max(0, len(older) - (keep - 1))]:
         doomed = old.path.with_name(old.path.name + STAGING_SUFFIX)  # out of the listing in one rename
         move_dir(old.path, doomed)
         remove_tree(doomed)
-    return final
 
 
 def abort_save(root: Path, step: int) -> None:

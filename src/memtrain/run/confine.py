@@ -18,12 +18,15 @@ trained step was lost. So:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
+from memtrain import json_out
 from memtrain.errors import MemtrainError
 from memtrain.run.layout import RunLayout
 
@@ -58,6 +61,43 @@ def check_run_paths(layout: RunLayout) -> None:
     for path in layout.own_folders():
         if os.path.lexists(path) and not confined(layout.root, path).is_dir():
             raise RunPathError(f"{path}: is not a directory, and memtrain writes into it; {_fix(path)}")
+    linked = sorted(p for p in layout.step_dirs() if p.is_symlink())
+    if linked:
+        raise RunPathError(
+            f"{linked[0]}: is a symlink, and memtrain's checkpoints are directories it wrote there (one linked "
+            f"elsewhere would be read on resume and pruned through); {_fix(linked[0])}"
+        )
+
+
+def unshare_own_files(layout: RunLayout) -> None:
+    """Give each of memtrain's own files in the run (the lock aside: `lock.acquire` refuses a linked one)
+    an inode of its own when it has other hard links: a `cp -al` copy of a run shares every file with the
+    original, and a resume of the copy appended its metrics rows and lineage records to the original's
+    files (a fresh run truncated a linked metrics.jsonl). The bytes are copied to a new file renamed over
+    the name, so the other names keep theirs untouched."""
+    for path in layout.own_files():
+        if path != layout.lock_file:
+            _unshare(path)
+
+
+def _unshare(path: Path) -> None:
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink <= 1:
+        return
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out, os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as source:
+            shutil.copyfileobj(source, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise json_out.write_error(path, exc) from None
 
 
 def remove_tree(path: Path) -> None:

@@ -16,7 +16,9 @@ calls them together.
 from __future__ import annotations
 
 import contextlib
-import json
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,10 +28,12 @@ from memtrain import json_out
 from memtrain.checkpoint import CheckpointError
 from memtrain.distributed import DistEnv, any_rank, barrier, one_process
 from memtrain.errors import MemtrainError
+from memtrain.jsonfile import FileRefused, parse_json, read_regular_file
 from memtrain.run import checkpoints as ckpt
 from memtrain.run import confine, lineage, lock
 from memtrain.run.layout import CheckpointFiles, RunLayout
 
+MAX_TOKENIZER_FILE_BYTES = 2**30  # a tokenizer file the export copies (the largest real ones: ~35 MB)
 Resume = str | Path | bool | None
 """`fit(resume=...)`: None/False (a fresh run), True (the run's newest checkpoint), "auto" (the newest if
 there is one), or a checkpoint directory / a directory of them."""
@@ -43,6 +47,7 @@ class RunDirectory:
         self.layout = RunLayout(path)
         self.env = env or one_process()
         self.segment: lineage.Segment | None = None  # rank 0: the lineage this start continues
+        self.tokenizer_files: dict[str, Path] = {}  # what `keep_tokenizer` copies in at each start
 
     # ------------------------------------------------------------------------------------ reading
 
@@ -71,17 +76,58 @@ class RunDirectory:
     def read_recipe(self) -> dict[str, Any]:
         """The run's resolved recipe (recipe.json, written by rank 0 when the run started), as a mapping."""
         file = self.layout.recipe_file
-        if not file.is_file():
+        if not os.path.lexists(file):
             raise MemtrainError(f"RUN_DIR: {self.path} holds no recipe.json (not a memtrain run directory)")
-        try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+        try:  # inside the run, a regular file, bounded, never blocking (`jsonfile.read_regular_file`)
+            raw = parse_json(read_regular_file(confine.confined(self.path, file), lineage.MAX_RECIPE_BYTES))
+        except (OSError, FileRefused) as exc:
             raise MemtrainError(f"{file}: unreadable ({exc})") from None
         if not isinstance(raw, dict):
             raise MemtrainError(f"{file}: must hold a JSON object")
         return raw
 
+    def kept_tokenizer_files(self, names: tuple[str, ...]) -> dict[str, bytes] | None:
+        """The files of `names` in the run's tokenizer folder (regular files inside the run, bounded), or
+        None when the run has no such folder (one trained before memtrain kept its tokenizer)."""
+        folder = self.layout.tokenizer_dir
+        if not os.path.lexists(folder):
+            return None
+        real = confine.confined(self.path, folder)
+        kept = {}
+        for name in names:
+            try:
+                kept[name] = read_regular_file(real / name, MAX_TOKENIZER_FILE_BYTES)
+            except FileNotFoundError:
+                continue
+            except FileRefused as exc:
+                raise MemtrainError(f"{folder / name}: not copied into the export ({exc})") from None
+        return kept
+
     # ------------------------------------------------------------------------------------ starting
+
+    def keep_tokenizer(self, files: dict[str, Path]) -> None:
+        """The tokenizer files (name -> the user's file) copied into the run's tokenizer folder whenever a
+        run starts here (rank 0, under the lock), so that `export` copies them from the run."""
+        self.tokenizer_files = dict(files)
+
+    def _write_tokenizer(self) -> None:
+        """Rank 0: the tokenizer folder, replaced whole by the files `keep_tokenizer` named (a new folder
+        renamed into place; the old one deleted after, never followed through a symlink)."""
+        if not self.tokenizer_files:
+            return
+        folder = self.layout.tokenizer_dir
+        fresh = Path(tempfile.mkdtemp(prefix=".tokenizer.", suffix=".tmp", dir=self.path))
+        try:
+            for name, source in self.tokenizer_files.items():
+                shutil.copyfile(source, fresh / name)
+            old = Path(tempfile.mkdtemp(prefix=".tokenizer.", suffix=".old.tmp", dir=self.path))
+            if os.path.lexists(folder):
+                os.replace(folder, old)
+            os.replace(fresh, folder)
+            confine.remove_tree(old)
+        except OSError as exc:
+            confine.remove_tree(fresh)
+            raise json_out.write_error(folder, exc) from None
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -96,6 +142,7 @@ class RunDirectory:
             try:
                 held = lock.acquire(self.path)
                 confine.check_run_paths(self.layout)  # before anything is written, moved or cleaned
+                confine.unshare_own_files(self.layout)  # appends never reach another run's hard links
             except lock.RunDirInUse as exc:
                 in_use = exc
             except MemtrainError as exc:
@@ -145,6 +192,7 @@ class RunDirectory:
         if self.env.is_main:
             self.segment = lineage.Segment(lineage.new_lineage_id(), None)
             self._write_run_files(recipe, plan_record)
+            self._write_tokenizer()
             start = {"event": "start", "lineage": self.segment.lineage, "parent": None}
             lineage.append_record(self.path, {**start, "recipe": recipe})
         barrier(self.env)
@@ -238,6 +286,7 @@ class RunDirectory:
         self.segment = lineage.Segment(lineage_id, lineage.parent_of(loaded, meta))
         if event == "fork":
             self._write_run_files(recipe, plan_record)
+        self._write_tokenizer()
         lineage.record_segment(self.path, event, self.segment, loaded, recipe, unfinished)
 
     def _write_run_files(self, recipe: dict[str, Any], plan_record: dict[str, Any]) -> None:

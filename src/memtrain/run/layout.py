@@ -67,6 +67,12 @@ class RunLayout:
         return self.root / "abandoned"
 
     @property
+    def tokenizer_dir(self) -> Path:
+        """The tokenizer files the run trains with, copied when it starts: export copies these, never a
+        path the run's recipe.json names."""
+        return self.root / "tokenizer"
+
+    @property
     def export_dir(self) -> Path:
         """`output.export: hf` writes the Hugging Face model here."""
         return self.root / "hf"
@@ -91,9 +97,15 @@ class RunLayout:
             self.lock_file,
         )
 
+    def step_dirs(self) -> list[Path]:
+        """Every `step_<8 digits>` name in checkpoints/, whatever it is (a directory, a symlink, a file)."""
+        if not self.checkpoints.is_dir():
+            return []
+        return [child for child in self.checkpoints.iterdir() if STEP_DIR.match(child.name)]
+
     def own_folders(self) -> tuple[Path, ...]:
-        """The folders memtrain manages in the run (checkpoints and what truncations set aside)."""
-        return (self.checkpoints, self.abandoned)
+        """The folders memtrain manages in the run (checkpoints, what truncations set aside, the tokenizer)."""
+        return (self.checkpoints, self.abandoned, self.tokenizer_dir)
 
 
 def step_dir_name(step: int) -> str:

@@ -65,7 +65,7 @@ from typing import Any
 
 from memtrain import json_out
 from memtrain.errors import MemtrainError, shortened
-from memtrain.jsonfile import MAX_JSON_DEPTH, json_depth
+from memtrain.jsonfile import MAX_JSON_DEPTH, FileRefused, json_depth, parse_json, read_regular_file
 from memtrain.recipe import Recipe
 from memtrain.run import checkpoints as ckpt
 from memtrain.run.confine import RunPathError, confined, open_no_follow
@@ -210,8 +210,8 @@ def save_recipe(run_dir: Path, recipe: dict[str, Any]) -> None:
     path = layout.recipe_file
     if os.path.lexists(path):  # a regular file inside the run (`confine.check_run_paths`)
         try:
-            same = path.stat().st_size <= MAX_RECIPE_BYTES and json.loads(path.read_bytes()) == recipe
-        except (OSError, ValueError, RecursionError):  # damaged: kept as a backup like a changed one
+            same = parse_json(read_regular_file(path, MAX_RECIPE_BYTES)) == recipe
+        except (OSError, FileRefused):  # damaged: kept as a backup like a changed one
             same = False
         if same:
             return
@@ -310,7 +310,12 @@ def append_record(run_dir: Path, record: dict[str, Any]) -> None:
     try:
         fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
         with os.fdopen(fd, "r+b") as handle:
-            data = handle.read()
+            data = handle.read(MAX_LINEAGE_BYTES + 1)
+            if len(data) + len(line) > MAX_LINEAGE_BYTES:  # never write what `read_records` refuses
+                raise LineageDamaged(
+                    f"{path}: this start's record would take it past {MAX_LINEAGE_BYTES // 2**20} MiB, the most "
+                    "memtrain reads back; move it aside to go on without the run's history"
+                )
             handle.truncate(data.rfind(b"\n") + 1)
             handle.seek(0, os.SEEK_END)
             handle.write(line)

@@ -13,6 +13,9 @@ would empty) or a directory is a one-line `RunPathError`, and nothing is written
 The lock belongs to the open file, not to the file's existence: the kernel drops it when the holder's
 process ends, however it ends (SIGKILL included). A lock file left by a dead process is therefore simply
 taken over; the file is never deleted (deleting it would let two processes lock two different files).
+One that other hard links share (a run copied with `cp -al`: the original's lock file) is replaced by a
+new one, locked before it is renamed into place, and the shared one stays locked until release, so a
+process that opened it first still finds the run in use.
 Its content is information only: the holder (pid, host, start time, command line) as JSON, written after
 locking and emptied on release.
 
@@ -32,6 +35,7 @@ import os
 import shlex
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,10 +61,13 @@ class RunLock:
 
     path: Path
     fd: int
+    shared: int | None = None  # a hard-linked lock file replaced by `fd`'s, locked too until release
 
     def release(self) -> None:
         os.ftruncate(self.fd, 0)  # no stale holder is shown to the next one that waits for this
         os.close(self.fd)  # closing the only descriptor of the open file drops the flock
+        if self.shared is not None:
+            os.close(self.shared)
 
 
 def acquire(run_dir: Path) -> RunLock:
@@ -82,9 +89,23 @@ def acquire(run_dir: Path) -> RunLock:
     except BaseException:
         os.close(fd)
         raise
+    if os.fstat(fd).st_nlink > 1:  # a `cp -al` copy of a run: the original's lock file too
+        return RunLock(path, _own_lock_file(path), shared=fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, json_out.dumps(_holder()).encode(), 0)
     return RunLock(path, fd)
+
+
+def _own_lock_file(path: Path) -> int:
+    """A lock file of this run's own, locked, renamed over one that other hard links share (writing the
+    holder into it wrote the original run's). The shared one stays locked until `release`: a process that
+    opened it before the rename must still find the run in use."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".tmp", dir=path.parent)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+    os.fchmod(fd, 0o644)
+    os.pwrite(fd, json_out.dumps(_holder()).encode(), 0)
+    os.replace(tmp, path)
+    return fd
 
 
 def in_use_error(run_dir: Path) -> RunDirInUse:

@@ -4,53 +4,108 @@ Why here: a resume truncates the file to its step (the rows past it belong to a 
 abandoned, or to steps a killed run logged after its last checkpoint), and a truncation moves those rows
 into the run's `abandoned/` folder next to the checkpoints it sets aside, so no row is ever lost. Both are
 the run directory's business (`memtrain.run.lineage`); the jsonl logger only appends. The file is read as
-bytes: a line that is not a UTF-8 JSON row (a crash's cut, or damage) and everything after it are moved
-aside whole, never decoded into a traceback; neither write follows a symlink.
+bytes, line by line (a long run's file may be larger than memory; a line longer than `MAX_ROW_BYTES` is
+not one memtrain wrote): a line that is not a UTF-8 JSON row (a crash's cut, or damage) and everything
+after it are moved aside whole, never decoded into a traceback; neither file is followed through a
+symlink, and the kept rows are written to a new file renamed over the old one (never truncated in place).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 from memtrain import json_out
 from memtrain.run.confine import open_no_follow
+
+MAX_ROW_BYTES = 16 * 2**20  # one metrics row is a few hundred bytes
+CHUNK_BYTES = 2**20
 
 
 def abandon_rows_after(path: Path, step: int, to: Path) -> int:
     """Move the rows of `path` past `step` (and, from a line cut by a crash on, everything) to the end of
     `to`; return how many lines moved. `to` is flushed to disk before `path` is rewritten, so a crash in
     between leaves a row in both files, never in neither."""
-    kept, dropped = split_after(path, step)
-    if not dropped:
+    if not os.path.lexists(path):
         return 0
+    with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as source:  # a regular file, never blocking
+        cut = split_offset(source, step)
+        if cut is None:
+            return 0
+        source.seek(cut)
+        moved = _append_rest(source, to)
+        source.seek(0)
+        _replace_with_prefix(source, cut, path)
+    return moved
+
+
+def split_offset(handle: BinaryIO, step: int) -> int | None:
+    """The byte offset of the first line of `handle` to move aside: a row past `step`, or a line that is
+    not a UTF-8 JSON row (or is longer than any row memtrain writes); None when every line stays."""
+    offset = 0
+    while line := handle.readline(MAX_ROW_BYTES + 1):
+        if len(line) > MAX_ROW_BYTES:
+            return offset
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):
+            return offset
+        if isinstance(row, dict) and isinstance(row.get("step", 0), int) and row.get("step", 0) > step:
+            return offset
+        offset += len(line)
+    return None
+
+
+def _append_rest(source: BinaryIO, to: Path) -> int:
+    """Append what is left of `source` to `to` (ending in a newline), flushed to disk; the lines moved."""
+    lines, last = 0, b"\n"
     try:
         to.parent.mkdir(parents=True, exist_ok=True)
         with os.fdopen(open_no_follow(to, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "wb") as handle:
-            handle.write(b"".join(line + b"\n" for line in dropped))
+            while chunk := source.read(CHUNK_BYTES):
+                handle.write(chunk)
+                lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+            if last != b"\n":
+                handle.write(b"\n")
+                lines += 1
             handle.flush()
             os.fsync(handle.fileno())
     except OSError as exc:
         raise json_out.write_error(to, exc) from None
-    rewrite_lines(path, kept)
-    return len(dropped)
+    return lines
 
 
-def split_after(path: Path, step: int) -> tuple[list[bytes], list[bytes]]:
-    """The lines of `path` up to `step`, and the rest (from a line cut by a crash, or any line that is not
-    a UTF-8 JSON row, on: all of it, moved aside whole rather than read further)."""
-    lines = path.read_bytes().splitlines() if path.is_file() else []
-    for index, line in enumerate(lines):
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except (ValueError, RecursionError):
-            return lines[:index], lines[index:]
-        if isinstance(row, dict) and isinstance(row.get("step", 0), int) and row.get("step", 0) > step:
-            return lines[:index], lines[index:]
-    return lines, []
+def _replace_with_prefix(source: BinaryIO, size: int, path: Path) -> None:
+    """Replace `path` with the first `size` bytes of `source`, through a new file of its own (`mkstemp`)
+    renamed over it; an `OSError` removes it and is `json_out.write_error`'s line."""
+    tmp: str | None = None
+    try:
+        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(handle, "wb") as out:
+            shutil.copyfileobj(_Prefix(source, size), out, CHUNK_BYTES)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise json_out.write_error(path, exc) from None
 
 
-def rewrite_lines(path: Path, lines: list[bytes]) -> None:
-    """Replace `path` with `lines` atomically (`json_out.write_bytes_atomic`)."""
-    json_out.write_bytes_atomic(path, b"".join(line + b"\n" for line in lines))
+class _Prefix:
+    """The first `size` bytes of `source`, read in chunks (for `shutil.copyfileobj`)."""
+
+    def __init__(self, source: BinaryIO, size: int) -> None:
+        self.source, self.left = source, size
+
+    def read(self, count: int = -1) -> bytes:
+        count = self.left if count < 0 else min(count, self.left)
+        data = self.source.read(count)
+        self.left -= len(data)
+        return data

@@ -46,6 +46,7 @@ from torch import nn
 import memtrain.strategies.sharding.deepspeed_config as dsc
 import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 from memtrain import checkpoint as ckpt
+from memtrain import jsonfile
 from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
@@ -67,6 +68,7 @@ from memtrain.strategies.sharding.state_bytes import (
 )
 
 TAG = "state"
+SHARDING_JSON_BYTES = 4096  # {"world_size": .., "stage": ..}
 REFUSED_PRECISIONS = {
     "fp16-mixed": "DeepSpeed's fp16 loss scaler and memtrain's GradScaler would both scale; use bf16-mixed",
     "bf16-master": "DeepSpeed's bf16 mode already keeps fp32 master weights; use bf16-mixed",
@@ -238,7 +240,7 @@ class DeepSpeedBackend(ShardingBackend):
                 "own checkpoints: resume with strategies.sharding_backend=fsdp2"
             )
         source = path / sharded_checkpoint.DEEPSPEED_DIR
-        saved = json.loads((source / "sharding.json").read_text())
+        saved = _sharding_record(source / "sharding.json")
         if saved["world_size"] != env.world_size or saved["stage"] != self.stage:
             raise ckpt.CheckpointError(
                 f"{source}: saved by zero{saved['stage']} on {saved['world_size']} ranks; DeepSpeed partitions do not "
@@ -251,3 +253,14 @@ class DeepSpeedBackend(ShardingBackend):
             )
         if loaded is None:
             raise ckpt.CheckpointError(f"{source}: DeepSpeed found no checkpoint to load")
+
+
+def _sharding_record(file: Path) -> dict[str, int]:
+    """sharding.json (world size and stage), read bounded and never blocking; CheckpointError naming it."""
+    try:
+        saved = jsonfile.parse_json(jsonfile.read_regular_file(file, SHARDING_JSON_BYTES))
+    except (OSError, jsonfile.FileRefused) as exc:
+        raise ckpt.CheckpointError(f"{file}: unreadable ({exc})") from None
+    if not isinstance(saved, dict) or not all(type(saved.get(k)) is int for k in ("world_size", "stage")):
+        raise ckpt.CheckpointError(f"{file}: damaged (world_size and stage must be integers)")
+    return saved

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import stat
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,9 +43,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from memtrain import jsonfile
 from memtrain.checkpoint import CheckpointError, load_weights_only
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+MAX_DCP_METADATA_BYTES = 256 * 2**20  # DCP's index of a checkpoint: kilobytes per tensor
 DCP_METADATA_GLOBALS = frozenset(
     {
         *(
@@ -93,9 +96,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """A DCP checkpoint's `.metadata` file, unpickled with the allow-list (`CheckpointError` naming it)."""
-    try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle, path).load()
+    try:  # a regular file, not a symlink, bounded, never blocking (a FIFO hung resume under the lock)
+        data = jsonfile.read_regular_file(path, MAX_DCP_METADATA_BYTES)
+        metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
     except CheckpointError:
         raise
     except Exception as exc:  # truncated or foreign bytes: any of pickle's and the classes' errors
@@ -116,6 +119,11 @@ class SafeFileSystemReader(FileSystemReader):
     def checked(cls, source: Path) -> SafeFileSystemReader:
         reader = cls(str(source))
         read_dcp_metadata(Path(reader._get_metadata_path()))  # one line naming the file, before DCP runs
+        for file in sorted(source.iterdir()):  # DCP opens its data files plainly: a FIFO would block it
+            if not stat.S_ISREG(file.lstat().st_mode):
+                raise CheckpointError(
+                    f"{file}: not a regular file (DCP writes only files); remove this checkpoint"
+                )
         return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
