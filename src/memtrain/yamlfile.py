@@ -81,9 +81,10 @@ def parse_yaml(text: str, source: str, key: str = "") -> Any:
             return None
         graph = _GraphSize(source)
         graph.measure(node, [key] if key else [], 0)
-        if graph.duplicate:  # after the size: a bomb that also repeats a key is reported as the bomb
+        data = loader.construct_document(node)  # safe once the size is bounded; a tag it refuses wins
+        if graph.duplicate:  # after the size and the tags: a bomb or a Python tag is reported as itself
             raise RecipeError([graph.duplicate], source)
-        return loader.construct_document(node)
+        return data
     finally:
         loader.dispose()
 
