@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Install what memtrain needs (scripts/setup.sh) and train a recipe (default: the embedded default
-# recipe, which trains on this CPU in about a minute). Extra arguments go to `memtrain train`.
+# Install the core package (scripts/setup.sh with no extras: the default recipe needs none, and DeepSpeed's
+# build alone took minutes) and train a recipe (default: recipes/default.yaml, which trains on this CPU in
+# about a minute). Extra arguments go to `memtrain train`. A recipe that needs an optional package is
+# refused by name with its install line; `bash scripts/setup.sh` installs every extra (scripts/test.sh
+# does). MEMTRAIN_EXTRAS / MEMTRAIN_DEEPSPEED=1 ask for more here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+MEMTRAIN_EXTRAS="${MEMTRAIN_EXTRAS-}" MEMTRAIN_DEEPSPEED="${MEMTRAIN_DEEPSPEED:-0}" bash scripts/setup.sh
 recipe="${1:-recipes/default.yaml}"
 shift || true
 exec .venv/bin/memtrain train "$recipe" "$@"
