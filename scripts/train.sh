@@ -6,7 +6,12 @@
 # does). MEMTRAIN_EXTRAS / MEMTRAIN_DEEPSPEED=1 ask for more here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MEMTRAIN_EXTRAS="${MEMTRAIN_EXTRAS-}" MEMTRAIN_DEEPSPEED="${MEMTRAIN_DEEPSPEED:-0}" bash scripts/setup.sh
+MEMTRAIN_EXTRAS="${MEMTRAIN_EXTRAS-}" MEMTRAIN_DEEPSPEED="${MEMTRAIN_DEEPSPEED:-0}" \
+  MEMTRAIN_PIP_NO_COMPILE="${MEMTRAIN_PIP_NO_COMPILE:-1}" bash scripts/setup.sh
+# One thread unless told otherwise: the default recipe's 0.8M-parameter model gains nothing from a second
+# (300 steps: 73 s on one, 81 s on two, scripts/test.sh), and on a busy machine threads that wait on each
+# other made its steps ten times slower.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 recipe="${1:-recipes/default.yaml}"
 shift || true
 exec .venv/bin/memtrain train "$recipe" "$@"
