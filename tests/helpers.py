@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +204,30 @@ def inflate_last_report(trainer: Any, over: float = 1.01) -> None:
     trainer.monitor.memory_reports[-1] = dataclasses.replace(
         report, peak_bytes=report.peak_bytes + extra, at_peak=at_peak
     )
+
+
+# The user's documents: README.md and the guides, whose commands run in tests (tests/test_readme.py).
+GUIDES = sorted((REPO / "docs/guides").glob("*.md"))
+
+
+def shell_commands(text: str) -> list[str]:
+    """The commands of the ```bash blocks of a markdown text, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(shlex.join(words))
+    return commands
+
+
+def plan_commands(docs: list[Path], besides: tuple[Path, ...] = ()) -> list[str]:
+    """Each `memtrain plan` command of `docs`, once, but those `besides` holds too."""
+    shown = {c for doc in besides for c in shell_commands(doc.read_text(encoding="utf-8"))}
+    commands = [c for doc in docs for c in shell_commands(doc.read_text(encoding="utf-8"))]
+    return list(dict.fromkeys(c for c in commands if c.startswith("memtrain plan ") and c not in shown))
+
+
+def command_id(command: str) -> str:
+    """A test id without spaces (tests/slow.txt lists node ids one a line)."""
+    return re.sub(r"[^\w.=-]+", "_", command.removeprefix("memtrain plan ").replace("recipes/", ""))

@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import re
+import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from memtrain.cli import main
 from memtrain.planner import model_probe
 
 import hf_cache
-from helpers import REPO, TINY_LLAMA, tiny_recipe_dict
+from helpers import REPO, TINY_LLAMA, command_id, plan_commands, tiny_recipe_dict
 
 RECIPES = sorted(str(p.relative_to(REPO / "recipes")) for p in (REPO / "recipes").rglob("*.yaml"))
 TARGETS = {  # the what-if each recipe's comments plan it for (default: one H100)
@@ -116,6 +117,19 @@ def test_every_shipped_recipe_plans_from_its_config_alone(
         assert doc["chosen"]["fits"] and doc["chosen"]["predicted"]["peak"] <= doc["budget"]["usable"]
         return
     assert doc["predicted"]["peak"] <= doc["budget"]["usable"]
+
+
+@pytest.mark.parametrize("command", plan_commands([REPO / "README.md"]), ids=command_id)
+def test_every_plan_command_of_the_readme_prints_a_plan(
+    config_alone: Callable[[str, str], Outcome], command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a fresh machine without a network runs it, from the repository's root; after the recipes' own
+    plans above, whose traces a command planning the same job reuses (`config_alone` shares them). The
+    guides' other commands: tests/test_readme.py (another file, so another worker)."""
+    monkeypatch.chdir(REPO)
+    rc, out, err = _run(shlex.split(command)[1:])
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    assert out.startswith("{") or "chosen" in out, out[-3000:]
 
 
 def test_validate_passes_and_says_what_train_needs(config_alone: Callable[[str, str], Outcome]) -> None:

@@ -7,7 +7,8 @@ Each of these is known before step 1, so each becomes one line naming the recipe
 
 - `recipe_problems(recipe)`: the checks `memtrain train` makes before it builds the model that need no
   model (the output directory, batch divisibility, a DeepSpeed JSON, quantisation without adapters, and
-  the planner's rules: choices that leave no plan able to run, whatever the memory, `planner.rules`);
+  the planner's rules: choices that leave no plan able to run, whatever the memory, `planner.rules`;
+  a logger whose package is not installed);
   `memtrain validate` runs them too. They write nothing and create no directory.
 - `model_problems(recipe, build_model)`: for `memtrain validate`, with the model built on the meta
   device: `memory.budget` against the weights of a pinned plan (an open recipe is judged by the planner).
@@ -38,6 +39,7 @@ from memtrain.run import RunLayout
 from memtrain.strategies.adapters import check_targets
 from memtrain.strategies.blocks import model_shape
 from memtrain.training import deepspeed_checks
+from memtrain.training.loggers import check_loggers
 
 
 def recipe_problems(recipe: Recipe, skip: Set[str] = frozenset()) -> list[str]:
@@ -50,6 +52,7 @@ def recipe_problems(recipe: Recipe, skip: Set[str] = frozenset()) -> list[str]:
         ({"model", "adapters"}, _quantization_problems),
         ({"strategies", "batch", "train"}, deepspeed_checks.recipe_problems),
         ({"strategies", "batch", "train", "model", "adapters"}, rules.rule_problems),
+        ({"output"}, _logger_problems),
     ]
     return [line for sections, check in checks if not sections & skip for line in check(recipe)]
 
@@ -115,6 +118,11 @@ def _mesh_problems(recipe: Recipe) -> list[str]:
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _logger_problems(recipe: Recipe) -> list[str]:
+    """A logger of `output.loggers` whose package is not installed (the train-only set-up has none)."""
+    return _problems_of(lambda: check_loggers(recipe.output.loggers))
 
 
 def _quantization_problems(recipe: Recipe) -> list[str]:
