@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,11 @@ from memtrain.cli import main
 from memtrain.plan import Plan
 
 import hf_cache
-from helpers import REPO
+from helpers import REPO, plan_commands
 
 QWEN3_30B_A3B = 30.5e9  # parameters, Qwen3-30B-A3B's model card ("30.5B in total, 3.3B activated")
+MOE_WHAT_IF = "memtrain plan --model Qwen/Qwen3-30B-A3B --gpu h100-80gb --world-size 8"
+QLORA_WHAT_IF = "memtrain plan --model meta-llama/Llama-3.1-8B --gpu rtx4090-24gb --qlora --write-recipe"
 
 
 def _run(argv: list[str]) -> tuple[int, str, str]:
@@ -51,7 +55,7 @@ def test_qlora_what_if_is_the_shipped_qlora_recipe(tmp_path: Path) -> None:
     checked against QLoRA's arithmetic in tests/pretrained/test_real_scale_recipe.py)."""
     written = tmp_path / "qlora.yaml"
     model = "meta-llama/Llama-3.1-8B"
-    doc = _plan(["--model", model, "--gpu", "rtx4090-24gb", "--qlora", "--write-recipe", str(written)])
+    doc = _plan([*shlex.split(QLORA_WHAT_IF)[2:], str(written)])
     assert doc["model_states"]["weights"] < 6 * 2**30 and doc["predicted"]["peak"] <= doc["budget"]["usable"]
     raw = yaml.safe_load(written.read_text())
     shipped = yaml.safe_load((REPO / "recipes/llama3-8b-qlora-24gb.yaml").read_text())
@@ -66,10 +70,18 @@ def test_qlora_what_if_is_the_shipped_qlora_recipe(tmp_path: Path) -> None:
     assert rc == 0 and "`train` needs its weights" in out, err
 
 
+def test_the_readmes_model_commands_are_the_ones_this_file_plans() -> None:
+    """The README's `plan --model` commands (its recipe plans run in tests/pretrained/) are this file's."""
+    readme = [c for c in plan_commands([REPO / "README.md"]) if " --model " in c]
+    assert readme, "README.md shows no `memtrain plan --model` command"
+    for command in readme:
+        assert re.sub(r"(--write-recipe) \S+", r"\1", command) in (MOE_WHAT_IF, QLORA_WHAT_IF), command
+
+
 def test_moe_what_if_on_eight_h100(capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen3-30B-A3B, full fine-tuning on 8 H100s: every expert trains, so the fp32 gradients are the whole
     model's over 8 ranks (within 0.5% of the published count)."""
-    rc, out, err = _run(["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpu", "h100-80gb", "--world-size", "8"])
+    rc, out, err = _run(shlex.split(MOE_WHAT_IF)[1:])
     assert rc == 0, err[-3000:]
     assert out.startswith("memtrain plan: --model Qwen/Qwen3-30B-A3B (sft) on 8 ranks\n")
     assert "shapes from memtrain's card for Qwen/Qwen3-30B-A3B; download the model to train" in err
