@@ -39,6 +39,7 @@ from memtrain.planner.allocation_trace import PieceKey
 CACHE_ENV = "MEMTRAIN_CACHE_DIR"
 FORMAT = 1  # the layout of a cache file; a file of another format is a miss
 MAX_FILE_BYTES = 256 * 2**20  # a deep clone's allocation log is megabytes
+KEEP_FILES = 2000  # per kind; the least recently written beyond it are removed (an 8B what-if writes ~50)
 
 
 def cache_dir() -> Path | None:
@@ -100,9 +101,7 @@ def store(key: str, trace: StepTrace) -> None:
     path = _path(key)
     if path is None:
         return
-    with contextlib.suppress(Exception):  # a full disk, a read-only home: the cache is an optimisation
-        path.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_bytes_atomic(path, json.dumps({"key": key, "trace": _trace_doc(trace)}).encode())
+    _write(path, {"key": key, "trace": _trace_doc(trace)})
 
 
 def load_numbers(key: str) -> list[int] | None:
@@ -121,12 +120,11 @@ def load_numbers(key: str) -> list[int] | None:
 
 
 def store_numbers(key: str, numbers: list[int]) -> None:
+    """Keep `numbers` under `key` (`load_numbers`)."""
     path = _path(key, "numbers")
     if path is None:
         return
-    with contextlib.suppress(Exception):  # the cache is an optimisation
-        path.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_bytes_atomic(path, json.dumps({"key": key, "numbers": numbers}).encode())
+    _write(path, {"key": key, "numbers": numbers})
 
 
 def numbers_key(*parts: object) -> str | None:
@@ -134,6 +132,18 @@ def numbers_key(*parts: object) -> str | None:
     if cache_dir() is None:
         return None
     return "\n".join([f"format {FORMAT}", *(repr(p) for p in parts), f"memtrain {_sources()}"])
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    """`doc` to `path` atomically, then the oldest files of its directory beyond `KEEP_FILES` removed (every
+    change of memtrain or of a distribution leaves the files of the old keys unread); failures skipped."""
+    with contextlib.suppress(Exception):  # a full disk, a read-only home: the cache is an optimisation
+        path.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_bytes_atomic(path, json.dumps(doc).encode())
+        files = [f for f in path.parent.iterdir() if f.suffix == ".json"]
+        if len(files) > KEEP_FILES:
+            for old in sorted(files, key=lambda f: f.stat().st_mtime)[: len(files) - KEEP_FILES]:
+                old.unlink(missing_ok=True)
 
 
 def _path(key: str, kind: str = "traces") -> Path | None:
