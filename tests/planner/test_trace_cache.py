@@ -67,12 +67,21 @@ def test_a_cached_trace_is_the_trace(
     assert traces == [1, 2] * 4
 
 
-def test_a_plan_from_the_cache_is_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole `--json` document of a what-if, cold and from the cache, and without the cache."""
+@pytest.mark.parametrize("config", [MODEL, {**MODEL, "num_hidden_layers": 2}], ids=["clone", "whole"])
+def test_a_plan_from_the_cache_is_the_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]
+) -> None:
+    """The whole `--json` document of a CUDA what-if (its reserved bytes replayed), without the cache,
+    writing it and reading it: the optimisation on and off predict the same, to the byte. Five blocks are
+    traced as a three-block clone, two are traced whole (model_probe.py): both paths to a trace."""
     gpu = load_gpu("h100-80gb")
+    sections = {
+        "model": {"config": config},
+        "strategies": {"checkpointing": "full", "optimizer_states": "fp32"},
+    }
 
     def planned(name: str) -> dict[str, Any]:
-        trainer = CausalLMTrainer(planner_recipe(tmp_path / name))
+        trainer = CausalLMTrainer(planner_recipe(tmp_path / name, **sections))
         result = plan_what_if(trainer.recipe, trainer.model_spec(), 1, gpu=gpu, progress=lambda _l: None)
         return to_json(result)
 
@@ -80,7 +89,10 @@ def test_a_plan_from_the_cache_is_the_plan(tmp_path: Path, monkeypatch: pytest.M
     without = planned("off")
     monkeypatch.setenv("MEMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     assert planned("cold") == without
+    assert len(list((tmp_path / "cache/traces").iterdir())) >= 2
+    assert len(list((tmp_path / "cache/numbers").iterdir())) >= 1, "a replay of the reserved bytes kept"
     assert planned("warm") == without
+    assert without["candidates"] and all(c["predicted_reserved"] for c in without["candidates"][:1])
 
 
 def test_other_keys_and_planted_files_are_misses(

@@ -48,7 +48,9 @@ count and default dtype, nothing else, so two probes of equal `ModelSpec.trace_k
 only where its key determines its hooks) with the same hook functions can share it. A program plans one job
 and needs none of this; a test suite that plans the same tiny model in a hundred tests turns it on. It is
 off by default because what the key cannot see (a hook patched from outside, a kernel swapped in torch)
-would be shared too; and a trace on real tensors (trace_fallback.py) is never shared.
+would be shared too; and a trace on real tensors (trace_fallback.py) is never shared. Between programs
+(a what-if asked again), trace_cache.py keeps the same traces on disk under the same conditions, with the
+hooks' code and memtrain's own sources in the key, on unless `MEMTRAIN_CACHE_DIR=off`.
 """
 
 from __future__ import annotations
