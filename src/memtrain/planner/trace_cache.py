@@ -5,7 +5,8 @@ Why it is safe to reuse a trace: a traced size (activations.trace_step) is a fun
 the size's strategies and rows, the adapters, the base quantisation and torch's thread count and default
 dtype (model_probe.py, "Why traces can be shared"), run by this installation's code. The key holds all of
 them: the trainer's `ModelSpec.trace_key` (a spec without one is never cached), each hook's code (its file's
-bytes, name and line), the strategies as their classes and fields, every installed distribution's version
+bytes, name and line), the strategies as their classes and fields, the CPU's instruction set and the
+PYTORCH_/TORCH_ settings of the environment (a cache shared between machines), every installed distribution's version
 (torch, transformers, a kernel hub package that swaps a layer's forward) and the bytes of every memtrain
 source file (any change to the planner, the tracker or a strategy makes new keys). A file is the key's
 digest; the key itself is stored in it and compared whole on reading, so a digest collision, a stale
@@ -27,10 +28,13 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import sys
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from memtrain import json_out
 from memtrain.planner.activations import Segment, SegmentKey, StepTrace
@@ -74,6 +78,7 @@ def disk_key(
         "size " + ", ".join(_value_text(v) for v in size),
         "strategies " + ", ".join(_value_text(v) for v in strategies),
         f"threads {threads!r}",
+        f"machine {_machine()}",
         f"installed {_installed()}",
         f"memtrain {_sources()}",
     ]
@@ -171,6 +176,14 @@ def _value_text(value: object) -> str:
     """A strategy, dtype or number as text that names its class too (two classes may share a name)."""
     kind = type(value)
     return f"{kind.__module__}.{kind.__qualname__}:{value!r}"
+
+
+def _machine() -> str:
+    """What picks this process's CPU kernels (a cache directory shared between machines, an environment
+    that selects another attention or allocator path): the CPU's instruction set torch dispatches for and
+    the torch settings of the environment."""
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(("PYTORCH_", "TORCH_")))
+    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} {settings!r}"
 
 
 @functools.cache
