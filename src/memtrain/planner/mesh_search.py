@@ -185,7 +185,7 @@ def search_meshes(
 ) -> MeshResult:
     """Score every (mesh, plan) of the recipe on `target` (its world size, budget and device); `PlanError`
     naming the keys when no mesh can run the job."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     base = probe_for(1)
     full_seq = base.seq_len
     scorings: dict[tuple[int, int, int], Scoring | str] = {}
@@ -226,8 +226,15 @@ def search_meshes(
         reasons = "\n".join(f"  {mesh}: {why}" for mesh, why in excluded) or "  (no candidate)"
         raise PlanError(f"no mesh of {target.world_size} ranks can run this job:\n{reasons}")
     usable = target.budget.usable
+    meshes = len({row.mesh.degrees for row in found})
+    base.progress(
+        f"scored {len(found)} plans on {meshes} meshes ({len(scorings)} data-parallel arrangements) in "
+        f"{time.process_time() - cpu:.1f} s of CPU"
+    )
     if target.device_type == "cuda":
+        cpu = time.process_time()
         found = _with_reserved(found, recipe, target, base.num_blocks, owners)
+        base.progress(f"reserved bytes of the fastest meshes in {time.process_time() - cpu:.1f} s of CPU")
     ranked = tuple(sorted((f for f in found if f.required <= usable), key=MeshScored.order))
     misfits = sorted((f for f in found if f.required > usable), key=MeshScored.order)
     return MeshResult(

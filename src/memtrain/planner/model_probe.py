@@ -48,7 +48,9 @@ count and default dtype, nothing else, so two probes of equal `ModelSpec.trace_k
 only where its key determines its hooks) with the same hook functions can share it. A program plans one job
 and needs none of this; a test suite that plans the same tiny model in a hundred tests turns it on. It is
 off by default because what the key cannot see (a hook patched from outside, a kernel swapped in torch)
-would be shared too; and a trace on real tensors (trace_fallback.py) is never shared.
+would be shared too; and a trace on real tensors (trace_fallback.py) is never shared. Between programs
+(a what-if asked again), trace_cache.py keeps the same traces on disk under the same conditions, with the
+hooks' code and memtrain's own sources in the key, on unless `MEMTRAIN_CACHE_DIR=off`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from torch import nn
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory import fake_tensors
 from memtrain.memory.footprint import ModelShape
-from memtrain.planner import activations
+from memtrain.planner import activations, trace_cache
 from memtrain.planner.activations import (
     MICRO_STEPS,
     FittedTrace,
@@ -126,6 +128,8 @@ class ModelProbe:
     _steps: dict[tuple[object, ...], StepTrace] = field(init=False, default_factory=dict)
     _failed: dict[TraceKey, Unsupported] = field(init=False, default_factory=dict)
     _param_keys: dict[str, ParamKey] = field(init=False)  # every parameter's (block, name in block)
+    sizes_traced: int = field(init=False, default=0)  # traced sizes run by this probe (progress lines)
+    sizes_read: int = field(init=False, default=0)  # traced sizes read from the trace cache
 
     def __post_init__(self) -> None:
         try:
@@ -269,10 +273,19 @@ class ModelProbe:
                     whole,
                     self.block_segments,
                 )
-                shared = self._shared_key(size)
+                shared = self._shared_key(size, on_disk=True)
                 if shared is not None and _shared is not None and shared in _shared:
                     self._steps[size] = _shared[shared]
+                on_disk = None if size in self._steps else self._disk_key(size, shared)
+                if on_disk is not None:
+                    stored = trace_cache.load(on_disk)
+                    if stored is not None:
+                        self._steps[size] = stored
+                        self.sizes_read += 1
+                        if shared is not None and _shared is not None:
+                            _shared[shared] = stored
                 if size not in self._steps:
+                    self.sizes_traced += 1
                     self._steps[size] = trace_step(
                         build,
                         self.spec.blocks,
@@ -290,6 +303,8 @@ class ModelProbe:
                     )
                     if shared is not None and _shared is not None:
                         _shared[shared] = self._steps[size]
+                    if on_disk is not None:
+                        trace_cache.store(on_disk, self._steps[size])
                 return self._steps[size]
 
             def traced(build: Callable[[], nn.Module] = build) -> FittedTrace:
@@ -349,11 +364,15 @@ class ModelProbe:
     def _batch(self, rows: int) -> Batch:
         return self.spec.micro_batch(rows)
 
-    def _shared_key(self, size: tuple[object, ...]) -> Hashable | None:
-        """What a traced `size` of this probe is shared under in `shared_traces()`; None: not shared (off, no
-        `trace_key`, a hook that is not a plain function or method, or a trace on anything but the fake
-        tensors `trace_step` makes)."""
-        if _shared is None or self.spec.trace_key is None or activations.fake_tensors is not fake_tensors:
+    def _shared_key(self, size: tuple[object, ...], on_disk: bool = False) -> Hashable | None:
+        """What a traced `size` of this probe is shared under in `shared_traces()` (`on_disk`: or stored
+        under in the trace cache, trace_cache.py, when that is on); None: not shared (off, no `trace_key`, a
+        hook that is not a plain function or method, or a trace on anything but the fake tensors
+        `trace_step` makes)."""
+        cached = on_disk and trace_cache.cache_dir() is not None
+        if (_shared is None and not cached) or self.spec.trace_key is None:
+            return None
+        if activations.fake_tensors is not fake_tensors:
             return None
         spec = self.spec
         hooks = tuple(_hook_identity(h) for h in (spec.build_model, spec.blocks, spec.micro_batch, spec.loss))
@@ -363,6 +382,20 @@ class ModelProbe:
         hooks += (clone,)
         threads = (torch.get_num_threads(), torch.get_default_dtype())
         return (spec.trace_key, hooks, size, self.adapters, self.quantization, threads)
+
+    def _disk_key(self, size: tuple[object, ...], shared: Hashable | None) -> str | None:
+        """The trace cache's key of the traced `size` (None: not cached; `shared`, its `_shared_key`, is None
+        for every probe whose traces may not be shared)."""
+        if shared is None or trace_cache.cache_dir() is None:
+            return None
+        spec = self.spec
+        return trace_cache.disk_key(
+            spec.trace_key,
+            (spec.build_model, spec.blocks, spec.micro_batch, spec.loss, spec.build_clone),
+            size,
+            (self.adapters, self.quantization),
+            (torch.get_num_threads(), torch.get_default_dtype()),
+        )
 
 
 def _hook_identity(hook: Callable[..., object] | None) -> Hashable | None:

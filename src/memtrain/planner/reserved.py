@@ -32,10 +32,12 @@ is the share added for these before a plan's reserved bytes are held to the budg
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 
 from memtrain.memory.caching_allocator import replay
 from memtrain.memory.cuda_stats import expandable_segments_enabled, expandable_segments_in_environment
+from memtrain.planner import trace_cache
 from memtrain.planner.allocation_trace import AllocationFit, whole_depth
 from memtrain.planner.memory_model import Prediction, Traces
 
@@ -63,6 +65,7 @@ class ReservedModel:
         self.num_blocks, self.expandable, self.margin = num_blocks, expandable, margin
         self._cache: dict[tuple[int, int, bool, bool], Overhead] = {}
         self._kept: dict[int, AllocationFit] = {}  # the fits the cache's ids name, kept alive
+        self.replays = self.read = 0  # sequences replayed, and read from the trace cache (progress lines)
 
     def apply(
         self, prediction: Prediction, traces: Traces, tokens: int, accumulated: bool, replicated: bool
@@ -100,12 +103,37 @@ class ReservedModel:
         key = (id(fit), tokens, accumulated, replicated)
         if key not in self._cache:
             self._kept[id(fit)] = fit
+            stored = trace_cache.numbers_key(
+                "reserved overhead",
+                _digest(fit),
+                self.num_blocks,
+                depth,
+                tokens,
+                accumulated,
+                replicated,
+                STEPS,
+            )
+            found = trace_cache.load_numbers(stored) if stored is not None else None
+            if found is not None and len(found) == 2:
+                self._cache[key] = Overhead(*found)
+                self.read += 1
+                return self._cache[key]
             pieces = fit.at(tokens, kept_gradients=replicated)
             if not accumulated:  # one micro-step a step: the later micro-step's pieces are not run
                 pieces = tuple(piece for piece in pieces if piece[0].micro_step != "later")
             events = whole_depth(pieces, self.num_blocks, depth, steps=STEPS).events
+            self.replays += 1
             default, grown = replay(events), replay(events, expandable_segments=True)
             self._cache[key] = Overhead(
                 default.reserved_peak - default.allocated_peak, grown.reserved_peak - grown.allocated_peak
             )
+            if stored is not None:
+                trace_cache.store_numbers(stored, [self._cache[key].default, self._cache[key].expandable])
         return self._cache[key]
+
+
+def _digest(fit: AllocationFit) -> str:
+    """A digest of everything `fit` holds (the trace cache's key of its replays: equal digests, equal
+    sequences)."""
+    text = repr((fit.keys, fit.ids, fit.intercept, fit.slope, sorted(fit.gradients)))
+    return hashlib.sha256(text.encode()).hexdigest()

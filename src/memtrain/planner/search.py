@@ -9,6 +9,7 @@ picks the same plan.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,8 +77,14 @@ def search(
     # a mesh pinned on this CPU: each candidate's busiest rank traced as the trainer runs it (rank_trace.py);
     # its kernels are this CPU's, so a CUDA target keeps the traces of one device with the states divided
     on_a_mesh = target.mesh is not None and not target.mesh.is_flat and target.device_type == "cpu"
+    started, before = time.process_time(), (probe.sizes_traced, probe.sizes_read)
     scoring = score_candidates(
         recipe, probe, target, device, cost=cost, correction=correction, rank_traces=on_a_mesh
+    )
+    traced, read = probe.sizes_traced - before[0], probe.sizes_read - before[1]
+    probe.progress(
+        f"scored {len(scoring.scored)} candidates in {time.process_time() - started:.1f} s of CPU "
+        f"({traced} sizes traced, {read} read from the trace cache)"
     )
     grid, evaluation, scored, excluded = scoring.grid, scoring.evaluation, scoring.scored, scoring.excluded
     untraceable = scoring.untraceable
@@ -89,7 +96,12 @@ def search(
         reserved = ReservedModel(
             probe.num_blocks, expandable, reserved_margin(recipe.planner.reserved_margin)
         )
+        started = time.process_time()
         scored = _with_reserved(scored, evaluation, reserved, target.budget.usable)
+        probe.progress(
+            f"reserved bytes: {reserved.replays} allocation sequences replayed at {probe.num_blocks} blocks "
+            f"in {time.process_time() - started:.1f} s of CPU ({reserved.read} read from the trace cache)"
+        )
     ranked, infeasible = rank(scored, target.budget.usable)
     if not ranked:
         raise PlanError(
