@@ -339,6 +339,32 @@ def test_deepspeed_files_load_weights_only_on_export(
 
 
 @pytest.mark.distributed
+def test_a_fifo_among_the_deepspeed_files_is_one_line_not_a_hang(
+    deepspeed_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hole (issue 43): DeepSpeed opens its files plainly, so a FIFO in place of one (here rank 1's
+    optimizer states) made export, and a resume under the run's lock, wait for a writer forever."""
+    recipe, step = _copy(deepspeed_run, tmp_path)
+    fifo = next((step / "deepspeed").rglob(DEEPSPEED_FILES[2]))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(_export(recipe, tmp_path)), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # unblock the reader so the test process can end, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+    assert done == [2], done
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memtrain: error:")]
+    assert len(errors) == 1 and fifo.name in errors[0] and "not a regular file" in errors[0], errors
+    done_resume = _two_ranks(recipe, "train.steps=3", "--resume")
+    assert done_resume.returncode != 0 and "not a regular file" in done_resume.stderr, done_resume.stderr[
+        -3000:
+    ]
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", [DEEPSPEED_FILES[0], DEEPSPEED_FILES[2]])
 def test_deepspeed_files_load_weights_only_on_resume(deepspeed_run: Path, tmp_path: Path, name: str) -> None:
     """Hole: DeepSpeed's TorchCheckpointEngine.load ran torch.load(weights_only=False) on resume. The model

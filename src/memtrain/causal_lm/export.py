@@ -271,6 +271,7 @@ def _deepspeed_model_state(source: Path) -> dict[str, torch.Tensor]:
             f"{source}: written by DeepSpeed; exporting it needs deepspeed: pip install 'memtrain[deepspeed]'"
         ) from None
     tag = DEEPSPEED_TAG if (source / DEEPSPEED_TAG).is_dir() else None
+    safe_readers.only_regular_files(source, "DeepSpeed")
     try:
         with safe_readers.zero_to_fp32_reads_safely() as zero_to_fp32:
             state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(source), tag=tag)

@@ -247,6 +247,7 @@ class DeepSpeedBackend(ShardingBackend):
                 f"reshard: resume with zero{saved['stage']} on {saved['world_size']} ranks (or convert it with "
                 "DeepSpeed's zero_to_fp32.py and start from those weights)"
             )
+        safe_readers.only_regular_files(source, "DeepSpeed")
         with safe_readers.deepspeed_reads_safely(model):
             loaded, _ = model.load_checkpoint(  # type: ignore[operator]
                 str(source), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pickle
 import stat
 import types
@@ -108,6 +109,21 @@ def read_dcp_metadata(path: Path) -> Metadata:
     return metadata
 
 
+def only_regular_files(source: Path, writer: str, *, folders: bool = True) -> None:
+    """`CheckpointError` naming the first entry under `source` that is not a regular file (nor, with
+    `folders`, a folder): a FIFO, a device, a socket, a symlink. `writer` (DCP, DeepSpeed) opens its files
+    plainly, so a FIFO would block the read forever (under the run's lock on resume) and a symlink would read
+    outside the run. DCP writes one flat folder (`folders=False`), DeepSpeed a tree."""
+    for folder, inner, files in os.walk(source):  # os.walk lists a symlinked folder, never enters it
+        for name in sorted([*inner, *files]):
+            entry = Path(folder) / name
+            mode = entry.lstat().st_mode
+            if not (stat.S_ISREG(mode) or (folders and stat.S_ISDIR(mode))):
+                raise CheckpointError(
+                    f"{entry}: not a regular file ({writer} writes only files); remove this checkpoint"
+                )
+
+
 class SafeFileSystemReader(FileSystemReader):
     """torch's `FileSystemReader` whose metadata is read by `read_dcp_metadata`, not `pickle.load`.
 
@@ -119,11 +135,9 @@ class SafeFileSystemReader(FileSystemReader):
     def checked(cls, source: Path) -> SafeFileSystemReader:
         reader = cls(str(source))
         read_dcp_metadata(Path(reader._get_metadata_path()))  # one line naming the file, before DCP runs
-        for file in sorted(source.iterdir()):  # DCP opens its data files plainly: a FIFO would block it
-            if not stat.S_ISREG(file.lstat().st_mode):
-                raise CheckpointError(
-                    f"{file}: not a regular file (DCP writes only files); remove this checkpoint"
-                )
+        only_regular_files(
+            source, "DCP", folders=False
+        )  # DCP opens its data files plainly: a FIFO would block it
         return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
