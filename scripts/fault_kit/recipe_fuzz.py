@@ -272,7 +272,8 @@ def code_in_yaml(rng: random.Random, raw: dict[str, Any], fields: list[Leaf], ma
     arg = f"['{marker}']" if "touch" in tag else f"['touch {marker}']"
     key = rng.choice(("run.name", "train.steps", "extra"))
     section, _, name = key.rpartition(".")
-    text = _dump(raw) + (f"{section}:\n  {name}: {tag} {arg}\n" if section else f"{name}: {tag} {arg}\n")
+    rest = {k: v for k, v in raw.items() if k != section}  # the section once: a repeated key is refused
+    text = _dump(rest) + (f"{section}:\n  {name}: {tag} {arg}\n" if section else f"{name}: {tag} {arg}\n")
     return Mutant("python tag (must not run)", tag, text, "malformed YAML at line")
 
 
@@ -291,7 +292,8 @@ def deep_nesting(rng: random.Random, raw: dict[str, Any], fields: list[Leaf]) ->
     value = opener * depth + "1" + closer * depth
     if leaf.key.count(".") > 1:  # keep it one level under a section: the nested value is the whole section
         name = leaf.key.split(".")[1]
-    text = _dump(raw) + f"{section}:\n  {name}: {value}\n"  # a later duplicate section replaces the first
+    rest = {k: v for k, v in raw.items() if k != section}  # the section once: a repeated key is refused
+    text = _dump(rest) + f"{section}:\n  {name}: {value}\n"
     expect = "nested too deeply" if depth >= 500 else f"{section}.{name}"
     return Mutant("deep nesting", f"{section}.{name} nested {depth} deep", text, expect)
 
