@@ -17,8 +17,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from memtrain.errors import MemtrainError
 
@@ -57,13 +58,19 @@ def write_atomic(path: Path, data: Any) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically, through a new temporary file of its own next to it (never a
-    name a symlink could be planted at), fsync'd; an `OSError` removes it and is `write_error`'s line."""
+    """Replace `path` with `data` atomically (`replace_atomic`)."""
+    replace_atomic(path, lambda out: out.write(data))
+
+
+def replace_atomic(path: Path, fill: Callable[[BinaryIO], object]) -> None:
+    """Replace `path` with what `fill` writes, atomically: through a new temporary file of its own next to it
+    (never a name a symlink could be planted at), fsync'd, renamed over it; an `OSError` removes it and is
+    `write_error`'s line."""
     tmp: str | None = None
     try:
         handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(handle, "wb") as out:
-            out.write(data)
+            fill(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

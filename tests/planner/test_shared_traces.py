@@ -25,20 +25,6 @@ def off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_probe, "_shared", None)
 
 
-@pytest.fixture
-def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of every `trace_step` the probes run."""
-    calls: list[int] = []
-    real = model_probe.trace_step
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[6])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(model_probe, "trace_step", counting)
-    return calls
-
-
 def _fit(probe: ModelProbe) -> Any:
     return probe.trace(Precision(), NoCheckpointing(), (1, 2))
 

@@ -27,20 +27,6 @@ def alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_probe, "_shared", None)
 
 
-@pytest.fixture
-def traces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of every `trace_step` the probes run."""
-    calls: list[int] = []
-    real = model_probe.trace_step
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[6])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(model_probe, "trace_step", counting)
-    return calls
-
-
 def _probe(tmp_path: Path, **sections: dict[str, Any]) -> ModelProbe:
     return ModelProbe(CausalLMTrainer(planner_recipe(tmp_path, **sections)).model_spec())
 

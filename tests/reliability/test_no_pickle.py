@@ -108,6 +108,20 @@ def _export(recipe: Path, tmp_path: Path) -> int:
     return main(["export", str(recipe.parent / "run"), "--out", str(tmp_path / "hf")])
 
 
+def _export_beside_a_fifo(recipe: Path, tmp_path: Path, fifo: Path) -> int | None:
+    """`_export`'s exit code, or None when it still waits on `fifo` after 60 s (then unblocked, so the test
+    process can end)."""
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(_export(recipe, tmp_path)), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        return None
+    return done[0]
+
+
 # ------------------------------------------------------------------------------------- replicated
 
 
@@ -211,14 +225,7 @@ def test_a_fifo_among_the_dcp_files_is_one_line_not_a_hang(
     data = sorted((step / "dcp").glob("*.distcp"))[0]
     data.unlink()
     os.mkfifo(data)
-    done: list[int] = []
-    thread = threading.Thread(target=lambda: done.append(_export(recipe, tmp_path)), daemon=True)
-    thread.start()
-    thread.join(60)
-    if thread.is_alive():  # unblock the reader so the test process can end, then fail
-        os.close(os.open(data, os.O_WRONLY | os.O_NONBLOCK))
-        thread.join(10)
-    assert done == [2], done
+    assert _export_beside_a_fifo(recipe, tmp_path, data) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memtrain: error:")]
     assert len(errors) == 1 and data.name in errors[0] and "not a regular file" in errors[0], errors
 
@@ -348,14 +355,7 @@ def test_a_fifo_among_the_deepspeed_files_is_one_line_not_a_hang(
     fifo = next((step / "deepspeed").rglob(DEEPSPEED_FILES[2]))
     fifo.unlink()
     os.mkfifo(fifo)
-    done: list[int] = []
-    thread = threading.Thread(target=lambda: done.append(_export(recipe, tmp_path)), daemon=True)
-    thread.start()
-    thread.join(60)
-    if thread.is_alive():  # unblock the reader so the test process can end, then fail
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        thread.join(10)
-    assert done == [2], done
+    assert _export_beside_a_fifo(recipe, tmp_path, fifo) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memtrain: error:")]
     assert len(errors) == 1 and fifo.name in errors[0] and "not a regular file" in errors[0], errors
     done_resume = _two_ranks(recipe, "train.steps=3", "--resume")

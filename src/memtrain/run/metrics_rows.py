@@ -12,11 +12,9 @@ symlink, and the kept rows are written to a new file renamed over the old one (n
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
@@ -81,21 +79,8 @@ def _append_rest(source: BinaryIO, to: Path) -> int:
 
 
 def _replace_with_prefix(source: BinaryIO, size: int, path: Path) -> None:
-    """Replace `path` with the first `size` bytes of `source`, through a new file of its own (`mkstemp`)
-    renamed over it; an `OSError` removes it and is `json_out.write_error`'s line."""
-    tmp: str | None = None
-    try:
-        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(handle, "wb") as out:
-            shutil.copyfileobj(_Prefix(source, size), out, CHUNK_BYTES)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise json_out.write_error(path, exc) from None
+    """Replace `path` with the first `size` bytes of `source`, atomically (`json_out.replace_atomic`)."""
+    json_out.replace_atomic(path, lambda out: shutil.copyfileobj(_Prefix(source, size), out, CHUNK_BYTES))
 
 
 class _Prefix:
