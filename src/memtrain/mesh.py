@@ -11,6 +11,11 @@ orders them: `pp` (pipeline stages), `dp_replicate` (HSDP's replicas), `dp_shard
 in that mixed radix (tp fastest). The data-parallel ranks are replicas x shards: each reads its own samples,
 and the tensor, context and pipeline ranks of one data-parallel rank read the same ones.
 
+`ep` (expert parallelism) is not a factor of the world size: as in torchtitan it borrows ranks from the
+FSDP shard group. The experts of a mixture-of-experts layer are split over `ep` consecutive `dp_shard`
+ranks, which send each token to its expert's rank and back (all-to-all); every other weight is sharded over
+the whole shard group as before. So `ep` divides `dp_shard`, and `dp_shard // ep` ranks share each expert.
+
 A recipe gives each degree as an int or `auto`. `resolve` fills the autos from the world size: one auto
 takes the ranks the pinned degrees leave (`dp_shard` first, then `dp_replicate`, `tp`, `cp`, `pp`) and the
 others are 1. `dp_shard: auto` with the rest 1 is the default, so a recipe that never names a mesh is 1-D
@@ -46,6 +51,19 @@ class MeshShape:
     tp: int = 1
     sequence_parallel: bool = True
     pp_schedule: str = "1f1b"
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"strategies.mesh.ep: {self.ep} expert-parallel ranks do not divide the shard group "
+                f"(dp_shard {self.dp_shard}); choose an ep that divides it"
+            )
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks that share each expert (FSDP over the shard group outside expert parallelism)."""
+        return self.dp_shard // self.ep
 
     @classmethod
     def flat(cls, world_size: int) -> MeshShape:
@@ -113,9 +131,10 @@ class MeshShape:
 
     def describe(self) -> str:
         """E.g. `dp_replicate 2 x dp_shard 2 x tp 2 (sequence parallel)`; `dp 4` for a flat mesh."""
-        if self.is_flat:
+        if self.is_flat and self.ep == 1:
             return f"dp {self.dp_shard}"
         named = " x ".join(f"{dim} {getattr(self, dim)}" for dim in DIMS if getattr(self, dim) > 1)
+        named += f" (ep {self.ep})" if self.ep > 1 else ""
         notes = ["sequence parallel"] if self.tp > 1 and self.sequence_parallel else []
         notes += [self.pp_schedule] if self.pp > 1 else []
         return (named or "1 rank") + (f" ({', '.join(notes)})" if notes else "")
@@ -130,7 +149,7 @@ class MeshShape:
         if not isinstance(data, Mapping) or set(data) - known:
             raise ValueError(f"not a mesh: {data!r}")
         values = {k: v for k, v in data.items()}
-        for dim in DIMS:
+        for dim in (*DIMS, "ep"):
             if dim in values and not (isinstance(values[dim], int) and values[dim] >= 1):
                 raise ValueError(f"mesh degree {dim} must be a positive int (it was {values[dim]!r})")
         if not isinstance(values.get("sequence_parallel", True), bool):
@@ -145,9 +164,11 @@ def resolve(
     world_size: int,
     sequence_parallel: bool = True,
     pp_schedule: str = "1f1b",
+    ep: int = 1,
 ) -> MeshShape:
-    """The mesh of `world_size` ranks that `degrees` (each an int or `auto`) describes; `ValueError` naming
-    the key when the degrees cannot multiply to the world size."""
+    """The mesh of `world_size` ranks that `degrees` (each an int or `auto`) describes, with `ep` expert-
+    parallel ranks in its shard group; `ValueError` naming the key when the degrees cannot multiply to the
+    world size or `ep` does not divide the shard group."""
     pinned = {dim: int(v) for dim, v in degrees.items() if v != "auto"}
     open_dims = [dim for dim in DIMS if degrees.get(dim, 1) == "auto"]
     product = math.prod(pinned.values())
@@ -168,4 +189,4 @@ def resolve(
             )
         filled[next(dim for dim in TAKES_THE_REST if dim in open_dims)] = rest
     values = {dim: pinned.get(dim, filled.get(dim, 1)) for dim in DIMS}
-    return MeshShape(**values, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule)
+    return MeshShape(**values, sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, ep=ep)

@@ -174,7 +174,8 @@ def mesh_of(recipe: Recipe, world_size: int) -> MeshShape:
     config = recipe.strategies.mesh
     degrees = {dim: getattr(config, dim) for dim in DIMS}
     try:
-        return resolve(degrees, world_size, config.sequence_parallel, config.pp_schedule)
+        ep = 1 if config.ep == "auto" else config.ep  # an open ep is the mesh search's to choose
+        return resolve(degrees, world_size, config.sequence_parallel, config.pp_schedule, ep)
     except ValueError as exc:
         raise RecipeError([str(exc)]) from None
 
@@ -182,6 +183,10 @@ def mesh_of(recipe: Recipe, world_size: int) -> MeshShape:
 def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
     """What this version cannot run of a resolved mesh on `device_type`, one line each naming the key."""
     problems = []
+    if mesh.ep > 1:
+        problems.append(
+            f"strategies.mesh.ep: {mesh.ep} expert-parallel ranks are not run by this version; set it to 1"
+        )
     if mesh.cp > 1 and device_type not in RING_ATTENTION_DEVICES:
         problems.append(
             f"strategies.mesh.cp: {mesh.cp} ranks of context parallelism: torch has no context-parallel ring "

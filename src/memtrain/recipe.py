@@ -295,6 +295,9 @@ class MeshConfig(RecipeSection):
     tp: Degree = Field(default=1, description="Tensor-parallel degree (innermost: within a node).")
     pp: Degree = Field(default=1, description="Pipeline stages (outermost).")
     cp: Degree = Field(default=1, description="Context-parallel degree (CUDA only).")
+    ep: Degree = Field(
+        default=1, description="Expert-parallel degree: splits each MoE layer's experts within dp_shard."
+    )
     sequence_parallel: bool = Field(
         default=True, description="Under tp > 1, also shard norms and dropout along the sequence."
     )
@@ -302,7 +305,7 @@ class MeshConfig(RecipeSection):
         default="1f1b", description="Under pp > 1, the order stages run micro-batches in (torch's schedules)."
     )
 
-    @field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp")
+    @field_validator("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
     @classmethod
     def _positive(cls, value: Degree) -> Degree:
         if isinstance(value, int) and value < 1:

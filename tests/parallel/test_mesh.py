@@ -319,6 +319,20 @@ def test_mesh_of_names_the_key(tmp_path: Path) -> None:
         mesh_of(recipe, 4)
 
 
+def test_expert_parallelism_borrows_ranks_from_the_shard_group(tmp_path: Path) -> None:
+    """`ep` splits the shard group (not the world): it must divide dp_shard, and the rest share each expert."""
+    mesh = resolve({"dp_shard": "auto"}, 8, ep=4)
+    assert mesh.size == 8 and mesh.ep == 4 and mesh.expert_shards == 2
+    assert mesh.describe() == "dp_shard 8 (ep 4)"
+    assert MeshShape.from_dict(mesh.to_dict()) == mesh
+    with pytest.raises(ValueError, match="strategies.mesh.ep: 3"):
+        resolve({"dp_shard": "auto"}, 8, ep=3)
+    with pytest.raises(RecipeError, match="strategies.mesh.ep: 3 expert-parallel ranks do not divide"):
+        mesh_of(tiny_recipe(tmp_path, strategies={"mesh": {"ep": 3}}), 4)
+    assert mesh_of(tiny_recipe(tmp_path, strategies={"mesh": {"ep": 2}}), 4).ep == 2
+    assert mesh_of(tiny_recipe(tmp_path, strategies={"mesh": {"ep": "auto"}}), 4).ep == 1
+
+
 @pytest.mark.slow
 def test_hsdp_x_tp_on_eight_ranks_trains_as_one_process(tmp_path: Path) -> None:
     """The 3-D case: 2 replicas x 2 shards x 2 tensor ranks (sequence parallel), 8 processes; the tensor
