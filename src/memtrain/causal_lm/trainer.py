@@ -22,6 +22,7 @@ from torch import nn
 from memtrain.causal_lm import config_values, data_checks, pretrained
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import tokenizer as tokenizer_lib
+from memtrain.causal_lm.expert_parallel import family_layers
 from memtrain.causal_lm.pipeline import pipeline_problems, split_causal_lm
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.tensor_parallel import causal_lm_plan, tensor_parallel_problems
@@ -29,6 +30,7 @@ from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import ModelSpec
 from memtrain.recipe import Recipe
+from memtrain.strategies.expert_parallel import ExpertLayer
 from memtrain.strategies.loss import bound_loss
 from memtrain.training.trainer import Batch, Trainer
 
@@ -574,6 +576,10 @@ class CausalLMTrainer(Trainer):
         if problems:
             raise Unsupported(problems[0])
         return causal_lm_plan(model, self.env.shape.sequence_parallel)
+
+    def expert_parallel_plan(self, model: nn.Module) -> list[ExpertLayer] | None:
+        """The family's experts modules (`memtrain.causal_lm.expert_parallel`: a plan of ours, and why)."""
+        return family_layers(model, self.env.shape.ep) or None
 
     def pipeline_split(self, model: nn.Module, stage: int, stages: int) -> tuple[int, ...] | None:
         """Keep stage `stage`'s part of the model for `strategies.mesh.pp > 1` (`memtrain.causal_lm.pipeline`);

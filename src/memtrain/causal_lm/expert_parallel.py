@@ -1,0 +1,34 @@
+"""The built-in causal-LM trainer's expert-parallel plan: the transformers MoE families' experts modules.
+
+Why a plan of ours, not transformers' own `base_model_ep_plan` (`grouped_gemm` on the stacked weights,
+`ep_dispatch_experts` on the module): that plan is applied by transformers' `DistributedConfig` path, which
+shards the experts itself (`distribute_tensor` on its own EP mesh) and composes with its own FSDP, not with
+the run's one `DeviceMesh` and FSDP2 groups that `apply_strategies` builds; and its all-to-all (`AllToAllEP`)
+exchanges the counts inline, where the planner's rank trace, under torch's fake process group, must say how
+many rows each rank receives (`memtrain.strategies.expert_parallel.counts_from`). What is read from
+transformers is the same knowledge: which module holds the experts (its `gate_up_proj` and `down_proj`
+stacked over `num_experts`, the modules `base_model_ep_plan` names) and how it is called (after the family's
+router, with the top-k ids and weights), and each rank's experts are run by the family's own forward.
+Shared experts (qwen2_moe's `shared_expert`) are ordinary weights: data parallel like any other.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from memtrain.strategies.expert_parallel import ExpertLayer, grouped_forward
+
+
+def family_layers(model: nn.Module, ep: int) -> list[ExpertLayer]:
+    """The transformers MoE families' experts modules (`gate_up_proj` and `down_proj` stacked over
+    `num_experts`, called with the family's top-k routing), each run by its own forward on local experts."""
+    layers = []
+    for module in model.modules():
+        params = dict(module.named_parameters(recurse=False))
+        count = getattr(module, "num_experts", None)
+        if isinstance(count, int) and {"gate_up_proj", "down_proj"} <= set(params):
+            if all(p.dim() == 3 and p.shape[0] == count for p in params.values()):
+                layers.append(ExpertLayer(module, count, grouped_forward))
+                if count % ep == 0:
+                    module.num_experts = count // ep  # type: ignore[assignment]  # its forward's one-hot width
+    return layers
