@@ -10,10 +10,22 @@ transformers is the same knowledge: which module holds the experts (its `gate_up
 stacked over `num_experts`, the modules `base_model_ep_plan` names) and how it is called (after the family's
 router, with the top-k ids and weights), and each rank's experts are run by the family's own forward.
 Shared experts (qwen2_moe's `shared_expert`) are ordinary weights: data parallel like any other.
+
+The router's load-balancing loss (`router_loss`) is part of the training loss when the config asks for it
+(`output_router_logits`), as transformers adds it: `router_aux_loss_coef` x the family's
+`load_balancing_loss_func` over one forward's routing, so per micro-batch. The loop divides a micro-batch's
+summed loss by the global step's tokens, so the loss hook adds it times the micro-batch's tokens: the step's
+term is the token-weighted mean of the micro-batches' router losses, the same on one process and on any
+mesh that runs the same micro-batches (the routing happens on each rank, before the dispatch), and the same
+under accumulation. (Its product of two means over the routed tokens is not a sum over tokens, so no
+split of a micro-batch's rows computes the same value: a micro-batch is its unit, as in transformers.)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from memtrain.strategies.expert_parallel import ExpertLayer, grouped_forward
@@ -32,3 +44,12 @@ def family_layers(model: nn.Module, ep: int) -> list[ExpertLayer]:
                 if count % ep == 0:
                     module.num_experts = count // ep  # type: ignore[assignment]  # its forward's one-hot width
     return layers
+
+
+def router_loss(output: Any, config: Any, tokens: torch.Tensor) -> torch.Tensor | float:
+    """The forward's load-balancing loss (`aux_loss`, computed by the family when the config's
+    `output_router_logits` is set) x `router_aux_loss_coef` x the micro-batch's loss tokens; 0 without one."""
+    aux = getattr(output, "aux_loss", None)
+    if not isinstance(aux, torch.Tensor):
+        return 0.0
+    return aux * float(getattr(config, "router_aux_loss_coef", 0.0)) * tokens

@@ -22,7 +22,7 @@ from torch import nn
 from memtrain.causal_lm import config_values, data_checks, pretrained
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import tokenizer as tokenizer_lib
-from memtrain.causal_lm.expert_parallel import family_layers
+from memtrain.causal_lm.expert_parallel import family_layers, router_loss
 from memtrain.causal_lm.pipeline import pipeline_problems, split_causal_lm
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.tensor_parallel import causal_lm_plan, tensor_parallel_problems
@@ -610,10 +610,11 @@ class CausalLMTrainer(Trainer):
         if binding.strategy.applies_bare_head:
             check_bare_head_loss(self.model_config, binding.strategy.name)
         with binding.deferring_head():
-            output = model(input_ids=batch["input_ids"], use_cache=False, **positions).logits
+            output = model(input_ids=batch["input_ids"], use_cache=False, **positions)
         labels = batch["labels"]
-        loss_sum = binding(output, labels, data_lib.IGNORE_INDEX)
-        return loss_sum, (labels != data_lib.IGNORE_INDEX).sum()
+        loss_sum = binding(output.logits, labels, data_lib.IGNORE_INDEX)
+        tokens = (labels != data_lib.IGNORE_INDEX).sum()
+        return loss_sum + router_loss(output, self.model_config, tokens), tokens
 
     def eval_batches(self) -> Iterable[Batch]:
         """This rank's share of the held-out samples, `train.eval_batches` step batches at most."""
