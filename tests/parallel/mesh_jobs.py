@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
+from memtrain.strategies import expert_parallel  # noqa: E402
 from memtrain.training.trainer import Trainer  # noqa: E402
 
 from helpers import REPO, subprocess_env, tiny_recipe_dict  # noqa: E402
@@ -100,6 +101,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "sample_ids": getattr(trainer, "seen_ids", None),  # RecordingTrainer's, per step
         "plan": trainer.plan.summary(),  # the plan this rank ended with
         "replans": [{"step": r["step"], "to": r["to"]} for r in trainer.monitor.replans],
+        "routing_calls": expert_parallel.LAST_STEP[0].calls if expert_parallel.LAST_STEP else None,
         "ring": sorted(sys.modules["ring_standin"].SEEN) if job.get("ring_standin") else None,
     }
     everyone: list[Any] = [None] * trainer.env.world_size

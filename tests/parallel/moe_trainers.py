@@ -13,7 +13,7 @@ from torch import nn
 from memtrain import Trainer
 from memtrain.strategies.expert_parallel import ExpertLayer
 
-VOCAB, DIM, HIDDEN, EXPERTS, TOP_K, IGNORE = 64, 32, 16, 4, 2, -100
+VOCAB, DIM, HIDDEN, EXPERTS, TOP_K, DEPTH, IGNORE = 64, 32, 16, 4, 2, 4, -100
 
 
 class Experts(nn.Module):
@@ -59,7 +59,7 @@ class MoELM(nn.Module):
     def __init__(self, skew: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(MoEBlock(skew) for _ in range(2))
+        self.blocks = nn.ModuleList(MoEBlock(skew) for _ in range(DEPTH))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from helpers import tiny_recipe, tiny_recipe_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mesh_jobs import launch, whole_weights  # noqa: E402
-from moe_trainers import MoETrainer, NoExpertPlanTrainer  # noqa: E402
+from moe_trainers import DEPTH, MoETrainer, NoExpertPlanTrainer  # noqa: E402
 
 TINY_MOE = {
     "hidden_size": 32,
@@ -158,9 +158,9 @@ def test_each_rank_holds_its_experts_and_routes_every_token(
             assert held["param:embed.weight"] == 64 * 32 * 4 // 4
         for row in results[name]["rows"]:
             tokens_k = 8 * 16 * 2  # rows x columns x top-k
-            assert sum(row["ep_rows_per_rank"]) == 2 * tokens_k  # two MoE layers
+            assert sum(row["ep_rows_per_rank"]) == DEPTH * tokens_k  # every MoE layer's
             assert len(row["ep_rows_per_rank"]) == 4
-            assert len(row["ep_load_max_over_mean"]) == 2
+            assert len(row["ep_load_max_over_mean"]) == DEPTH
             assert all(ratio >= 1.0 for ratio in row["ep_load_max_over_mean"])
 
 

@@ -26,9 +26,28 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memtrain.strategies.expert_parallel import ExpertLayer, grouped_forward
+
+
+def stacked_forward(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`run_local` for the standard layout (`gate_up_proj` [gate; up] and `down_proj`, no bias): each local
+    expert's rows through its projections, one slice per expert, as the family's eager forward computes
+    them, with no value-dependent shape (the rank trace runs it on fake tensors)."""
+    out = []
+    for expert, piece in enumerate(rows.split(counts)):
+        gate, up = F.linear(piece, module.gate_up_proj[expert]).chunk(2, dim=-1)  # type: ignore[index]
+        out.append(F.linear(module.act_fn(gate) * up, module.down_proj[expert]))  # type: ignore[index,operator]
+    return torch.cat(out)
+
+
+def _standard(module: nn.Module) -> bool:
+    """transformers' default experts layout (`use_experts_implementation`'s flags), with an `act_fn`."""
+    flags = (getattr(module, f, d) for f, d in (("has_gate", True), ("is_concatenated", True)))
+    plain = not getattr(module, "is_transposed", False) and not getattr(module, "has_bias", False)
+    return all(flags) and plain and hasattr(module, "act_fn")
 
 
 def family_layers(model: nn.Module, ep: int) -> list[ExpertLayer]:
@@ -40,7 +59,9 @@ def family_layers(model: nn.Module, ep: int) -> list[ExpertLayer]:
         count = getattr(module, "num_experts", None)
         if isinstance(count, int) and {"gate_up_proj", "down_proj"} <= set(params):
             if all(p.dim() == 3 and p.shape[0] == count for p in params.values()):
-                layers.append(ExpertLayer(module, count, grouped_forward))
+                layers.append(
+                    ExpertLayer(module, count, stacked_forward if _standard(module) else grouped_forward)
+                )
                 if count % ep == 0:
                     module.num_experts = count // ep  # type: ignore[assignment]  # its forward's one-hot width
     return layers

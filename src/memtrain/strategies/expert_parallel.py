@@ -35,7 +35,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,42 +73,71 @@ class Exchange:
     layer: int
     ep_rank: int
     grad_scale: float = 1.0  # what the experts' gradients are multiplied by on their way in (1 / ep)
+    recomputing: bool = False  # a checkpointed block's forward again, inside backward
 
 
 ExpertPlanHook = Callable[[nn.Module], "list[ExpertLayer] | None"]
 """A trainer's `expert_parallel_plan`: its model's experts modules, or None (ep > 1 refused)."""
 
-CountRule = Callable[[torch.Tensor, Exchange, Any], list[list[int]]]
+
+class Routed(NamedTuple):
+    """What a counts rule says of one dispatch: `received[source][local expert]`, the rows this rank's
+    experts receive from each ep rank, and `sent[ep rank]`, the rows this rank sends each (None: read from
+    the routing, or, under fake tensors, whose counts have no values, an even split)."""
+
+    received: list[list[int]]
+    sent: list[int] | None = None
+
+
+CountRule = Callable[[torch.Tensor, Exchange, Any], Routed]
 """(sent: (ep, local_experts) rows this rank sends each expert of each ep rank, the exchange, the ep process
-group) -> received[source][local expert]: the rows this rank's experts receive from each ep rank."""
+group) -> what this rank receives (and sends)."""
 
 
-def exchange_counts(sent: torch.Tensor, exchange: Exchange, group: Any) -> list[list[int]]:
+def exchange_counts(sent: torch.Tensor, exchange: Exchange, group: Any) -> Routed:
     """The run's rule: every rank tells every other how many rows it sends each of its experts."""
     received = torch.empty_like(sent)
     dist.all_to_all_single(received, sent.contiguous(), group=group)
-    return [[int(v) for v in row] for row in received.tolist()]
+    return Routed([[int(v) for v in row] for row in received.tolist()])
 
 
 def imbalanced(factor: float) -> CountRule:
     """A rule for traces: this rank receives `factor` times its mean share, T·k·factor rows, spread evenly
-    over its local experts and sources (1.0: a perfectly balanced router)."""
+    over its local experts and sources (1.0: a perfectly balanced router), and sends evenly."""
 
-    def rule(_sent: torch.Tensor, exchange: Exchange, _group: Any) -> list[list[int]]:
+    def rule(_sent: torch.Tensor, exchange: Exchange, _group: Any) -> Routed:
         per_cell = math.ceil(exchange.rows * factor / (exchange.ep * exchange.local_experts))
-        return [[per_cell] * exchange.local_experts for _ in range(exchange.ep)]
+        return Routed([[per_cell] * exchange.local_experts for _ in range(exchange.ep)])
 
     return rule
 
 
-def measured(received: Sequence[Sequence[Sequence[int]]]) -> CountRule:
-    """A rule for traces: layer i's received counts as a run measured them (`RoutingLog.received`), the
-    layers repeating in order."""
+def measured(calls: Sequence[dict[str, Any]]) -> CountRule:
+    """A rule for traces: a run's step, dispatch by dispatch (`RoutingLog.calls`: every MoE layer of every
+    micro-step, in order, each `{"received": ..., "sent": ...}`), replayed in that order, again each step; a
+    checkpointed block's recomputation gets what its forward got."""
+    done = [0]
+    last: dict[int, Routed] = {}
 
-    def rule(_sent: torch.Tensor, exchange: Exchange, _group: Any) -> list[list[int]]:
-        return [list(row) for row in received[exchange.layer % len(received)]]
+    def rule(_sent: torch.Tensor, exchange: Exchange, _group: Any) -> Routed:
+        if exchange.recomputing and exchange.layer in last:
+            return last[exchange.layer]
+        call = calls[done[0] % len(calls)]
+        last[exchange.layer] = Routed([list(r) for r in call["received"]], list(call["sent"]))
+        done[0] += 1
+        return last[exchange.layer]
 
     return rule
+
+
+def rule_from(routing: dict[str, Any] | None) -> CountRule | None:
+    """The rule a rank-trace request names (`{"imbalance": factor}` or `{"calls": RoutingLog.calls}`), or
+    None (the exchange as it runs: its values are the fake group's garbage)."""
+    if not routing:
+        return None
+    if "imbalance" in routing:
+        return imbalanced(float(routing["imbalance"]))
+    return measured(routing["calls"])
 
 
 _RULE: list[CountRule] = [exchange_counts]
@@ -130,22 +159,25 @@ class RoutingLog:
     recomputation): per layer, the rows it sent each expert (global ids) and the counts it last received."""
 
     sent: dict[int, list[int]] = field(default_factory=dict)
-    received: dict[int, list[list[int]]] = field(default_factory=dict)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # each dispatch's counts, in order (`measured`)
     received_rows: int = 0
 
-    def add(self, layer: int, sent: list[int], received: list[list[int]]) -> None:
+    def add(self, layer: int, sent: list[int], received: list[list[int]], send_sizes: list[int]) -> None:
         old = self.sent.get(layer, [0] * len(sent))
         self.sent[layer] = [a + b for a, b in zip(old, sent, strict=True)]
-        self.received[layer] = received
+        self.calls.append({"received": received, "sent": send_sizes})
         self.received_rows += sum(map(sum, received))
 
     def take(self) -> RoutingLog:
-        taken = RoutingLog(dict(self.sent), dict(self.received), self.received_rows)
-        self.sent, self.received, self.received_rows = {}, {}, 0
+        taken = RoutingLog(self.sent, self.calls, self.received_rows)
+        self.sent, self.calls, self.received_rows = {}, [], 0
         return taken
 
 
 ROUTING = RoutingLog()
+LAST_STEP: list[
+    RoutingLog
+] = []  # the last step's log, once `routing_row` took it (a trace replays its calls)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -225,7 +257,8 @@ def _dispatcher(layer: ExpertLayer, index: int, ep_mesh: DeviceMesh) -> Callable
     local = layer.num_experts // ep
 
     def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        exchange = Exchange(top_k_index.numel(), ep, local, index, ep_rank, 1.0 / ep)
+        again = torch._C._current_graph_task_id() != -1
+        exchange = Exchange(top_k_index.numel(), ep, local, index, ep_rank, 1.0 / ep, again)
         return dispatch(layer, hidden, top_k_index, top_k_weights, exchange, group)
 
     return forward
@@ -244,12 +277,15 @@ def dispatch(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     permuted = hidden[order // k]
-    sent = torch.bincount(flat, minlength=layer.num_experts).view(exchange.ep, exchange.local_experts)
-    received = _RULE[-1](sent, exchange, group)
-    send_sizes = [int(v) for v in sent.sum(dim=1).tolist()]
+    sent = torch.zeros(layer.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    routed = _RULE[-1](sent.view(exchange.ep, exchange.local_experts), exchange, group)
+    received = routed.received
+    send_sizes = routed.sent or _send_sizes(sent.view(exchange.ep, exchange.local_experts), exchange)
     recv_sizes = [sum(row) for row in received]
-    if torch._C._current_graph_task_id() == -1:  # a forward, not a recomputation inside backward
-        ROUTING.add(exchange.layer, [int(v) for v in sent.reshape(-1).tolist()], received)
+    if not exchange.recomputing:
+        ROUTING.add(exchange.layer, [int(v) for v in sent.tolist()], received, send_sizes)
     arrived = _AllToAll.apply(permuted, recv_sizes, send_sizes, group)
     by_expert, pieces = _regroup(arrived, received)
     with _local_parameters(layer.module, exchange.grad_scale):
@@ -260,6 +296,15 @@ def dispatch(
     unpermuted = back[torch.argsort(order)]
     weights = top_k_weights.to(unpermuted.dtype).unsqueeze(-1)
     return (unpermuted.view(tokens, k, -1) * weights).sum(dim=1).to(hidden.dtype)
+
+
+def _send_sizes(sent: torch.Tensor, exchange: Exchange) -> list[int]:
+    """Rows sent to each ep rank; under the rank trace's fake tensors, whose counts read as placeholders
+    (they do not add up to the T·k rows), an even split (the buffers' sizes do not depend on it)."""
+    sizes = [int(v) for v in sent.sum(dim=1).tolist()]
+    if sum(sizes) == exchange.rows:
+        return sizes
+    return [exchange.rows // exchange.ep + (r < exchange.rows % exchange.ep) for r in range(exchange.ep)]
 
 
 def _regroup(arrived: torch.Tensor, received: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -336,6 +381,7 @@ def routing_row(env: DistEnv) -> dict[str, Any]:
     call it): the rows each rank's experts received, and per MoE layer the busiest expert's load over the
     mean, over the global routing."""
     log = ROUTING.take()
+    LAST_STEP[:] = [log]
     if env.shape.ep == 1 or not log.sent:
         return {}
     layers = sorted(log.sent)
