@@ -184,7 +184,6 @@ def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
     """What this version cannot run of a resolved mesh on `device_type`, one line each naming the key."""
     problems = []
     for other, degree in (
-        ("dp_replicate", mesh.dp_replicate),
         ("tp", mesh.tp),
         ("pp", mesh.pp),
         ("cp", mesh.cp),

@@ -4,7 +4,8 @@ Each 4-rank job trains a tiny mixture of experts (qwen3_moe with its router's lo
 qwen2_moe with a shared expert, and a `Trainer` subclass with its own experts) for 3 steps with accumulation
 (2 micro-steps per rank) and must end where the same job ends on one process (the same micro-batches: the
 router loss is per micro-batch, `memtrain.causal_lm.expert_parallel`). One torchrun launch runs them all
-(`mesh_jobs.py`): EP 2 x the 2 shard ranks outside it, and EP 4 (each rank alone with its experts).
+(`mesh_jobs.py`): EP 2 x the 2 shard ranks outside it, EP 4 (each rank alone with its experts), HSDP 2 x 2
+with EP 2, and a checkpoint chain (EP 2, resumed on EP 4 and on one process; exported).
 
 Tolerances: the losses and weights are fp32; what differs from one process is the order of the sums (each
 expert's rows are summed over another set of rows per matmul, its gradient reduced over 2 or 1 ranks and the
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.commands import export
 from memtrain.commands.trainers import recipe_problems
 
 from helpers import tiny_recipe, tiny_recipe_dict
@@ -72,6 +74,11 @@ JOBS = {  # name -> (mesh, model config or trainer class name)
     "qwen2_moe_ep2": ({"ep": 2}, QWEN2_MOE),
     "subclass_ep2": ({"ep": 2}, "MoETrainer"),
     "subclass_ep4": ({"ep": 4}, "MoETrainer"),
+    "hsdp_x_ep_mixtral": ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, MIXTRAL),  # experts: HSDP over (2, 1)
+}
+RESUMES = {  # name -> (mesh, steps it ends at, the job whose checkpoint it resumes): mixtral, constant lr
+    "first_ep2": ({"dp_shard": 4, "ep": 2}, 2, None),
+    "resumed_ep4": ({"dp_shard": 4, "ep": 4}, 4, "first_ep2"),
 }
 
 
@@ -89,7 +96,10 @@ def _sections(model: Any, micro: int = MICRO) -> dict[str, Any]:
 def _job(tmp: Path, name: str) -> dict[str, Any]:
     mesh, model = JOBS[name]
     sections = _sections(model)
-    sections["strategies"] = {**sections["strategies"], "mesh": {"dp_shard": 4, **mesh}}
+    sections["strategies"] = {
+        **sections["strategies"],
+        "mesh": {"dp_shard": 4 // mesh.get("dp_replicate", 1), **mesh},
+    }
     job: dict[str, Any] = {
         "run_dir": str(tmp / name),
         "weights_out": str(tmp / f"{name}.pt"),
@@ -103,8 +113,32 @@ def _job(tmp: Path, name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("ep")
-    results = launch(tmp, 4, [_job(tmp, name) for name in JOBS], name="ep")
-    return tmp, dict(zip(JOBS, results, strict=True))
+    jobs = [_job(tmp, name) for name in JOBS] + [_resume_job(tmp, name) for name in RESUMES]
+    results = launch(tmp, 4, jobs, name="ep")
+    return tmp, dict(zip([*JOBS, *RESUMES], results, strict=True))
+
+
+def _resume_sections(steps: int, mesh: dict[str, int] | None = None) -> dict[str, Any]:
+    sections = _sections(MIXTRAL)
+    sections["train"] = {"steps": steps, "schedule": "constant"}  # the same lr whatever the run's length
+    sections["checkpoint"] = {"at_end": True}
+    if mesh:
+        sections["strategies"] = {**sections["strategies"], "mesh": mesh}
+    return sections
+
+
+def _checkpoints(tmp: Path, name: str) -> str:
+    return str(tmp / name / "run" / "checkpoints")
+
+
+def _resume_job(tmp: Path, name: str) -> dict[str, Any]:
+    mesh, steps, resumes = RESUMES[name]
+    job: dict[str, Any] = {
+        "run_dir": str(tmp / name),
+        "weights_out": str(tmp / f"{name}.pt"),
+        "sections": _resume_sections(steps, mesh),
+    }
+    return {**job, "resume": _checkpoints(tmp, resumes)} if resumes else job
 
 
 def _one_process(tmp: Path, model: Any, micro: int = MICRO) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -207,3 +241,60 @@ def test_reduction_order_alone_moves_weights_as_far(tmp_path: Path) -> None:
     _, one = _one_process(tmp_path / "one", "MoETrainer", 8)
     worst = max((four[k] - one[k]).abs().max().item() for k in four)
     assert WEIGHT_TOLERANCE / 10 < worst <= WEIGHT_TOLERANCE, worst
+
+
+def _on_one_process(
+    tmp: Path, steps: int, resume: str | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    trainer = CausalLMTrainer(tiny_recipe(tmp, **_resume_sections(steps)))
+    losses = trainer.fit(resume=resume).losses
+    weights = whole_weights(trainer)
+    trainer.close()
+    return losses, weights
+
+
+@pytest.mark.slow
+def test_an_ep_checkpoint_resumes_on_another_ep_degree_and_on_one_process(
+    ep_runs: tuple[Path, dict[str, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """mixtral on EP 2 x FSDP 2 for steps 1-2, then resumed on EP 4 (each rank alone with its experts) and,
+    from the same checkpoint, on one process without expert parallelism, to step 4: both end as the
+    uninterrupted one-process run (the experts are DTensors over ep in the checkpoint: DCP reshards them)."""
+    tmp, results = ep_runs
+    losses, expected = _on_one_process(tmp_path / "uninterrupted", 4)
+    assert results["first_ep2"]["losses"] == pytest.approx(losses[:2], abs=LOSS_TOLERANCE)
+    assert results["resumed_ep4"]["losses"] == pytest.approx(losses[2:], abs=LOSS_TOLERANCE)
+    resumed, on_one = _on_one_process(tmp_path / "from_ep2", 4, _checkpoints(tmp, "first_ep2"))
+    assert resumed == pytest.approx(losses[2:], abs=LOSS_TOLERANCE)
+    for got in (torch.load(tmp / "resumed_ep4.pt"), on_one):
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= WEIGHT_TOLERANCE, worst
+
+
+@pytest.mark.slow
+def test_export_of_an_ep_checkpoint_writes_every_expert(
+    ep_runs: tuple[Path, dict[str, dict[str, Any]]], tmp_path: Path
+) -> None:
+    """`memtrain export` of the EP 4 run's checkpoint: a Hugging Face directory transformers loads, with every
+    expert of every layer equal to what the run trained (each ep rank's experts, gathered)."""
+    from transformers import AutoModelForCausalLM
+
+    tmp, _ = ep_runs
+    export.run(tmp / "resumed_ep4" / "run", tmp_path / "hf")
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    trained = torch.load(tmp / "resumed_ep4.pt")
+    assert loaded.keys() == trained.keys()
+    experts = [k for k in trained if ".experts." in k]
+    assert experts and all(trained[k].shape[0] == MIXTRAL["num_local_experts"] for k in experts)
+    assert all(torch.equal(loaded[k].detach(), trained[k]) for k in trained)
+
+
+def test_what_expert_parallelism_does_not_compose_with_is_refused_by_name() -> None:
+    """ep with tensor, pipeline or context parallelism is refused naming the keys (HSDP and FSDP run)."""
+    from memtrain.mesh import MeshShape
+    from memtrain.plan import mesh_problems
+
+    assert mesh_problems(MeshShape(dp_replicate=2, dp_shard=2, ep=2), "cpu") == []
+    for other in ("tp", "pp"):
+        found = mesh_problems(MeshShape(dp_shard=2, ep=2, **{other: 2}), "cpu")
+        assert f"strategies.mesh.ep: 2 expert-parallel ranks with strategies.mesh.{other}=2" in found[0]
