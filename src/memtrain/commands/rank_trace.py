@@ -10,7 +10,8 @@ there (`memtrain.training.rank_trace.trace_step`). Everything crosses as JSON: t
 
 Request: `{"trainer": str, "recipe": {...}, "world_size": N, "rank": r, "traces": [{"plan": {...}, "rows":
 int | null, "routing": {...} | null}, ...]}` (`routing`: under expert parallelism, how many rows this rank's
-experts receive: `{"imbalance": factor}` or a run's `{"calls": ...}`, `strategies.expert_parallel.rule_from`) (one rank per process: torch keeps references to a group a process has left). Result: `{"traces": [...]}`, one per request in order, each the tracker's report
+experts receive: `{"imbalance": factor}` or a run's `{"calls": ...}`, `strategies.expert_parallel.rule_from`;
+absent on an ep mesh: a balanced router, `{"imbalance": 1.0}`, as the fake group's exchanged counts are garbage) (one rank per process: torch keeps references to a group a process has left). Result: `{"traces": [...]}`, one per request in order, each the tracker's report
 (`peak`, `at_peak`, `maxima`, `where`) or `{"error": "..."}` (a trace that cannot run: the planner predicts
 that plan by formula and says why).
 """
@@ -48,7 +49,7 @@ def run(request: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _one(trainer: Trainer, plan: Plan, rows: int | None, routing: dict[str, Any] | None) -> dict[str, Any]:
-    rule = rule_from(routing)
+    rule = rule_from(routing or ({"imbalance": 1.0} if plan.shape.ep > 1 else None))  # never the fake counts
     try:
         with counts_from(rule) if rule is not None else contextlib.nullcontext():
             report = trace_step(trainer, plan, rows)
