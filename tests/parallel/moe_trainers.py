@@ -2,7 +2,8 @@
 (`expert_parallel_plan`), for the expert-parallel tests: plain PyTorch, no transformers. Each block routes
 its tokens top-2 over 4 experts (a linear router, softmax, the two best renormalised); the experts module
 holds its weights stacked over the experts and runs a subset of them grouped by its own code (`run_local`).
-`SKEW` biases every router towards expert 0 (a deliberately unbalanced routing)."""
+`BIAS` biases the routers (`SkewedMoETrainer`: towards expert 0, a deliberately unbalanced routing;
+`StarvedMoETrainer`: half the experts get nothing)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ def run_local(module: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, skew: float) -> None:
+    def __init__(self, bias: tuple[float, ...]) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.router = nn.Linear(DIM, EXPERTS)
         with torch.no_grad():
-            self.router.bias.copy_(torch.tensor([skew, 0.0, 0.0, 0.0]))
+            self.router.bias.copy_(torch.tensor(bias))
         self.experts = Experts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,10 +57,10 @@ class MoEBlock(nn.Module):
 
 
 class MoELM(nn.Module):
-    def __init__(self, skew: float = 0.0) -> None:
+    def __init__(self, bias: tuple[float, ...] = (0.0,) * EXPERTS) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(MoEBlock(skew) for _ in range(DEPTH))
+        self.blocks = nn.ModuleList(MoEBlock(bias) for _ in range(DEPTH))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -72,10 +73,10 @@ class MoELM(nn.Module):
 class MoETrainer(Trainer):
     """Rows of a step are a function of the step alone; each data-parallel rank reads its own rows."""
 
-    SKEW = 0.0
+    BIAS = (0.0, 0.0, 0.0, 0.0)  # each router's bias per expert
 
     def build_model(self) -> nn.Module:
-        return MoELM(self.SKEW)
+        return MoELM(self.BIAS)
 
     def expert_parallel_plan(self, model: nn.Module) -> list[ExpertLayer]:
         return [ExpertLayer(block.experts, EXPERTS, run_local) for block in model.blocks]  # type: ignore[union-attr]
@@ -95,7 +96,14 @@ class MoETrainer(Trainer):
 class SkewedMoETrainer(MoETrainer):
     """Every router biased towards expert 0: most tokens' first choice."""
 
-    SKEW = 4.0
+    BIAS = (4.0, 0.0, 0.0, 0.0)
+
+
+class StarvedMoETrainer(MoETrainer):
+    """Every router biased so far towards experts 0 and 1 that experts 2 and 3 get no token: under EP 2 the
+    second ep rank's experts run on no rows (and must still take part in FSDP2's gradient reduction)."""
+
+    BIAS = (30.0, 30.0, 0.0, 0.0)
 
 
 class NoExpertPlanTrainer(MoETrainer):

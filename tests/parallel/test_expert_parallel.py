@@ -32,6 +32,7 @@ from memtrain.commands.trainers import recipe_problems
 from helpers import tiny_recipe, tiny_recipe_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
+import moe_trainers  # noqa: E402
 from mesh_jobs import launch, whole_weights  # noqa: E402
 from moe_trainers import DEPTH, MoETrainer, NoExpertPlanTrainer  # noqa: E402
 
@@ -74,6 +75,7 @@ JOBS = {  # name -> (mesh, model config or trainer class name)
     "qwen2_moe_ep2": ({"ep": 2}, QWEN2_MOE),
     "subclass_ep2": ({"ep": 2}, "MoETrainer"),
     "subclass_ep4": ({"ep": 4}, "MoETrainer"),
+    "starved_ep2": ({"ep": 2}, "StarvedMoETrainer"),  # the second ep rank's experts receive no row
     "hsdp_x_ep_mixtral": ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, MIXTRAL),  # experts: HSDP over (2, 1)
 }
 RESUMES = {  # name -> (mesh, steps it ends at, the job whose checkpoint it resumes): mixtral, constant lr
@@ -145,8 +147,9 @@ def _one_process(tmp: Path, model: Any, micro: int = MICRO) -> tuple[list[float]
     """The job on one process (FSDP2 over one rank: the same sharded optimizer step), no mesh."""
     if isinstance(model, str):
         raw = tiny_recipe_dict(tmp, **_sections(model, micro))
-        trainer: Any = MoETrainer(
-            MoETrainer.recipe_class.from_dict({k: v for k, v in raw.items() if k not in ("model", "data")})
+        cls = getattr(moe_trainers, model)
+        trainer: Any = cls(
+            cls.recipe_class.from_dict({k: v for k, v in raw.items() if k not in ("model", "data")})
         )
     else:
         trainer = CausalLMTrainer(tiny_recipe(tmp, **_sections(model, micro)))
@@ -196,6 +199,8 @@ def test_each_rank_holds_its_experts_and_routes_every_token(
             assert len(row["ep_rows_per_rank"]) == 4
             assert len(row["ep_load_max_over_mean"]) == DEPTH
             assert all(ratio >= 1.0 for ratio in row["ep_load_max_over_mean"])
+    for row in results["starved_ep2"]["rows"]:  # experts 2 and 3 (the second ep rank's) got nothing
+        assert row["ep_rows_per_rank"][1] == row["ep_rows_per_rank"][3] == 0, row
 
 
 def test_a_trainer_without_an_expert_plan_is_refused_by_name(

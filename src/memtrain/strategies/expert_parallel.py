@@ -282,7 +282,9 @@ def dispatch(
     )
     routed = _RULE[-1](sent.view(exchange.ep, exchange.local_experts), exchange, group)
     received = routed.received
-    send_sizes = routed.sent or _send_sizes(sent.view(exchange.ep, exchange.local_experts), exchange)
+    send_sizes = _send_sizes(sent.view(exchange.ep, exchange.local_experts), exchange)
+    if routed.sent is not None and sum(routed.sent) == exchange.rows:  # not a measured step of other rows
+        send_sizes = routed.sent
     recv_sizes = [sum(row) for row in received]
     if not exchange.recomputing:
         ROUTING.add(exchange.layer, [int(v) for v in sent.tolist()], received, send_sizes)
@@ -290,8 +292,8 @@ def dispatch(
     by_expert, pieces = _regroup(arrived, received)
     with _local_parameters(layer.module, exchange.grad_scale):
         out = layer.run_local(layer.module, by_expert, [sum(c) for c in zip(*received, strict=True)])
-    if out.shape[0] == 0:  # no rows here: keep the experts in the graph (FSDP2 reduces every rank's grads)
-        out = out + sum(p.sum() * 0 for p in layer.module.parameters())
+        if out.shape[0] == 0:  # no rows here: keep the experts in the graph (FSDP2 reduces every rank's grads)
+            out = out + sum(p.sum() * 0 for p in layer.module._parameters.values() if p is not None)
     back = _AllToAll.apply(_ungroup(out, pieces, received), send_sizes, recv_sizes, group)
     unpermuted = back[torch.argsort(order)]
     weights = top_k_weights.to(unpermuted.dtype).unsqueeze(-1)
