@@ -292,7 +292,9 @@ def dispatch(
     by_expert, pieces = _regroup(arrived, received)
     with _local_parameters(layer.module, exchange.grad_scale):
         out = layer.run_local(layer.module, by_expert, [sum(c) for c in zip(*received, strict=True)])
-        if out.shape[0] == 0:  # no rows here: keep the experts in the graph (FSDP2 reduces every rank's grads)
+        if (
+            out.shape[0] == 0
+        ):  # no rows here: keep the experts in the graph (FSDP2 reduces every rank's grads)
             out = out + sum(p.sum() * 0 for p in layer.module._parameters.values() if p is not None)
     back = _AllToAll.apply(_ungroup(out, pieces, received), send_sizes, recv_sizes, group)
     unpermuted = back[torch.argsort(order)]
