@@ -183,10 +183,16 @@ def mesh_of(recipe: Recipe, world_size: int) -> MeshShape:
 def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
     """What this version cannot run of a resolved mesh on `device_type`, one line each naming the key."""
     problems = []
-    if mesh.ep > 1:
-        problems.append(
-            f"strategies.mesh.ep: {mesh.ep} expert-parallel ranks are not run by this version; set it to 1"
-        )
+    for other, degree in (
+        ("tp", mesh.tp),
+        ("pp", mesh.pp),
+        ("cp", mesh.cp),
+    ):
+        if mesh.ep > 1 and degree > 1:
+            problems.append(
+                f"strategies.mesh.ep: {mesh.ep} expert-parallel ranks with strategies.mesh.{other}={degree} are "
+                "not run by this version; set one of them to 1"
+            )
     if mesh.cp > 1 and device_type not in RING_ATTENTION_DEVICES:
         problems.append(
             f"strategies.mesh.cp: {mesh.cp} ranks of context parallelism: torch has no context-parallel ring "

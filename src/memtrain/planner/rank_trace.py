@@ -73,11 +73,20 @@ def traced_ranks(mesh: MeshShape) -> list[int]:
     return [stage * (mesh.size // mesh.pp) for stage in range(mesh.pp)]
 
 
-def trace_rank(spec: ModelSpec, plan: Plan, rank: int | None = None, rows: int | None = None) -> RankTrace:
+def trace_rank(
+    spec: ModelSpec,
+    plan: Plan,
+    rank: int | None = None,
+    rows: int | None = None,
+    routing: dict[str, Any] | None = None,
+) -> RankTrace:
     """`plan`'s step on rank `rank` of its mesh (default: the busiest of `traced_ranks`), `rows` per
-    data-parallel rank per step (default: the recipe's); `Unsupported` naming why it cannot be traced."""
+    data-parallel rank per step (default: the recipe's); `Unsupported` naming why it cannot be traced.
+    `routing` (expert parallelism): how many rows the rank's experts receive, `{"imbalance": factor}` (the
+    rank receives factor x its mean share, T·k·factor rows per MoE layer) or `{"calls": ...}` (a run's
+    measured counts, `RoutingLog.calls`); without it the fake group's garbage counts are read as they come."""
     ranks = [rank] if rank is not None else traced_ranks(plan.shape)
-    found = [_run(spec, plan.shape.size, r, [plan], rows)[0] for r in ranks]
+    found = [_run(spec, plan.shape.size, r, [plan], rows, routing)[0] for r in ranks]
     failed = next((f for f in found if isinstance(f, Unsupported)), None)
     if failed is not None:
         raise failed
@@ -123,7 +132,12 @@ class RankTraces:
 
 
 def _run(
-    spec: ModelSpec, world_size: int, rank: int, plans: Sequence[Plan], rows: int | None = None
+    spec: ModelSpec,
+    world_size: int,
+    rank: int,
+    plans: Sequence[Plan],
+    rows: int | None = None,
+    routing: dict[str, Any] | None = None,
 ) -> list[RankTrace | Unsupported]:
     """Each plan's step on `rank` of `world_size`, traced in a process of its own (`WORKER`)."""
     if spec.rebuild is None:
@@ -135,7 +149,7 @@ def _run(
         "recipe": dict(recipe),
         "world_size": world_size,
         "rank": rank,
-        "traces": [{"plan": plan.to_dict(), "rows": rows} for plan in plans],
+        "traces": [{"plan": plan.to_dict(), "rows": rows, "routing": routing} for plan in plans],
     }
     with tempfile.TemporaryDirectory(prefix="memtrain-rank-trace-") as folder:
         asked, answered = Path(folder, "request.json"), Path(folder, "result.json")

@@ -3,7 +3,7 @@
 The order (as torchtitan's parallelize does it): adapters (LoRA layers added, the base frozen) ->
 precision module swaps (fp8's float8 linears) -> [on a mesh: the `DeviceMesh`, built once -> the pipeline
 split (this rank's stage, the trainer's `pipeline_split`) -> tensor and sequence parallel (the trainer's
-plan, `tensor_parallel`)] ->
+plan, `tensor_parallel`) -> the experts over `ep` (the trainer's `expert_parallel_plan`)] ->
 activation checkpointing (wraps the blocks' forwards) -> the loss (binds to the model; `chunked` defers the
 output head's forward to it) -> the precision's stored dtype, frozen parameters in the compute dtype where
 the precision and the sharding keep them so (`Precision.frozen_stored_dtype`, `Sharding.as_stored`) ->
@@ -33,6 +33,7 @@ from memtrain.distributed import DistEnv, with_device_mesh
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing, unwrap_blocks
+from memtrain.strategies.expert_parallel import ExpertPlanHook, apply_expert_parallel
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.optimizer_step import OptimizerStep
 from memtrain.strategies.pipeline import PipelineSplit, attach, split_for_stage
@@ -72,6 +73,7 @@ def apply_strategies(
     optimizer_step: OptimizerStep | None = None,
     tensor_parallel: PlanHook | None = None,
     pipeline: PipelineSplit | None = None,
+    expert_parallel: ExpertPlanHook | None = None,
     materialise_in: contextlib.AbstractContextManager[object] | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
@@ -83,7 +85,8 @@ def apply_strategies(
     the device and filled by `load_weights` where its plan keeps the weights: before a replicating
     backend wraps it, or, for a backend that shards meta models (FSDP2), after sharding, so that each
     rank reads only its shards. On a mesh with tp > 1, `tensor_parallel(model)` is the trainer's plan for
-    splitting it; with pp > 1, `pipeline(model, stage, stages)` keeps this rank's stage of it (and `blocks`
+    splitting it; with ep > 1, `expert_parallel(model)` lists its experts modules
+    (`memtrain.strategies.expert_parallel`); with pp > 1, `pipeline(model, stage, stages)` keeps this rank's stage of it (and `blocks`
     keeps the blocks that stage holds). `materialise_in`: the context a meta model's parameters are
     materialised in (the planner's rank trace: fake tensors, `memtrain.training.rank_trace`)."""
     adapters = adapters or Adapters()
@@ -126,6 +129,11 @@ def apply_strategies(
         if not any(p.is_meta for p in model.parameters()):
             model.to(env.device)
         apply_tensor_parallel(model, tensor_parallel, env)
+    if env is not None and env.shape.ep > 1:  # the experts split over ep (FSDP2 shards them outside it)
+        owner = (
+            type(getattr(expert_parallel, "__self__", None)).__name__ if expert_parallel else "the trainer"
+        )
+        apply_expert_parallel(expert_parallel(model) if expert_parallel else None, env, owner)
     checkpointing.apply(model, blocks)
     head_name = output_head(model)
     (loss or Loss()).apply(model, None if head_name is None else model.get_submodule(head_name))
