@@ -229,8 +229,8 @@ def search_meshes(
             on_ep = replace(mesh, ep=ep)
             notes.update(mesh_problems(on_ep, "cuda"))
             for scored in scoring.scored:
-                if ep > 1 and scored.plan.sharding.gradient_sync != "reduce-scatter":
-                    continue  # experts split within FSDP's shard group (torchtitan's expert-FSDP)
+                if ep > 1 and not _expert_fsdp(scored):
+                    continue
                 owners[id(scored)] = scoring.evaluation
                 found.append(
                     _on_mesh(scored, on_ep, scoring.evaluation, probe, cluster, rows * full_seq, moe)
@@ -335,6 +335,13 @@ def _on_mesh(
         moe=moe,
     )
     return MeshScored(mesh, scored, cost, tokens_per_step / cost.step_seconds / mesh.size)
+
+
+def _expert_fsdp(scored: Scored) -> bool:
+    """Whether a plan can split experts within its shard group: FSDP2 (zero2/zero3), as torchtitan's
+    expert-FSDP does; replicated weights and DeepSpeed's flat partitions are not modelled under ep."""
+    sharding = scored.plan.sharding
+    return sharding.gradient_sync == "reduce-scatter" and sharding.backend == "fsdp2"
 
 
 def moe_planning(recipe: Recipe, probe: ModelProbe) -> MoePlanning | None:
