@@ -14,11 +14,23 @@ import contextlib
 import io
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
 
+from memtrain.causal_lm.recipe import CausalLMRecipe
+from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.cli import main
+from memtrain.cluster import Cluster, Link
+from memtrain.commands.what_if import WhatIf, recipe
+from memtrain.memory.headroom import load_gpu, what_if_target
+from memtrain.planner.cost import SPEEDS, CostModel, DeviceSpeed
+from memtrain.planner.mesh_explain import best_per_mesh
+from memtrain.planner.mesh_search import search_meshes
+from memtrain.planner.model_probe import ModelProbe
 
 GiB = 2**30
 TARGET = ["--mode", "pretrain", "--gpu", "h100-80gb", "--world-size", "8", "batch.global_size=64"]
@@ -74,3 +86,56 @@ def test_torchtitans_default_does_not_fit_and_a_mesh_that_fits_is_shown(
         assert experts["routed_rows_busiest"] == busiest
         assert (experts["bytes_per_half_load"] > 0) == (ep > 1)
     assert "expert parallelism" in document["sources"]
+
+
+B200 = DeviceSpeed(  # ~60% of 2.25 PFLOP/s bf16 dense, HBM3e 8 TB/s; the rest as the H100 class (cost.py)
+    **{
+        **vars(SPEEDS["cuda"]),
+        "matmul_flops": {"fp32": 100e12, "bf16": 1.35e15, "fp16": 1.35e15, "fp8": 2.7e15},
+        "memory_bandwidth": 8e12,
+    }
+)
+B200_NODE = Cluster(  # NVLink 5: 900 GB/s per direction, 80% of it as bus bandwidth; 400 Gb/s between nodes
+    gpus_per_node=8, within=Link(bandwidth=720e9, latency=5e-6), between=Link(bandwidth=40e9, latency=15e-6)
+)
+
+
+@pytest.mark.slow
+def test_qwen3_30b_on_eight_b200_prefers_fsdp_without_expert_parallelism(tmp_path: Path) -> None:
+    """Published (torchtitan, 8 x B200): FSDP 8 without EP 19.5k tokens/s per GPU, EP 4 x PP 2 17.5k. On
+    paper with a B200-like profile the search must rank no expert parallelism first and EP 4 x PP 2 below
+    it: every token's rows cross the all-to-all twice each way per layer, and the busiest rank computes
+    `max_load` times the mean's expert rows, while FSDP's gathers hide behind compute."""
+    raw = recipe(WhatIf("Qwen/Qwen3-30B-A3B", mode="pretrain", world_size=8))
+    path = tmp_path / "qwen3.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    overrides = [
+        "batch.global_size=64",
+        "strategies.optimizer_states=fp32",
+        "strategies.sharding=zero3",
+        "strategies.mesh.pp=auto",
+        "strategies.mesh.ep=auto",
+    ]
+    loaded = CausalLMRecipe.load(path, overrides)
+    spec = CausalLMTrainer(loaded).model_spec()
+    probe = ModelProbe(spec)
+    gpu = load_gpu("h200-141gb")  # B200's memory class: the search is about speed here, not fit
+    result = search_meshes(
+        loaded,
+        lambda cp: probe,
+        what_if_target(8, gpu, 180 * 10**9, None),
+        B200_NODE,
+        torch.device("cuda", 0),
+        tensor_parallel_problems=spec.tensor_parallel_problems,
+        pipeline=spec.pipeline,
+        cost=CostModel(B200),
+    )
+    chosen = result.chosen
+    assert chosen is not None and chosen.mesh.ep == 1 and chosen.mesh.pp == 1, chosen.mesh.describe()
+    by_mesh = {(row.mesh.pp, row.mesh.ep): row for row in best_per_mesh(result.ranked)}
+    ep4_pp2 = by_mesh[(2, 4)]
+    assert ep4_pp2.tokens_per_second < chosen.tokens_per_second
+    print(
+        f"B200-like: {chosen.mesh.describe()} {chosen.tokens_per_second:,.0f} tokens/s/GPU, "
+        f"{ep4_pp2.mesh.describe()} {ep4_pp2.tokens_per_second:,.0f}"
+    )
