@@ -69,11 +69,12 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> ModelProbe:
     return probe_of(_recipe(tmp_path_factory.mktemp("moe")))
 
 
-def _search(recipe: CausalLMRecipe, probe: ModelProbe, world: int = 8) -> MeshResult:
+def _search(recipe: CausalLMRecipe, probe: ModelProbe, world: int = 8, what_if: bool = True) -> MeshResult:
+    target = dataclasses.replace(what_if_target(world, load_gpu("h100-80gb"), None, None), what_if=what_if)
     return search_meshes(
         recipe,
         lambda cp: probe,
-        what_if_target(world, load_gpu("h100-80gb"), None, None),
+        target,
         DEFAULT_CLUSTER,
         torch.device("cuda", 0),
         tensor_parallel_problems=None,
@@ -233,3 +234,14 @@ def test_plan_shows_the_bound_and_what_half_more_costs(tmp_path: Path, probe: Mo
     capped = _search(_recipe(tmp_path, moe={"capacity_factor": 1.0}, dp_shard="auto", ep=4), probe)
     assert "padded to capacity" in describe_meshes(capped, "title")
     assert meshes_to_json(capped)["chosen"]["experts"]["bytes_per_half_load"] == 0  # capped: no more rows
+
+
+@pytest.mark.slow
+def test_a_runs_open_ep_keeps_to_what_this_version_runs(tmp_path: Path, probe: ModelProbe) -> None:
+    """A what-if scores every ep (noting that this version does not run ep > 1); a run's open ep does not
+    choose a mesh it would then refuse, while a pinned one is planned and noted."""
+    assert {row.mesh.ep for row in _search(_recipe(tmp_path), probe).ranked} == {1, 2, 4, 8}
+    assert {row.mesh.ep for row in _search(_recipe(tmp_path), probe, what_if=False).ranked} == {1}
+    pinned = _search(_recipe(tmp_path, dp_shard="auto", ep=2), probe, what_if=False)
+    assert {row.mesh.ep for row in pinned.ranked} == {2}
+    assert any(note.startswith("strategies.mesh.ep: 2") for note in pinned.notes)

@@ -14,7 +14,12 @@ picks the same mesh.
 
 A degree the recipe pins is planned even where this version cannot run it yet (context parallelism, a
 pipeline with tensor parallelism, interleaved 1F1B): `MeshResult.notes` says so, the table prints it. An
-open degree never chooses such a mesh.
+open degree never chooses such a mesh, except an open `ep` in a what-if (the question is what expert
+parallelism would give; its runtime is built separately): noted the same way.
+
+`ep` (a mixture of experts' expert parallelism, expert_parallel.py) is not a factor of the world: each mesh
+is scored once on its data-parallel dimensions, then at every ep dividing both its shard group and the
+experts count (`strategies.mesh.ep: auto`), under FSDP2 plans, the busiest rank at its routed load.
 """
 
 from __future__ import annotations
@@ -227,7 +232,10 @@ def search_meshes(
         probe = scoring.evaluation.probe
         for ep in degrees:
             on_ep = replace(mesh, ep=ep)
-            notes.update(mesh_problems(on_ep, "cuda"))
+            cannot_run = mesh_problems(on_ep, "cuda")
+            if cannot_run and not target.what_if and recipe.strategies.mesh.ep == "auto":
+                continue  # a run's open ep never chooses what this version cannot run
+            notes.update(cannot_run)
             for scored in scoring.scored:
                 if ep > 1 and not _expert_fsdp(scored):
                     continue
