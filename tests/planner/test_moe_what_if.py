@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,4 +139,51 @@ def test_qwen3_30b_on_eight_b200_prefers_fsdp_without_expert_parallelism(tmp_pat
     print(
         f"B200-like: {chosen.mesh.describe()} {chosen.tokens_per_second:,.0f} tokens/s/GPU, "
         f"{ep4_pp2.mesh.describe()} {ep4_pp2.tokens_per_second:,.0f}"
+    )
+
+
+@pytest.mark.slow
+def test_deepseek_v3_on_512_h100_plans_an_ep_mesh_within_ten_seconds(tmp_path: Path) -> None:
+    """DeepSeek-V3 671B on 64 nodes of 8 H100 (torchtitan #1558: "a lot of OOMs with different parallelism
+    settings"), FSDP over every rank with full recompute and AdamW: without expert parallelism a rank gathers
+    a whole MoE layer (256 experts of 3 x 7168 x 2048) and runs out; the search finds an ep that fits, in at
+    most 10 s of CPU (user + sys of this process) once the model's traces are at hand (the first search
+    traces it: 61 blocks whole, its first 3 dense)."""
+    raw = recipe(WhatIf("deepseek-ai/DeepSeek-V3", mode="pretrain", world_size=512))
+    path = tmp_path / "v3.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    overrides = [
+        "batch.global_size=1024",
+        "strategies.checkpointing=full",
+        "strategies.optimizer_states=fp32",
+        "strategies.sharding=zero3",
+        "strategies.mesh.ep=auto",
+    ]
+    loaded = CausalLMRecipe.load(path, overrides)
+    spec = CausalLMTrainer(loaded).model_spec()
+    probe = ModelProbe(spec)
+    gpu = load_gpu("h100-80gb")
+
+    def search() -> Any:
+        return search_meshes(
+            loaded,
+            lambda cp: probe,
+            what_if_target(512, gpu, None, None),
+            gpu.cluster,
+            torch.device("cuda", 0),
+            tensor_parallel_problems=spec.tensor_parallel_problems,
+            pipeline=spec.pipeline,
+        )
+
+    search()  # traces the model
+    started = time.process_time()
+    result = search()
+    seconds = time.process_time() - started
+    assert seconds <= 10, seconds
+    chosen = result.chosen
+    assert chosen is not None and chosen.mesh.ep > 1 and chosen.mesh.dp_shard == 512
+    assert all(row.mesh.ep > 1 for row in result.ranked)  # ep 1 gathers all 256 experts of a layer: no fit
+    assert 256 % chosen.mesh.ep == 0
+    print(
+        f"DeepSeek-V3 on 512 H100: {chosen.mesh.describe()} in {seconds:.1f} s of CPU, peak {chosen.peak / GiB:.2f} GiB"
     )
