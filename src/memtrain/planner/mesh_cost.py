@@ -25,6 +25,9 @@ parallelism split. What comes from where (`SOURCES`, also in `memtrain plan --js
 - communication: bytes per collective (REFERENCE.md: a ring moves (k-1)/k of the whole) over the link the
   group crosses (memtrain.cluster), FSDP's and context parallelism's hidden behind compute as far as compute
   lasts (prefetch, ring attention), tensor parallelism's and the pipeline's exposed.
+- a mixture of experts (`moe`): compute at its active parameters (k of E experts per token); under expert
+  parallelism the busiest ep rank at its routed load, its E / ep gathered experts and its all-to-alls
+  (expert_parallel.py). At ep = 1 without a capacity factor the memory is the traced plan's, unchanged.
 """
 
 from __future__ import annotations
