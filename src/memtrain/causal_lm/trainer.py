@@ -23,6 +23,7 @@ from memtrain.causal_lm import config_values, data_checks, pretrained
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import tokenizer as tokenizer_lib
 from memtrain.causal_lm.expert_parallel import family_layers, router_loss
+from memtrain.causal_lm.experts import expert_routing
 from memtrain.causal_lm.pipeline import pipeline_problems, split_causal_lm
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.tensor_parallel import causal_lm_plan, tensor_parallel_problems
@@ -530,6 +531,7 @@ class CausalLMTrainer(Trainer):
             name=str(self.model_config.model_type),
             trace_key=self._trace_key(),
             tensor_parallel_problems=lambda tp: tensor_parallel_problems(self.model_config, tp),
+            experts=expert_routing(self.model_config),
         )
         self._layers_per_block()  # now, on the meta device: clones are built under the trace's fake tensors
         if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):
