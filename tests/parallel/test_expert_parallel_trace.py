@@ -23,7 +23,7 @@ import torch
 
 from memtrain.distributed import DistEnv
 from memtrain.plan import mesh_of, pinned_plan
-from memtrain.planner.rank_trace import trace_rank
+from memtrain.planner.rank_trace import trace_routings
 
 from helpers import tiny_recipe_dict
 
@@ -74,22 +74,24 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
         plan = pinned_plan(recipe, DistEnv(0, 4, 0, torch.device("cpu"), mesh=mesh)).replace(mesh=mesh)
         spec = cls(recipe).model_spec()
 
-        def predict(rank: int, routing: dict[str, Any]) -> int:
-            trace = trace_rank(spec, plan, rank=rank, routing=routing)  # noqa: B023 (used in this loop only)
-            return trace.prediction(spec.host_bytes()).peak  # noqa: B023
-
         measured = [sum(rank["tracked"].values()) for rank in run["ranks"]]
-        predicted = [predict(r, {"calls": rank["routing_calls"]}) for r, rank in enumerate(run["ranks"])]
         busiest = max(range(4), key=measured.__getitem__)
         calls = run["ranks"][busiest]["routing_calls"]
         covering = max(sum(map(sum, call["received"])) for call in calls) / TOKENS_K
+        # each rank's traces in one process: its measured routing, and the busiest rank's two factors too
+        peaks = []
+        for r, rank in enumerate(run["ranks"]):
+            routings = [{"calls": rank["routing_calls"]}]
+            routings += [{"imbalance": 1.0}, {"imbalance": covering}] if r == busiest else []
+            traces = trace_routings(spec, plan, r, routings)
+            peaks.append([trace.prediction(spec.host_bytes()).peak for trace in traces])
         out[case] = {
             "measured": measured,
-            "predicted": predicted,
+            "predicted": [found[0] for found in peaks],
             "busiest": busiest,
             "covering": covering,
-            "at_one": predict(busiest, {"imbalance": 1.0}),
-            "at_covering": predict(busiest, {"imbalance": covering}),
+            "at_one": peaks[busiest][1],
+            "at_covering": peaks[busiest][2],
             "row": run["rows"][-1],
         }
     return out
