@@ -62,6 +62,7 @@ def apply_plan(
         tensor_parallel=trainer.tensor_parallel_plan,
         pipeline=trainer.pipeline_split,
         materialise_in=materialise_in,
+        compile=plan.compile,
     )
     return applied, blocks
 

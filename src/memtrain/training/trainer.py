@@ -538,7 +538,8 @@ class Trainer:
             torch.cuda.empty_cache()
         new = self.monitor.replan(step, self.plan, self.recipe, self.model_spec(), over)
         if (new.checkpointing, new.loss) != (self.plan.checkpointing, self.plan.loss):
-            switch_in_place(self._sharding.unwrap(self.model), self._blocks, new.checkpointing, new.loss)
+            unwrapped = self._sharding.unwrap(self.model)
+            switch_in_place(unwrapped, self._blocks, new.checkpointing, new.loss, new.compile)
         self.plan = new
 
     def evaluate(self) -> float:
