@@ -264,3 +264,53 @@ def test_a_replan_to_checkpointing_recompiles_the_rewrapped_blocks(tmp_path: Pat
             )
         runs[compile_] = losses
     assert runs["blocks"] == pytest.approx(runs["none"], rel=RTOL["fp32"])
+
+
+FSDP2_RUN = """
+import json, sys, tempfile, warnings
+from pathlib import Path
+sys.path.insert(0, "tests")
+from helpers import tiny_recipe
+from memtrain.causal_lm.trainer import CausalLMTrainer
+from memtrain.strategies.compile import compiled_modules
+root, out = Path(tempfile.mkdtemp()), {}
+for compile_ in ("none", "blocks"):
+    trainer = CausalLMTrainer(tiny_recipe(
+        root / compile_,
+        data={"source": "synthetic", "seq_len": 16, "synthetic": {"num_samples": 256, "min_len": 0}},
+        train={"steps": 3},
+        strategies={"precision": "fp32", "checkpointing": "full", "compile": compile_, "sharding": "zero3",
+                    "sharding_backend": "fsdp2"},
+    ))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses = trainer.fit().losses
+    inner = trainer._sharding.unwrap(trainer.model)
+    out[compile_] = {"losses": losses, "compiled": compiled_modules(inner),
+                     "block": type(inner.model.layers[0]).__name__}
+print(json.dumps(out))
+"""
+
+
+def test_fsdp2_shards_the_compiled_blocks(tmp_path: Path) -> None:
+    """zero3 on FSDP2 (one rank, a process of its own for the process group): `fully_shard` wraps the blocks
+    compiled before it (their class becomes FSDP's, their compiled call stays), and the losses are eager's."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO, subprocess_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", FSDP2_RUN],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["none"]["compiled"] == [] and out["blocks"]["compiled"] == ["model.layers.0", "model.layers.1"]
+    assert out["blocks"]["block"].startswith("FSDP")
+    assert out["blocks"]["losses"] == pytest.approx(out["none"]["losses"], rel=RTOL["fp32"])
