@@ -295,6 +295,7 @@ def _label(plan: Plan) -> str:
     return (
         f"precision={fields['precision']} checkpointing={fields['checkpointing']} loss={fields['loss']} "
         + (f"optimizer={fields['optimizer']} " if plan.optimizer.name != "adamw" else "")
+        + (f"compile={fields['compile']} " if plan.compile.compiled else "")
         + f"optimizer_states={fields['optimizer_states']} optimizer_step={fields['optimizer_step']} "
         f"sharding={fields['sharding']} "
         f"micro_batch={fields['micro_batch_size']} x {fields['accumulation_steps']} accumulation"
