@@ -69,3 +69,24 @@ def test_none_leaves_no_trace_and_uncompile_undoes_compile() -> None:
     assert compiled_modules(model) == ["0", "1"]
     uncompile(blocks)
     assert not any(is_compiled(m) for m in model.modules())
+
+
+@pytest.mark.slow  # imports Dynamo and Inductor (6 s); nothing is compiled
+def test_a_block_that_cannot_compile_runs_eager_and_says_so() -> None:
+    import torch._dynamo.exc
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    blocks = list(model)
+    expected = model(torch.ones(2, 4))
+    COMPILE.create("blocks").apply(model, blocks)
+
+    def fails(*_args: object, **_kwargs: object) -> None:
+        raise torch._dynamo.exc.Unsupported("an op Inductor has no lowering for")
+
+    for block in blocks:
+        block._compiled_call_impl.__wrapped__ = fails  # type: ignore[union-attr]
+    with pytest.warns(
+        UserWarning, match=r"strategies\.compile=blocks: 0 \(Linear\) cannot compile and runs eager"
+    ):
+        out = model(torch.ones(2, 4))
+    assert torch.equal(out, expected) and not any(is_compiled(b) for b in blocks)
