@@ -4,7 +4,9 @@ A small llama (transformers), fp32 AdamW, checkpointing `none` (or `--checkpoint
 `--rows` x `--seq` tokens, the strategies applied by memtrain's own `apply_strategies` (so the compiled
 regions are the ones a run compiles). Per variant: the first step (which compiles: its excess over a
 steady step is the compile time) and the median of `--steps` later steps; the ratios are against eager.
-Inductor's on-disk caches are off unless `--warm-cache`, so the compile time is a cold compile's.
+The later steps run round-robin over the variants (none, blocks, model, none, ...), so that load from
+other processes on a shared machine slows every variant alike. Inductor's on-disk caches are off unless
+`--warm-cache`, so the compile time is a cold compile's.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python scripts/bench_compile.py [--layers 4] [--hidden 256]
         [--seq 256] [--rows 4] [--steps 10] [--checkpointing none] [--warm-cache]
@@ -41,8 +43,11 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.T
     return time.perf_counter() - start
 
 
-def _run(args: argparse.Namespace, name: str) -> tuple[float, float]:
-    """(first step, median steady step) seconds of variant `name`."""
+Variant = tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]
+
+
+def _build(args: argparse.Namespace, name: str) -> Variant:
+    """Variant `name`'s model (strategies applied), optimizer and batch."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from memtrain.strategies.apply import apply_strategies
@@ -74,9 +79,7 @@ def _run(args: argparse.Namespace, name: str) -> tuple[float, float]:
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 1024, (args.rows, args.seq), generator=torch.Generator().manual_seed(1))
-    first = _step(model, optimizer, ids)
-    steady = statistics.median(_step(model, optimizer, ids) for _ in range(args.steps))
-    return first, steady
+    return model, optimizer, ids
 
 
 def main() -> None:
@@ -91,13 +94,19 @@ def main() -> None:
         f"{args.checkpointing}, {threads} thread(s), torch {torch.__version__}, median of {args.steps} steps",
         file=sys.stderr,
     )
-    rows = {name: _run(args, name) for name in ("none", "blocks", "model")}
+    variants = {name: _build(args, name) for name in ("none", "blocks", "model")}
+    first = {name: _step(*variant) for name, variant in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.steps):
+        for name, variant in variants.items():
+            times[name].append(_step(*variant))
+    rows = {name: (first[name], statistics.median(times[name])) for name in variants}
     eager = rows["none"][1]
     print("| compile | step (s) | step / eager | first step (s) | compile time (s) |")
     print("|---|---|---|---|---|")
-    for name, (first, steady) in rows.items():
+    for name, (once, steady) in rows.items():
         print(
-            f"| {name} | {steady:.4f} | {steady / eager:.2f} | {first:.2f} | {max(0.0, first - steady):.1f} |"
+            f"| {name} | {steady:.4f} | {steady / eager:.2f} | {once:.2f} | {max(0.0, once - steady):.1f} |"
         )
 
 

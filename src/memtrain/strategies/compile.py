@@ -32,8 +32,10 @@ replayed in the recompute: `skip_fwd_side_effects_in_bwd_under_checkpoint` is se
 its hooks on the compiled block, which run around the program as on an eager block.
 
 Precision: autocast is entered by the trainer around the forward, outside the compiled regions, and Dynamo
-traces the autocast state into the program: the compiled ops run in the precision's dtypes. fp8's float8
-linears are swapped before and compiled with the block (torchao's float8 is designed for it).
+traces the autocast state into the program: the compiled ops run in the precision's dtypes (tested:
+bf16-mixed). fp8's float8 linears are swapped before and compiled with the block, and tensor parallel's
+DTensor blocks are compiled after their split, as torchtitan does; neither runs on a CPU, so neither is
+tested here.
 
 Refused, naming `strategies.compile`: pipeline stages (the stage's split model is driven by torch's
 pipeline schedule; not run by this version), `offload` checkpointing (saved-tensor hooks are not traced by
