@@ -85,9 +85,9 @@ def _build(args: argparse.Namespace, name: str) -> Variant:
 def main() -> None:
     args = _parse()
     if not args.warm_cache:
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.force_disable_caches = True  # the environment variable is read at import
+        inductor_config.force_disable_caches = True  # the environment variable is read at import
     threads = torch.get_num_threads()
     print(
         f"llama {args.layers} x {args.hidden}, {args.rows} x {args.seq} tokens, fp32, checkpointing "
