@@ -28,8 +28,7 @@ each a count (FLOPs, bytes) divided by a rate:
   hidden, and the optimizer step on the host's CPU, which streams the offloaded states at the host's
   memory rate (`host_step_bandwidth`) and hides behind nothing. For a model large enough to need it, these
   seconds exceed what recomputation or smaller micro-batches cost, so offload ranks below the plans that
-  fit without it (tests/planner/test_offload_choice.py).
-
+  fit without it (tests/planner/test_offload_choice.py);
 - compile (`strategies.compile`): a compiled plan's compute, recompute and micro-step terms are divided
   by `CostModel.compile_speedup`, learned per device from the measured steps of compiled runs
   (step_time_calibration.py) and 1.0 until one was measured: compile is never assumed faster, so with
@@ -143,9 +142,8 @@ class StepCost:
     offload: float
     scale: tuple[float, ...] = field(default=UNCALIBRATED, compare=False)
     model: str = field(default="", compare=False)
-    speedup: float = field(
-        default=1.0, compare=False
-    )  # the compile speedup the compiled terms were divided by
+    # the compile speedup the compiled terms were divided by (1.0: eager, or nothing learned)
+    speedup: float = field(default=1.0, compare=False)
 
     @property
     def total(self) -> float:
