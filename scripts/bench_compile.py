@@ -1,7 +1,8 @@
 """Eager against compiled (`strategies.compile`: none, blocks, model) on the CPU: step time and compile time.
 
 A small llama (transformers), fp32 AdamW, checkpointing `none` (or `--checkpointing`), one fixed batch of
-`--rows` x `--seq` tokens, the strategies applied by memtrain's own `apply_strategies` (so the compiled
+`--rows` x `--seq` tokens called without a KV cache as the trainer calls it (with one, each block would
+guard on its own cache layer and compile again: one compile per block, eager past Dynamo's recompile limit), the strategies applied by memtrain's own `apply_strategies` (so the compiled
 regions are the ones a run compiles). Per variant: the first step (which compiles: its excess over a
 steady step is the compile time) and the median of `--steps` later steps; the ratios are against eager.
 The later steps run round-robin over the variants (none, blocks, model, none, ...), so that load from
@@ -36,7 +37,7 @@ def _parse() -> argparse.Namespace:
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
     start = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # as the trainer calls it
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
