@@ -79,8 +79,14 @@ class MeshScored:
         return required_bytes(self.peak, self.reserved, self.margin)
 
     def order(self) -> tuple[Any, ...]:
-        mesh = (*self.mesh.degrees, self.mesh.ep)
-        return (-round(self.tokens_per_second, 6), self.peak, mesh, self.scored.plan.key())
+        plan = self.scored.plan  # equal speed and memory: eager before compiled (as `Scored.order`)
+        return (
+            -round(self.tokens_per_second, 6),
+            self.peak,
+            (*self.mesh.degrees, self.mesh.ep),
+            plan.compile.compiled,
+            plan.key(),
+        )
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ def apply_plan(
         pipeline=trainer.pipeline_split,
         expert_parallel=trainer.expert_parallel_plan,
         materialise_in=materialise_in,
+        compile=plan.compile,
     )
     return applied, blocks
 

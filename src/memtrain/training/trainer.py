@@ -28,9 +28,8 @@ device and under fake tensors, `loss` on micro-batches shaped like `planning_bat
 of `step_batch(0)`), and counts `host_data_bytes()`. Planning happens in `setup()` (or an explicit
 `choose_plan()`), once the subclass is fully constructed.
 
-The loop's collaborators live beside it: the run directory (`memtrain.run.RunDirectory`: lock, checkpoints,
-lineage, the run's files), the memory monitor (`memory_monitor`: measurement, calibration, re-planning)
-and the checkpoint's contents (`trainer_state`).
+Beside the loop: the run directory (`memtrain.run.RunDirectory`: lock, checkpoints, lineage, the run's
+files), the memory monitor (`memory_monitor`: measurement, calibration, re-planning), `trainer_state`.
 """
 
 from __future__ import annotations
@@ -540,7 +539,8 @@ class Trainer:
             torch.cuda.empty_cache()
         new = self.monitor.replan(step, self.plan, self.recipe, self.model_spec(), over)
         if (new.checkpointing, new.loss) != (self.plan.checkpointing, self.plan.loss):
-            switch_in_place(self._sharding.unwrap(self.model), self._blocks, new.checkpointing, new.loss)
+            model = self._sharding.unwrap(self.model)
+            switch_in_place(model, self._blocks, new.checkpointing, new.loss, new.compile)
         self.plan = new
 
     def evaluate(self) -> float:
