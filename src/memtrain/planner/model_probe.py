@@ -346,13 +346,22 @@ class ModelProbe:
                     self._fits[key] = whole
         return self._fits[key]
 
-    def no_grad(self, precision: Precision, rows: tuple[int, int]) -> frozenset[str]:
+    def no_grad(
+        self,
+        precision: Precision,
+        rows: tuple[int, int],
+        first: Callable[[], FittedTrace] | None = None,
+    ) -> frozenset[str]:
         """The trainable parameters (real names) the step leaves without a gradient, hence without optimizer
         state: read from any trace (which parameters get one depends on the model, not on the plan); when
-        none is cached, from a trace without checkpointing of `precision` at `rows` (one the search makes
-        anyway). A real block stands for its clone block's names."""
+        none is cached, from `first()` (the search passes a fit the plan it scores is walked with, so this
+        costs no trace of its own), else from a trace without checkpointing of `precision` at `rows`. A real
+        block stands for its clone block's names."""
         if not self._fits:
-            self.trace(precision, NoCheckpointing(), rows)
+            if first is not None:
+                first()
+            else:
+                self.trace(precision, NoCheckpointing(), rows)
         fitted = next(iter(self._fits.values()))
         count, depth = self.num_blocks, fitted.depth
         return frozenset(
