@@ -444,7 +444,7 @@ class Evaluation:
                 foreach=self.target.device_type == "cuda",
                 quantization=plan.quantization,
                 linear_weights=self.probe.linear_weights,
-                no_grad=self.probe.no_grad(plan.precision, self.rows, lambda: self._first_fit(plan)),
+                no_grad=self.probe.no_grad(plan.precision, self.rows, lambda: self._first_size(plan)),
             )
             if plan.optimizer_step.in_backward:
                 self.states[key] = in_backward_memory.levels(
@@ -453,16 +453,16 @@ class Evaluation:
             self.states[key] = _with_frozen(self.states[key], self.probe.spec.frozen_bytes, plan)
         return self.states[key]
 
-    def _first_fit(self, plan: Plan) -> FittedTrace:
-        """The first fit `plan` is walked with (`_traces`), alone: what `ModelProbe.no_grad` reads before any
-        other trace, so the search traces nothing only for it."""
+    def _first_size(self, plan: Plan) -> None:
+        """One traced size of the first fit `plan` is walked with (`_traces`), alone: what `ModelProbe.
+        no_grad` reads before any other trace, so the search traces nothing for it alone when `plan` is walked."""
         probe, device_type = self.probe, self.target.device_type
         mode = plan.checkpointing
         if not _traced_as_itself(probe, mode, device_type):
             mode = mode.traced_modes(device_type)[0]
         capability = self.target.compute_capability if device_type == "cuda" else None
         precision, weights = _traced_precision(probe, plan), _weights_dtype(plan)
-        return probe.trace(precision, mode, self.rows_of(plan), weights, plan.loss, capability)
+        probe.first_size(precision, mode, self.rows_of(plan), weights, plan.loss, capability)
 
 
 def _with_frozen(levels: StateLevels, frozen_bytes: Callable[[torch.dtype], int], plan: Plan) -> StateLevels:
