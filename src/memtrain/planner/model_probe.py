@@ -252,8 +252,7 @@ class ModelProbe:
         if key not in self._fits:
             clone = None if self.whole_model else self.spec.build_clone
             depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
-            weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
-            weights += f", loss {loss.describe()}" if loss.name != "standard" else ""
+            weights = _weights_and_loss(weights_dtype, loss)
             why = f"; whole model: {self.whole_model}" if self.whole_model else ""
             self.progress(
                 f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
@@ -363,8 +362,9 @@ class ModelProbe:
         depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
         build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
         self.progress(
-            f"tracing {precision.describe()} / checkpointing {mode.describe()} ({depth} of {self.num_blocks} "
-            f"blocks, {rows[0]} x {self.seq_len} tokens: which parameters get a gradient)"
+            f"tracing {precision.describe()}{_weights_and_loss(weights_dtype, loss)} / checkpointing "
+            f"{mode.describe()} ({depth} of {self.num_blocks} blocks, {rows[0]} x {self.seq_len} tokens: "
+            "which parameters get a gradient)"
         )
         try:
             self._size((precision, mode, weights_dtype, loss, cuda_capability, rows[0]), build, clone is None)
@@ -432,6 +432,12 @@ class ModelProbe:
             (self.adapters, self.quantization),
             (torch.get_num_threads(), torch.get_default_dtype()),
         )
+
+
+def _weights_and_loss(weights_dtype: torch.dtype | None, loss: Loss) -> str:
+    """How a progress line names a trace's weights dtype and loss (nothing for the defaults)."""
+    weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
+    return weights + (f", loss {loss.describe()}" if loss.name != "standard" else "")
 
 
 def _hook_identity(hook: Callable[..., object] | None) -> Hashable | None:
