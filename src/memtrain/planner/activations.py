@@ -212,7 +212,7 @@ def trace_step(
                 loss=loss,
             )
         model.train()
-        tracker = MemoryTracker(model)
+        tracker = MemoryTracker(model, timeline=False)  # the segments read the step reports alone
         recorder = _Recorder(tracker, blocks if block_segments else [])
         with (
             tracker,
