@@ -40,6 +40,7 @@ TARGETS = {  # the what-if each recipe's comments plan it for (default: one H100
     "llama2-70b-lora-8xh100.yaml": ["--gpu", "h100-80gb", "--world-size", "8"],
     "llama3-8b-qlora-24gb.yaml": ["--gpu", "rtx4090-24gb"],
     "llama2-70b-qlora-fsdp-2gpu.yaml": ["--gpu", "h100-80gb", "--world-size", "2"],
+    "tests/tiny-moe-ep.yaml": ["--gpu", "h100-80gb", "--world-size", "4"],
 }
 # Its `loss: auto` traces the chunked and fused losses chunk by chunk over 64k tokens (~25 s here), which
 # has nothing to do with where the config comes from: this test plans it with the standard loss.
