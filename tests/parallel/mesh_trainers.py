@@ -45,16 +45,9 @@ class MLPLM(nn.Module):
         return self.head(x)
 
 
-class SplitMLPTrainer(Trainer):
-    """Rows of a step are a function of the step alone; each data-parallel rank reads its own rows."""
-
-    def build_model(self) -> nn.Module:
-        return MLPLM()
-
-    def tensor_parallel_plan(self, model: nn.Module) -> dict[str, Any]:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-        return {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+class TokenRowsTrainer(Trainer):
+    """Rows of a step are a function of the step alone; each data-parallel rank reads its own rows, and the
+    model maps token ids to logits over `VOCAB`."""
 
     def step_batch(self, step: int) -> dict[str, torch.Tensor]:
         size, share = self.recipe.batch.global_size, self.per_rank_batch_size
@@ -66,6 +59,18 @@ class SplitMLPTrainer(Trainer):
         logits = model(batch["ids"])
         loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
         return loss_sum, (batch["labels"] != IGNORE).sum()
+
+
+class SplitMLPTrainer(TokenRowsTrainer):
+    """An MLP language model with a tensor-parallel plan."""
+
+    def build_model(self) -> nn.Module:
+        return MLPLM()
+
+    def tensor_parallel_plan(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
 
 
 class NoPlanTrainer(SplitMLPTrainer):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mesh_trainers import VOCAB, TokenRowsTrainer
 from torch import nn
 
 from memtrain import Trainer
 from memtrain.strategies.expert_parallel import ExpertLayer
 
-VOCAB, DIM, HIDDEN, EXPERTS, TOP_K, DEPTH, IGNORE = 64, 32, 16, 4, 2, 4, -100
+DIM, HIDDEN, EXPERTS, TOP_K, DEPTH = 32, 16, 4, 2, 4
 
 
 class Experts(nn.Module):
@@ -70,8 +71,8 @@ class MoELM(nn.Module):
         return self.head(x)
 
 
-class MoETrainer(Trainer):
-    """Rows of a step are a function of the step alone; each data-parallel rank reads its own rows."""
+class MoETrainer(TokenRowsTrainer):
+    """A mixture-of-experts language model with an expert-parallel plan."""
 
     BIAS = (0.0, 0.0, 0.0, 0.0)  # each router's bias per expert
 
@@ -80,17 +81,6 @@ class MoETrainer(Trainer):
 
     def expert_parallel_plan(self, model: nn.Module) -> list[ExpertLayer]:
         return [ExpertLayer(block.experts, EXPERTS, run_local) for block in model.blocks]  # type: ignore[union-attr]
-
-    def step_batch(self, step: int) -> dict[str, torch.Tensor]:
-        size, share = self.recipe.batch.global_size, self.per_rank_batch_size
-        tokens = torch.randint(0, VOCAB, (size, 17), generator=torch.Generator().manual_seed(step))
-        mine = tokens[self.env.dp_rank * share : (self.env.dp_rank + 1) * share]
-        return {"ids": mine[:, :-1], "labels": mine[:, 1:]}
-
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(batch["ids"])
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
-        return loss_sum, (batch["labels"] != IGNORE).sum()
 
 
 class SkewedMoETrainer(MoETrainer):

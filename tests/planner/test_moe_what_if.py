@@ -114,9 +114,6 @@ def test_qwen3_30b_on_eight_b200_prefers_fsdp_without_expert_parallelism(tmp_pat
     paper with a B200-like profile the search must rank no expert parallelism first and EP 4 x PP 2 below
     it: every token's rows cross the all-to-all twice each way per layer, and the busiest rank computes
     `max_load` times the mean's expert rows, while FSDP's gathers hide behind compute."""
-    raw = recipe(WhatIf("Qwen/Qwen3-30B-A3B", mode="pretrain", world_size=8))
-    path = tmp_path / "qwen3.yaml"
-    path.write_text(yaml.safe_dump(raw))
     overrides = [
         "batch.global_size=64",
         "strategies.optimizer_states=fp32",
@@ -126,19 +123,10 @@ def test_qwen3_30b_on_eight_b200_prefers_fsdp_without_expert_parallelism(tmp_pat
         "strategies.mesh.pp=auto",
         "strategies.mesh.ep=auto",
     ]
-    loaded = CausalLMRecipe.load(path, overrides)
-    spec = CausalLMTrainer(loaded).model_spec()
-    probe = ModelProbe(spec)
+    what = WhatIf("Qwen/Qwen3-30B-A3B", mode="pretrain", world_size=8)
     gpu = load_gpu("h200-141gb")  # B200's memory class: the search is about speed here, not fit
-    result = search_meshes(
-        loaded,
-        lambda cp: probe,
-        what_if_target(8, gpu, 180 * 10**9, None),
-        B200_NODE,
-        torch.device("cuda", 0),
-        tensor_parallel_problems=spec.tensor_parallel_problems,
-        pipeline=spec.pipeline,
-        cost=CostModel(B200),
+    result = _search(
+        what, overrides, tmp_path, what_if_target(8, gpu, 180 * 10**9, None), B200_NODE, CostModel(B200)
     )
     chosen = result.chosen
     assert chosen is not None and chosen.mesh.ep == 1 and chosen.mesh.pp == 1, chosen.mesh.describe()
@@ -163,9 +151,6 @@ def test_deepseek_v3_layers_on_512_h100_plan_an_ep_mesh(tmp_path: Path) -> None:
     model = tmp_path / "deepseek-v3-5-layers"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}), encoding="utf-8")
-    raw = recipe(WhatIf(str(model), mode="pretrain", world_size=512))
-    path = tmp_path / "v3.yaml"
-    path.write_text(yaml.safe_dump(raw))
     overrides = [
         "batch.global_size=1024",
         "strategies.checkpointing=full",
@@ -174,20 +159,33 @@ def test_deepseek_v3_layers_on_512_h100_plan_an_ep_mesh(tmp_path: Path) -> None:
         "strategies.loss=standard",
         "strategies.mesh.ep=auto",
     ]
-    loaded = CausalLMRecipe.load(path, overrides)
-    spec = CausalLMTrainer(loaded).model_spec()
     gpu = load_gpu("h100-80gb")
-    result = search_meshes(
-        loaded,
-        lambda cp: ModelProbe(spec),
-        what_if_target(512, gpu, None, None),
-        gpu.cluster,
-        torch.device("cuda", 0),
-        tensor_parallel_problems=spec.tensor_parallel_problems,
-        pipeline=spec.pipeline,
-    )
+    what = WhatIf(str(model), mode="pretrain", world_size=512)
+    result = _search(what, overrides, tmp_path, what_if_target(512, gpu, None, None), gpu.cluster, None)
     chosen = result.chosen
     assert chosen is not None and chosen.mesh.ep > 1 and chosen.mesh.dp_shard == 512
     assert all(row.mesh.ep > 1 for row in result.ranked)  # ep 1 gathers all 256 experts of a layer: no fit
     assert 256 % chosen.mesh.ep == 0
     print(f"DeepSeek-V3 layers on 512 H100: {chosen.mesh.describe()}, peak {chosen.peak / GiB:.2f} GiB")
+
+
+def _search(
+    what: WhatIf, overrides: list[str], tmp_path: Path, target: Any, cluster: Cluster, cost: CostModel | None
+) -> Any:
+    """The mesh search `memtrain plan` runs for `what` with `overrides`, on `cluster` (cost: the device
+    class's constants unless given)."""
+    path = tmp_path / "what-if.yaml"
+    path.write_text(yaml.safe_dump(recipe(what)))
+    loaded = CausalLMRecipe.load(path, overrides)
+    spec = CausalLMTrainer(loaded).model_spec()
+    probe = ModelProbe(spec)
+    return search_meshes(
+        loaded,
+        lambda cp: probe,
+        target,
+        cluster,
+        torch.device("cuda", 0),
+        tensor_parallel_problems=spec.tensor_parallel_problems,
+        pipeline=spec.pipeline,
+        cost=cost,
+    )

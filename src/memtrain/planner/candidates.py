@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -64,6 +64,8 @@ from memtrain.strategies.optimizers import Optimizer
 from memtrain.strategies.precision import PRECISION, Precision
 from memtrain.strategies.registry import DeviceFacts
 from memtrain.strategies.sharding import SHARDING, Sharding
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -230,19 +232,13 @@ def _compiles_with(
     """The compile choices that can run with this checkpointing and sharding (pinned and not: the user's
     error)."""
     s = recipe.strategies
-    pinned = _pinned(s.compile) and _pinned(s.checkpointing) and _pinned(s.sharding)
-    kept = []
-    for compiled in compiles:
-        try:
-            compiled.check_with(mode, sharding)
-            kept.append(compiled)
-        except Unsupported as exc:
-            if pinned:
-                raise
-            reason = (f"strategies.compile={compiled.name} with {mode.name}, {sharding.describe()}", str(exc))
-            if reason not in excluded:
-                excluded.append(reason)
-    return kept
+    return _runnable(
+        compiles,
+        lambda compiled: compiled.check_with(mode, sharding),
+        lambda compiled: f"strategies.compile={compiled.name} with {mode.name}, {sharding.describe()}",
+        _pinned(s.compile) and _pinned(s.checkpointing) and _pinned(s.sharding),
+        excluded,
+    )
 
 
 def _updates_with(
@@ -315,15 +311,33 @@ def _with_sharding(
     losses: Sequence[Loss], sharding: Sharding, pinned: bool, excluded: list[tuple[str, str]]
 ) -> list[Loss]:
     """The losses that can run with `sharding` (a pinned pair that cannot is the user's error)."""
+    return _runnable(
+        losses,
+        lambda loss: loss.check_sharding(sharding),
+        lambda loss: f"strategies.loss={loss.name} with sharding {sharding.name}",
+        pinned,
+        excluded,
+    )
+
+
+def _runnable(
+    choices: Sequence[T],
+    check: Callable[[T], None],
+    named: Callable[[T], str],
+    pinned: bool,
+    excluded: list[tuple[str, str]],
+) -> list[T]:
+    """The choices `check` lets through; each one it refuses is excluded with its reason, or, when the
+    recipe pinned the combination, is the user's error (raised)."""
     kept = []
-    for loss in losses:
+    for choice in choices:
         try:
-            loss.check_sharding(sharding)
-            kept.append(loss)
+            check(choice)
+            kept.append(choice)
         except Unsupported as exc:
             if pinned:
                 raise
-            reason = (f"strategies.loss={loss.name} with sharding {sharding.name}", str(exc))
+            reason = (named(choice), str(exc))
             if reason not in excluded:
                 excluded.append(reason)
     return kept
