@@ -532,6 +532,8 @@ class CausalLMTrainer(Trainer):
         self._layers_per_block()  # now, on the meta device: clones are built under the trace's fake tensors
         if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):
             return spec
+        if _own_builds(type(self)):  # a subclass's model (compiled, wrapped) is the one the run trains
+            return spec
         name = trace_sdpa()
 
         def build(config: Any) -> nn.Module:
@@ -721,3 +723,11 @@ def trace_sdpa() -> str:
         AttentionInterface.register(TRACE_SDPA, sdpa_attention_forward)
         AttentionMaskInterface.register(TRACE_SDPA, mask)
     return TRACE_SDPA
+
+
+def _own_builds(trainer: type[CausalLMTrainer]) -> bool:
+    """Whether a subclass builds its own model or clones (`build_model`, `build_model_clone`)."""
+    return any(
+        getattr(trainer, name) is not getattr(CausalLMTrainer, name)
+        for name in ("build_model", "build_model_clone")
+    )

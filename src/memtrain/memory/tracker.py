@@ -48,6 +48,16 @@ class _Watch(TorchDispatchMode):
         return out
 
 
+class _InfraWatch(_Watch):
+    """The same count, declared an infrastructure mode (as fake tensors are): dynamo compiles and runs
+    compiled regions under it instead of running them eagerly. Only the planner's trace wants this: its
+    compiled regions run op by op (planner/compiled_trace.py), so every op is still seen."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+
 class MemoryTracker:
     """Attributes live storage bytes to weights / gradients / optimizer_states / activations / other.
 
@@ -56,7 +66,8 @@ class MemoryTracker:
     ``budget_bytes`` the allocation that would take live bytes past it raises ``torch.OutOfMemoryError``.
     Only storages on ``device`` count (default: the device of the model's first parameter, else CPU), and,
     with ``host``, real host (CPU) storages too: a fake model's trace of a CPU run, whose real batch is in
-    the memory the run's device is (`memtrain.training.rank_trace`).
+    the memory the run's device is (`memtrain.training.rank_trace`). `compiled_regions`: let dynamo run
+    compiled regions under the tracker (see `_InfraWatch`); without it they run eagerly.
     """
 
     def __init__(
@@ -69,6 +80,7 @@ class MemoryTracker:
         host: bool = False,
         samples_per_step: int = 2000,
         timeline_steps: int = 8,
+        compiled_regions: bool = False,
     ) -> None:
         self.model = model
         # The parameters the model holds now: FSDP2 swaps gathered (unsharded) tensors in as a module's
@@ -84,6 +96,7 @@ class MemoryTracker:
         self._ledger = StorageLedger(self.device, self.budget, host)
         self._modules = ModuleAttribution(model)
         self._mode: _Watch | None = None
+        self._watch = _InfraWatch if compiled_regions else _Watch
         self._handles: list[RemovableHandle] = []
         self._params: list[torch.Tensor] = []
         self._frozen: list[nn.Module] = []
@@ -122,7 +135,7 @@ class MemoryTracker:
             self._handles += self._optimizer_hooks(self.optimizer)
         self._modules.start()
         self._resync()
-        self._mode = _Watch(self)
+        self._mode = self._watch(self)
         self._mode.__enter__()
         listen(self._ledger.resized)
         return self

@@ -1,0 +1,88 @@
+"""Compiled modules in the planner's fake-tensor trace: the program torch.compile runs, on fake tensors.
+
+Why not the eager trace: a compiled module keeps what AOTAutograd's min-cut partitioner saves for its
+backward (after Inductor's decompositions), not what eager autograd saves, and its temporaries are
+Inductor's buffers. Inductor's generated code cannot run on fake tensors (it is C++ over real buffers),
+but the program it compiles can: `aot_eager_decomp_partition` is dynamo's graph through the same
+decompositions and the same partitioner, each op then run eagerly. So in a trace every compiled module
+(`memory.modules.is_compiled`: what `nn.Module.compile()` leaves, whoever compiled it, the strategy or the
+trainer's `build_model`) is compiled again with that backend, and the tracker counts the compiled
+program's saved tensors exactly.
+
+What it does not see: Inductor fuses chains of pointwise ops into one kernel, so their intermediates never
+exist, and reuses freed buffers. The partitioned program run op by op holds those intermediates one at a
+time, each freed after its last use (FX frees values after their last use), so it over-counts by at most
+one chain's temporaries at the peak: measured against the allocator's count of the Inductor step
+(`memory.host_allocations`) in tests/planner/test_compiled_peak.py.
+
+Why the tracker runs as an infrastructure mode here (`MemoryTracker(compiled_regions=True)`): dynamo runs
+a region eagerly when a non-infrastructure dispatch mode is active, which would trace the eager program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.memory.modules import is_compiled
+
+BACKEND = "aot_eager_decomp_partition"
+RECOMPILES = 1024  # a trace's blocks are new modules: dynamo's per-code limit (8) would fall back to eager
+
+
+def compiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The compiled modules of `model`, outermost only (a compiled module's call runs what it holds)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(outer + ".") or not outer for outer, _ in found)
+        if is_compiled(module) and not inside:
+            found.append((name, module))
+    return found
+
+
+def compile_description(model: nn.Module) -> str:
+    """Which modules are compiled, for the trace cache's key ("" when none): their class names, counted."""
+    names = [type(m).__name__ for _, m in compiled_modules(model)]
+    if not names:
+        return ""
+    outer = [n for n, _ in compiled_modules(model)]
+    return f"compiled {len(names)}: {sorted(set(names))} at {'model' if outer == [''] else 'submodules'}"
+
+
+@contextlib.contextmanager
+def traced_as_compiled(model: nn.Module) -> Iterator[bool]:
+    """Inside, each compiled module of `model` runs its call compiled with `BACKEND` (restored on exit);
+    yields whether there were any. Dynamo fails loudly instead of falling back to eager at its limits."""
+    compiled = [m for _, m in compiled_modules(model)]
+    before = [m._compiled_call_impl for m in compiled]
+    for module in compiled:
+        module._compiled_call_impl = torch.compile(_private_call(module), backend=BACKEND)
+    limits = {
+        "recompile_limit": RECOMPILES,
+        "accumulated_recompile_limit": RECOMPILES,
+        "fail_on_recompile_limit_hit": True,
+    }
+    try:
+        with torch._dynamo.config.patch(limits):
+            yield bool(compiled)
+    finally:
+        for module, call in zip(compiled, before, strict=True):
+            module._compiled_call_impl = call
+
+
+def _private_call(module: nn.Module) -> Callable[..., Any]:
+    """`module._call_impl` on a code object of its own. Dynamo keeps its compiled entries and counts its
+    recompiles per code object: on `Module._call_impl`'s own, the trace's entries (new fake modules at
+    every trace) would count against the run's compiled modules, which fall back to eager past the limit
+    (measured: a planned run then trained eagerly). These entries die with the traced model."""
+    code = nn.Module._call_impl.__code__
+    private = code.replace(
+        co_name="_traced_call_impl", co_qualname="_traced_call_impl"
+    )  # equal codes are one
+    call = types.FunctionType(private, nn.Module._call_impl.__globals__)
+    return types.MethodType(call, module)
