@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Hashable, Iterable, Set
+from collections.abc import Callable, Hashable, Iterable, Set
 from pathlib import Path
 from typing import Any
 
@@ -489,7 +489,8 @@ class CausalLMTrainer(Trainer):
     def _from_config(self, config: Any, attn_implementation: str | None = None) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        attention = attn_implementation or self.recipe.model.attn_implementation
+        override = getattr(self, "_attention_override", None)  # `_traced_build`
+        attention = attn_implementation or override or self.recipe.model.attn_implementation
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention, dtype=torch.float32, trust_remote_code=False
         )
@@ -532,8 +533,6 @@ class CausalLMTrainer(Trainer):
         self._layers_per_block()  # now, on the meta device: clones are built under the trace's fake tensors
         if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):
             return spec
-        if _own_builds(type(self)):  # a subclass's model (compiled, wrapped) is the one the run trains
-            return spec
         name = trace_sdpa()
 
         def build(config: Any) -> nn.Module:
@@ -548,11 +547,30 @@ class CausalLMTrainer(Trainer):
             model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
             return model
 
+        if _own_builds(type(self)):  # a subclass's model (compiled, wrapped) is the one the run trains
+            return dataclasses.replace(
+                spec,
+                build_model=lambda: self._traced_build(self.build_model, name),
+                build_clone=lambda depth: self._traced_build(lambda: self.build_model_clone(depth), name),
+            )
         return dataclasses.replace(
             spec,
             build_model=lambda: build(self.model_config),
             build_clone=lambda depth: build(self._clone_config(depth)),
         )
+
+    def _traced_build(self, make: Callable[[], nn.Module], attention: str) -> nn.Module:
+        """A subclass's own `make` under the planner's fake tensors, its configs built with the traced
+        `attention` (`trace_sdpa`, through `_from_config`) and fed the all-ones mask."""
+        if not _under_fake_tensors():
+            return make()
+        self._attention_override: str | None = attention
+        try:
+            model = make()
+        finally:
+            self._attention_override = None
+        model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
+        return model
 
     def _trace_key(self) -> Hashable | None:
         """`ModelSpec.trace_key`: what these hooks read (the model config, the recipe's `model` and `data`

@@ -15,6 +15,7 @@ activation while it lives; the rest is `other`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -44,8 +45,29 @@ class _Watch(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._tracker._after_op(args, kwargs, out)
+        if _uncounted.depth:
+            self._tracker._uncounted_op(out)
+        else:
+            self._tracker._after_op(args, kwargs, out)
         return out
+
+
+class _Uncounted(threading.local):
+    depth = 0
+
+
+_uncounted = _Uncounted()
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """What ops make inside is not counted (a storage first seen later is counted from then): buffers a
+    compiler would not allocate, run here only to carry on the program (planner/compiled_trace.py)."""
+    _uncounted.depth += 1
+    try:
+        yield
+    finally:
+        _uncounted.depth -= 1
 
 
 class _InfraWatch(_Watch):
@@ -247,6 +269,12 @@ class MemoryTracker:
                 ledger.observe(st, origin, allocation=True)
         ledger.clock += 1
         self._note_live()
+
+    def _uncounted_op(self, out: Any) -> None:
+        self._ledger.drain()
+        for t in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+            for st in storages_of(t):
+                self._ledger.uncounted(st)
 
     def _note_live(self, keep_sample: bool = False) -> None:
         if self._step is None:

@@ -359,8 +359,9 @@ class _AroundCompiled:
 
     def __init__(self, block: nn.Module, recorder: _Recorder, index: int) -> None:
         self._block = block
-        self._inner: Callable[..., Any] = block._compiled_call_impl
-        inner = self._inner
+        inner = block._compiled_call_impl
+        assert inner is not None
+        self._inner = inner
 
         def call(*args: Any, **kwargs: Any) -> Any:
             recorder.entering(index, args, kwargs)

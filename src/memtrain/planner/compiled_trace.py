@@ -22,6 +22,8 @@ a region eagerly when a non-infrastructure dispatch mode is active, which would 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from memtrain.memory.modules import is_compiled
+from memtrain.memory.tracker import uncounted
 
 BACKEND = "aot_eager_decomp_partition"
 RECOMPILES = 1024  # a trace's blocks are new modules: dynamo's per-code limit (8) would fall back to eager
@@ -61,7 +64,7 @@ def traced_as_compiled(model: nn.Module) -> Iterator[bool]:
     compiled = [m for _, m in compiled_modules(model)]
     before = [m._compiled_call_impl for m in compiled]
     for module in compiled:
-        module._compiled_call_impl = torch.compile(_private_call(module), backend=BACKEND)
+        module._compiled_call_impl = torch.compile(_private_call(module), backend=_fused_backend)
     limits = {
         "recompile_limit": RECOMPILES,
         "accumulated_recompile_limit": RECOMPILES,
@@ -86,3 +89,77 @@ def _private_call(module: nn.Module) -> Callable[..., Any]:
     )  # equal codes are one
     call = types.FunctionType(private, nn.Module._call_impl.__globals__)
     return types.MethodType(call, module)
+
+
+def _fused_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """`aot_eager_decomp_partition` with Inductor's fusion drawn in: the forward and backward graphs run
+    op by op, each value Inductor would not allocate computed `uncounted`."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import select_decomp_table
+
+    return aot_autograd(  # type: ignore[no-any-return]
+        fw_compiler=_fused_nop,
+        bw_compiler=_fused_nop,
+        decompositions=select_decomp_table(),
+        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+    )(gm, example_inputs)
+
+
+def _fused_nop(graph: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """The graph run node by node (boxed: its inputs freed after their last use, as Inductor's code does),
+    the values Inductor fuses away computed `uncounted`."""
+    outputs = set(graph.graph.output_node().all_input_nodes)
+    fused = {n for n in graph.graph.nodes if n.op == "call_function" and not materialized(n, outputs)}
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+
+    def run(args: list[Any]) -> Any:
+        env = dict(zip(placeholders, args, strict=True))
+        args.clear()
+        return _FusedRun(graph, fused).run(initial_env=env)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+class _FusedRun(torch.fx.Interpreter):
+    def __init__(self, graph: torch.fx.GraphModule, fused: set[torch.fx.Node]) -> None:
+        super().__init__(graph)
+        self._fused = fused
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n not in self._fused:
+            return super().run_node(n)
+        with uncounted():
+            return super().run_node(n)
+
+
+_REDUCTIONS = frozenset(
+    {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "any", "all"}
+)
+
+
+def materialized(node: torch.fx.Node, outputs: set[torch.fx.Node]) -> bool:
+    """Whether Inductor allocates `node`'s value: a graph output (a saved tensor, a gradient), anything
+    but a pointwise op or a view (matmuls, attention, reductions: kernels of their own or extern calls),
+    or a value one of those reads. A pointwise value read only by pointwise ops, views and reductions is
+    computed inside their kernel."""
+    if node in outputs or _kind(node) not in ("pointwise", "view"):
+        return True
+    return any(_kind(user) == "other" for user in node.users)
+
+
+def _kind(node: torch.fx.Node) -> str:
+    """ "pointwise", "view", "reduction" or "other" (getitem of a tuple: a view of what its op made)."""
+    target = node.target
+    if node.op != "call_function":
+        return "other"
+    if target is operator.getitem:
+        return "view"
+    if not isinstance(target, torch._ops.OpOverload):
+        return "other"
+    if torch.Tag.pointwise in target.tags or target is torch.ops.prims.convert_element_type.default:
+        return "pointwise"
+    if target.is_view:
+        return "view"
+    return "reduction" if target.overloadpacket.__name__ in _REDUCTIONS else "other"
