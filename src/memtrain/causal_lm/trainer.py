@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import re
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Set
@@ -569,7 +570,8 @@ class CausalLMTrainer(Trainer):
             model = make()
         finally:
             self._attention_override = None
-        model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
+        if "attention_mask" in inspect.signature(model.forward).parameters:  # a transformers model
+            model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
         return model
 
     def _trace_key(self) -> Hashable | None:
