@@ -9,11 +9,12 @@ decompositions and the same partitioner, each op then run eagerly. So in a trace
 trainer's `build_model`) is compiled again with that backend, and the tracker counts the compiled
 program's saved tensors exactly.
 
-What it does not see: Inductor fuses chains of pointwise ops into one kernel, so their intermediates never
-exist, and reuses freed buffers. The partitioned program run op by op holds those intermediates one at a
-time, each freed after its last use (FX frees values after their last use), so it over-counts by at most
-one chain's temporaries at the peak: measured against the allocator's count of the Inductor step
-(`memory.host_allocations`) in tests/planner/test_compiled_peak.py.
+Inductor's fusion: it computes chains of pointwise ops inside one kernel, so their intermediates never
+exist. The partitioned graphs run here node by node (their inputs freed after their last use, as Inductor's
+code frees them), and a value Inductor would not allocate (`materialized`: a pointwise value read only by
+pointwise ops, views and reductions, and no graph output) is computed `uncounted`. A checkpointed compiled
+block also keeps two RNG states (`_holding_rng_states`), which no op makes. Measured against the
+allocator's count of the Inductor step (`memory.host_allocations`) in tests/planner/test_compiled_peak.py.
 
 Why the tracker runs as an infrastructure mode here (`MemoryTracker(compiled_regions=True)`): dynamo runs
 a region eagerly when a non-infrastructure dispatch mode is active, which would trace the eager program.
@@ -31,10 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain.memory.modules import is_compiled
+from memtrain.memory.modules import graph_tensors, is_compiled
 from memtrain.memory.tracker import uncounted
+from memtrain.strategies.checkpointing import _WRAPPED as CHECKPOINTED
 
-BACKEND = "aot_eager_decomp_partition"
+RNG_STATES = 2  # what a compiled checkpointed block keeps besides its inputs (measured; eager keeps one)
 RECOMPILES = 1024  # a trace's blocks are new modules: dynamo's per-code limit (8) would fall back to eager
 
 
@@ -59,12 +61,14 @@ def compile_description(model: nn.Module) -> str:
 
 @contextlib.contextmanager
 def traced_as_compiled(model: nn.Module) -> Iterator[bool]:
-    """Inside, each compiled module of `model` runs its call compiled with `BACKEND` (restored on exit);
+    """Inside, each compiled module of `model` runs its call compiled with `_fused_backend` (restored on exit);
     yields whether there were any. Dynamo fails loudly instead of falling back to eager at its limits."""
     compiled = [m for _, m in compiled_modules(model)]
     before = [m._compiled_call_impl for m in compiled]
     for module in compiled:
-        module._compiled_call_impl = torch.compile(_private_call(module), backend=_fused_backend)
+        traced = torch.compile(_private_call(module), backend=_fused_backend)
+        checkpointed = getattr(module, CHECKPOINTED, None) is not None
+        module._compiled_call_impl = _holding_rng_states(traced) if checkpointed else traced
     limits = {
         "recompile_limit": RECOMPILES,
         "accumulated_recompile_limit": RECOMPILES,
@@ -163,3 +167,21 @@ def _kind(node: torch.fx.Node) -> str:
     if target.is_view:
         return "view"
     return "reduction" if target.overloadpacket.__name__ in _REDUCTIONS else "other"
+
+
+def _holding_rng_states(call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call`, its output holding `RNG_STATES` generator states until its backward. A checkpointed region
+    keeps the RNG state of its forward to replay it in the recompute (`preserve_rng_state`): the compiled
+    block keeps two (measured: 2 x 5056 B on the CPU, beyond its output), and `torch.get_rng_state` is no
+    op the tracker sees, so the trace allocates them as fake bytes."""
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        first = next(graph_tensors(out), None)
+        if first is not None:
+            with torch.device(first.device):
+                states = torch.empty(RNG_STATES * torch.get_rng_state().numel(), dtype=torch.uint8)
+            first.register_hook(lambda grad: grad if states is not None else grad)  # holds them until then
+        return out
+
+    return held
