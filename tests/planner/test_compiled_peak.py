@@ -62,6 +62,8 @@ def _case(compiled: bool, family: str, precision: str, checkpointing: str) -> tu
     )
     with HostAllocations() as watch:
         trainer_class(run).fit()
+    kind = "compiled" if compiled else "eager"
+    print(f"{family} {precision} {checkpointing} {kind}: predicted {predicted} measured {watch.peak_bytes}")
     return predicted, watch.peak_bytes
 
 

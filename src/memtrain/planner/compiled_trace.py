@@ -177,11 +177,11 @@ def _holding_rng_states(call: Callable[..., Any]) -> Callable[..., Any]:
 
     def held(*args: Any, **kwargs: Any) -> Any:
         out = call(*args, **kwargs)
-        first = next(graph_tensors(out), None)
-        if first is not None:
-            with torch.device(first.device):
-                states = torch.empty(RNG_STATES * torch.get_rng_state().numel(), dtype=torch.uint8)
-            first.register_hook(lambda grad: grad if states is not None else grad)  # holds them until then
+        given = next(graph_tensors((args, kwargs)), None)  # its gradient ends the block's backward
+        if given is not None and next(graph_tensors(out), None) is not None:
+            with torch.device(given.device):
+                states = [torch.empty(RNG_STATES * torch.get_rng_state().numel(), dtype=torch.uint8)]
+            given.register_hook(lambda grad: states.clear())
         return out
 
     return held
