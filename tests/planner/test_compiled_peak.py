@@ -67,15 +67,8 @@ def _case(compiled: bool, family: str, precision: str, checkpointing: str) -> tu
     return predicted, watch.peak_bytes
 
 
-SELECTIVE_GAP = pytest.mark.xfail(
-    reason="measured on llama fp32: 0.84% under (about 9.5 KB a block the compiled selective step holds "
-    "that the traced program does not); not found yet",
-    strict=False,
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", ["none", "full", pytest.param("selective", marks=SELECTIVE_GAP)])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_compiled_peak_is_predicted(family: str, precision: str, checkpointing: str) -> None:
