@@ -49,7 +49,10 @@ def _compile_blocks(trainer: CausalLMTrainer, model: nn.Module) -> nn.Module:
 
 @functools.cache
 def _case(compiled: bool, family: str, precision: str, checkpointing: str) -> tuple[int, int]:
-    """(predicted, measured) peak of a 3-step run of the five-block model, 4 rows of 32 tokens."""
+    """(predicted, measured) peak of a 3-step run of the five-block model, 4 rows of 32 tokens. Dynamo's
+    caches are emptied first: every case's blocks are new modules on `Module._call_impl`'s code, and past
+    dynamo's recompile limit (8 per code object, per process) the run's blocks would run eagerly."""
+    torch._dynamo.reset()
     trainer_class = CompiledBlocks if compiled else CausalLMTrainer
     root = Path(tempfile.mkdtemp())
     model = {"config": {**MODEL, "model_type": family}}
