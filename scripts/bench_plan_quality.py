@@ -10,8 +10,10 @@ the chosen plan against the best measured one (goal >= 0.95), and how well the p
 `--calibrate` fits the cost model's per-term multipliers to the measured times (cost.calibrate) and prints
 them: the way to re-derive the CPU constants in src/memtrain/planner/cost.py on another machine.
 
-`--oracle` is the full check (issue 16): at each of `--oracle-budgets` (three by default) it trains every
-plan the planner considers feasible, not only the predicted top ten, for `--steps` steps *under* the
+`--oracle` is the full check (issues 16, 44): for each of `--oracle-models` (tiny configs of `MODELS`: a
+Llama, a Qwen2 and a Qwen2-MoE) at each of `--oracle-budgets` (three by default; a budget is bytes, e.g.
+`28MiB`, or a share of the model's own predicted peak with no budget, e.g. `60%`) it trains every plan the
+planner considers feasible, not only the predicted top ten, for `--steps` steps *under* the
 budget (`memory.budget`: the tracker raises a real OutOfMemoryError past it; an OOM is counted, not
 recovered from, against that plan), then reports the chosen plan's measured throughput over the best
 measured one, the chosen plan's rank among the measured plans, and how many predicted-feasible plans ran
@@ -21,6 +23,8 @@ failure here (the trainer is handed the plan with no budget to re-plan against).
 the default 8 steps on an idle 2-core CPU; 20 and 40 MiB hold 5 and 51 predicted-feasible plans:
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_plan_quality.py --oracle [--json results/oracle.json]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_plan_quality.py --oracle --oracle-models llama,qwen2,qwen2_moe \
+        --oracle-budgets 40%,60%,100% --json results/oracle_models.json      # issue 44's three models
 """
 
 from __future__ import annotations
@@ -59,9 +63,31 @@ MODEL = {
     "vocab_size": 2048,
     "max_position_embeddings": 256,
 }
+UNCONSTRAINED = "4GiB"  # a simulated budget far above any tiny model's fastest plan
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": MODEL,
+    "qwen2": {
+        **MODEL,
+        "model_type": "qwen2",
+        "hidden_size": 96,
+        "intermediate_size": 256,
+        "num_hidden_layers": 6,
+    },
+    "qwen2_moe": {  # 8 experts, 2 routed per token, a shared expert: routed load from the initial router
+        **MODEL,
+        "model_type": "qwen2_moe",
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "shared_expert_intermediate_size": 192,
+        "decoder_sparse_step": 1,
+    },
+}
 
 
-def recipe(budget: str | None, steps: int, out: Path, pinned: Scored | None = None) -> CausalLMRecipe:
+def recipe(
+    budget: str | None, steps: int, out: Path, pinned: Scored | None = None, model: str = "llama"
+) -> CausalLMRecipe:
     strategies: dict[str, Any] = {
         "precision": "fp32",
         "checkpointing": "auto",
@@ -80,7 +106,7 @@ def recipe(budget: str | None, steps: int, out: Path, pinned: Scored | None = No
     return CausalLMRecipe.from_dict(
         {
             "run": {"name": "plan-quality", "output_dir": str(out), "seed": 0},
-            "model": {"config": MODEL},
+            "model": {"config": MODELS[model]},
             "data": {"source": "synthetic", "seq_len": 128, "synthetic": {"num_samples": 512}},
             "batch": batch,
             "train": {"steps": steps, "warmup_steps": 0},
@@ -100,9 +126,11 @@ def step_seconds(r: CausalLMRecipe) -> float:
     return statistics.median(row["step_time_s"] for row in rows[1:])
 
 
-def plan_search(budget: str, steps: int, out: Path) -> tuple[CausalLMRecipe, PlanResult]:
+def plan_search(
+    budget: str, steps: int, out: Path, model: str = "llama"
+) -> tuple[CausalLMRecipe, PlanResult]:
     """The planner's search at `budget`, as `memtrain train` would run it on this CPU."""
-    base = recipe(budget, steps, out)
+    base = recipe(budget, steps, out, model=model)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     target = measured_target(env, int(base.memory.budget or 0), base.planner.safety_fraction)
     probe = ModelProbe(CausalLMTrainer(base).model_spec())
@@ -143,31 +171,41 @@ def train_under_budget(base: CausalLMRecipe, scored: Scored, out: Path) -> dict[
     return row
 
 
-def oracle(budgets: list[str], steps: int, max_plans: int | None) -> dict[str, Any]:
-    """Every predicted-feasible plan at each budget, trained under it; the summary of each budget."""
+def oracle(models: list[str], budgets: list[str], steps: int, max_plans: int | None) -> dict[str, Any]:
+    """Every predicted-feasible plan of each model at each budget, trained under it; each one's summary."""
     report: dict[str, Any] = {"budgets": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for budget in budgets:
-            base, result = plan_search(budget, steps, Path(tmp) / "plan")
-            assert result.budget is not None
-            plans = list(result.ranked[:max_plans] if max_plans else result.ranked)
-            print(
-                f"budget {budget}: {len(result.ranked)} plans predicted to fit ({len(result.infeasible)} not); "
-                f"training {len(plans)} under the budget",
-                flush=True,
-            )
-            started = time.perf_counter()
-            rows = []
-            for index, scored in enumerate(plans):
-                row = train_under_budget(base, scored, Path(tmp) / f"{budget}-{index}")
-                rows.append({"predicted_rank": index + 1, **row})
-            report["budgets"].append(
-                summarise(
-                    budget, result.budget.usable, len(result.ranked), rows, time.perf_counter() - started
+        for model in models:
+            for asked in budgets:
+                budget = absolute_budget(asked, steps, Path(tmp) / "reference", model)
+                base, result = plan_search(budget, steps, Path(tmp) / "plan", model)
+                assert result.budget is not None
+                plans = list(result.ranked[:max_plans] if max_plans else result.ranked)
+                print(
+                    f"{model}, budget {asked} ({budget}): {len(result.ranked)} plans predicted to fit "
+                    f"({len(result.infeasible)} not); training {len(plans)} under the budget",
+                    flush=True,
                 )
-            )
-            print(oracle_line(report["budgets"][-1]), flush=True)
+                started = time.perf_counter()
+                rows = []
+                for index, scored in enumerate(plans):
+                    row = train_under_budget(base, scored, Path(tmp) / f"{model}-{asked}-{index}")
+                    rows.append({"predicted_rank": index + 1, **row})
+                seconds = time.perf_counter() - started
+                summary = summarise(asked, result.budget.usable, len(result.ranked), rows, seconds)
+                report["budgets"].append({"model": model, **summary})
+                print(oracle_line(report["budgets"][-1]), flush=True)
     return report
+
+
+def absolute_budget(asked: str, steps: int, out: Path, model: str) -> str:
+    """`asked` in bytes: a share (`60%`) of the peak the planner predicts for `model`'s fastest plan when
+    memory is no constraint (`UNCONSTRAINED`), else `asked` as it is (`28MiB`)."""
+    if not asked.endswith("%"):
+        return asked
+    _, unbounded = plan_search(UNCONSTRAINED, steps, out, model)
+    peak = unbounded.ranked[0].prediction.peak
+    return f"{int(peak * float(asked[:-1]) / 100)}B"
 
 
 def summarise(
@@ -199,7 +237,7 @@ def summarise(
 
 def oracle_line(s: dict[str, Any]) -> str:
     head = (
-        f"budget {s['budget']}: {s['trained']} of {s['predicted_feasible']} predicted-feasible plans trained "
+        f"{s['model']}, budget {s['budget']}: {s['trained']} of {s['predicted_feasible']} predicted-feasible plans trained "
         f"({s['seconds']:.0f} s); {s['out_of_memory']} ran out of memory, {s['errors']} failed otherwise, "
         f"{s['passed_usable']} passed the usable {s['usable_bytes']:,} bytes"
     )
@@ -214,16 +252,16 @@ def oracle_line(s: dict[str, Any]) -> str:
 
 def oracle_table(report: dict[str, Any]) -> list[str]:
     lines = [
-        "| budget | predicted feasible | trained | ran out of memory | passed usable | chosen / best measured "
-        "| chosen's measured rank | best plan (its predicted rank) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| model | budget | predicted feasible | trained | ran out of memory | passed usable | chosen / best "
+        "measured | chosen's measured rank | best plan (its predicted rank) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for s in report["budgets"]:
         ratio = f"{s['chosen_over_best']:.3f}" if "chosen_over_best" in s else "chosen did not train"
         rank = s.get("chosen_rank_measured", "n/a")
         best = f"{s['best']} ({s['best_predicted_rank']})" if "best" in s else "n/a"
         lines.append(
-            f"| {s['budget']} | {s['predicted_feasible']} | {s['trained']} | {s['out_of_memory']} | "
+            f"| {s['model']} | {s['budget']} | {s['predicted_feasible']} | {s['trained']} | {s['out_of_memory']} | "
             f"{s['passed_usable']} | {ratio} | {rank} | {best} |"
         )
     return lines
@@ -250,7 +288,14 @@ def main() -> int:
         help="train every predicted-feasible plan under each --oracle-budgets",
     )
     parser.add_argument(
-        "--oracle-budgets", default="20MiB,28MiB,40MiB", help="comma-separated (default three)"
+        "--oracle-budgets",
+        default="20MiB,28MiB,40MiB",
+        help="comma-separated: bytes (28MiB) or a share of each model's unbudgeted predicted peak (60%%)",
+    )
+    parser.add_argument(
+        "--oracle-models",
+        default="llama",
+        help=f"comma-separated, of {', '.join(MODELS)} (default llama)",
     )
     parser.add_argument(
         "--max-plans",
@@ -262,7 +307,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.oracle:
-        report = oracle([b for b in args.oracle_budgets.split(",") if b], args.steps, args.max_plans)
+        models = [m for m in args.oracle_models.split(",") if m]
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            parser.error(f"--oracle-models: {', '.join(unknown)} not among {', '.join(MODELS)}")
+        budgets = [b for b in args.oracle_budgets.split(",") if b]
+        report = oracle(models, budgets, args.steps, args.max_plans)
         print("\n".join(["", *oracle_table(report)]))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)

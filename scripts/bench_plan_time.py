@@ -13,7 +13,9 @@ wall time, which a shared machine stretches. The recipes that name a hub model p
 Face cache holding its config.json alone (as tests/pretrained/test_real_scale_recipe.py stages it:
 tests/hf_cache.py's config, offline). `--warm` plans each case a second time against the cache the first
 run left (what a user's next what-if of the same model costs). `--only TEXT` keeps the cases whose name
-contains TEXT.
+contains TEXT. `--json-dir DIR` keeps each cold plan's `--json` there (one file a case), so two trees' plans
+can be diffed (`--compare` does when both results name their directory: the same text but for the mesh
+search's own `search_seconds`).
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def stage_hub_cache(home: Path) -> None:
     (snapshot / "config.json").write_text(json.dumps(CONFIG))
 
 
-def plan_once(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """CPU and wall seconds of one `memtrain plan --json`, its exit code and predicted peak."""
+def plan_once(argv: list[str], env: dict[str, str], keep: Path | None = None) -> dict[str, Any]:
+    """CPU and wall seconds of one `memtrain plan --json`, its exit code and predicted peak (`keep`: its
+    --json written there)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(
@@ -85,6 +88,8 @@ def plan_once(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     )
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if keep is not None:
+        keep.write_text(done.stdout)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     peak: int | None = None
     chosen = ""
@@ -98,7 +103,7 @@ def plan_once(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     return {"rc": done.returncode, "cpu_s": cpu, "wall_s": wall, "peak": peak, "chosen": chosen}
 
 
-def run(src: Path, only: str, warm: bool) -> dict[str, Any]:
+def run(src: Path, only: str, warm: bool, json_dir: Path | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "hf"
@@ -115,7 +120,10 @@ def run(src: Path, only: str, warm: bool) -> dict[str, Any]:
                 "HF_HUB_OFFLINE": "1",
                 "MEMTRAIN_CACHE_DIR": str(cache),
             }
-            results[name] = plan_once(argv, env)
+            keep = None if json_dir is None else json_dir / f"{len(results):02d}.json"
+            results[name] = plan_once(argv, env, keep)
+            if keep is not None:
+                results[name]["json"] = str(keep)
             if warm:
                 results[name]["warm_cpu_s"] = plan_once(argv, env)["cpu_s"]
             row = results[name]
@@ -135,6 +143,8 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     for name, new in after.items():
         old = before.get(name, {})
         same = "same" if old.get("chosen") == new["chosen"] else "**differs**"
+        if "json" in old and "json" in new:
+            same += ", --json " + ("identical" if _same_file(old["json"], new["json"]) else "**differs**")
         warm = f"{new['warm_cpu_s']:.1f}" if "warm_cpu_s" in new else "-"
         lines.append(
             f"| {name} | {old.get('cpu_s', float('nan')):.1f} | {new['cpu_s']:.1f} | {warm} | "
@@ -143,19 +153,32 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two kept --json files are the same text but for the mesh search's `search_seconds` line (its
+    own timing)."""
+    if not (Path(a).is_file() and Path(b).is_file()):
+        return False
+    texts = (Path(path).read_text().splitlines() for path in (a, b))
+    kept = [[line for line in lines if '"search_seconds":' not in line] for lines in texts]
+    return kept[0] == kept[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", type=Path, default=REPO / "src", help="the src tree to time (default: ours)")
     parser.add_argument("--out", type=Path, help="write the results here (JSON)")
     parser.add_argument("--only", default="", help="time only the cases whose name contains this")
     parser.add_argument("--warm", action="store_true", help="plan each case again on the cache it left")
+    parser.add_argument("--json-dir", type=Path, help="keep each cold plan's --json in this directory")
     parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"), help="print the table")
     args = parser.parse_args()
     if args.compare:
         before, after = (json.loads(p.read_text()) for p in args.compare)
         print(compare(before, after))
         return
-    results = run(args.src.resolve(), args.only, args.warm)
+    if args.json_dir:
+        args.json_dir.mkdir(parents=True, exist_ok=True)
+    results = run(args.src.resolve(), args.only, args.warm, args.json_dir)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     print(compare(results, results))

@@ -40,6 +40,7 @@ def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[st
         "bench_startup.py",
         "bench_published.py",
         "bench_links.py",
+        "bench_plan_quality.py",
     ],
 )
 def test_command_lines_parse(script: str) -> None:

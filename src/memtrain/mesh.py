@@ -92,7 +92,7 @@ class MeshShape:
     @property
     def is_flat(self) -> bool:
         """Only data parallelism, on one dimension: what memtrain ran before meshes."""
-        return self.dp_replicate == 1 and self.tp == self.pp == self.cp == 1
+        return self.dp_replicate == 1 and self.tp == self.pp == self.cp == self.ep == 1
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Rank `rank`'s index on each dimension."""

@@ -28,6 +28,7 @@ from memtrain.recipe import Recipe
 from memtrain.strategies.adapters import ADAPTERS, Adapters
 from memtrain.strategies.catalog import RECIPE_KINDS, REGISTRIES
 from memtrain.strategies.checkpointing import CHECKPOINTING, Checkpointing
+from memtrain.strategies.compile import COMPILE, Compile
 from memtrain.strategies.context_parallel import RING_ATTENTION_DEVICES
 from memtrain.strategies.loss import LOSS, Loss
 from memtrain.strategies.micro_batching import MicroBatching, TokenBudget
@@ -41,7 +42,12 @@ from memtrain.strategies.sharding import SHARDING, Sharding
 from memtrain.strategies.sharding.base import ShardingBackend
 
 OPTIONAL_KINDS = ("quantization", "adapters")  # change the recipe's model: "none" unless it asks
-LATER_KINDS = ("loss", "optimizer_step", "optimizer")  # plans written before these kinds ran their defaults
+LATER_KINDS = (
+    "loss",
+    "optimizer_step",
+    "optimizer",
+    "compile",
+)  # plans written before these kinds ran their defaults
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class Plan:
     optimizer_step: OptimizerStep = dataclasses.field(default_factory=OptimizerStep)
     optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
     mesh: MeshShape | None = None  # how the ranks are arranged (None: one data-parallel dimension)
+    compile: Compile = dataclasses.field(default_factory=Compile)
 
     def __post_init__(self) -> None:
         if self.mesh is not None and self.mesh.is_flat:  # one data-parallel dimension: the plan of old
@@ -136,6 +143,7 @@ class Plan:
             + (f", loss {s['loss'].describe()}" if s["loss"].name != "standard" else "")
             + (f", step {s['optimizer_step'].describe()}" if s["optimizer_step"].name != "standard" else "")
             + (f", optimizer {s['optimizer'].describe()}" if s["optimizer"].name != "adamw" else "")
+            + (f", compile {s['compile'].describe()}" if s["compile"].name != "none" else "")
             + (f", mesh {self.mesh.describe()}" if self.mesh is not None and not self.mesh.is_flat else "")
         )
 
@@ -183,10 +191,16 @@ def mesh_of(recipe: Recipe, world_size: int) -> MeshShape:
 def mesh_problems(mesh: MeshShape, device_type: str) -> list[str]:
     """What this version cannot run of a resolved mesh on `device_type`, one line each naming the key."""
     problems = []
-    if mesh.ep > 1:
-        problems.append(
-            f"strategies.mesh.ep: {mesh.ep} expert-parallel ranks are not run by this version; set it to 1"
-        )
+    for other, degree in (
+        ("tp", mesh.tp),
+        ("pp", mesh.pp),
+        ("cp", mesh.cp),
+    ):
+        if mesh.ep > 1 and degree > 1:
+            problems.append(
+                f"strategies.mesh.ep: {mesh.ep} expert-parallel ranks with strategies.mesh.{other}={degree} are "
+                "not run by this version; set one of them to 1"
+            )
     if mesh.cp > 1 and device_type not in RING_ATTENTION_DEVICES:
         problems.append(
             f"strategies.mesh.cp: {mesh.cp} ranks of context parallelism: torch has no context-parallel ring "
@@ -301,11 +315,22 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
     sharding = SHARDING.create(str(s.sharding), s.model_dump())
     loss = LOSS.create(str(s.loss), s.model_dump())
     optimizer_step = OPTIMIZER_STEP.create(str(s.optimizer_step), s.model_dump())
+    compiled = COMPILE.create(str(s.compile), s.model_dump())
     optimizer = optimizer_of(recipe, str(recipe.optimizer.name))
     adapters, quantization = adapters_of(recipe), quantization_of(recipe)
     facts = DeviceFacts.of(env.device, env.world_size, env.mesh)
-    for strategy in (quantization, adapters, precision, checkpointing, loss, optimizer_states, optimizer):
+    for strategy in (
+        quantization,
+        adapters,
+        precision,
+        checkpointing,
+        loss,
+        compiled,
+        optimizer_states,
+        optimizer,
+    ):
         strategy.check(facts)
+    compiled.check_with(checkpointing, sharding)
     optimizer.check_with(optimizer_states, sharding, optimizer_step.in_backward)
     precision.update_states(optimizer_states, optimizer.name)  # what bf16-true cannot step is refused
     sharding.check_with(env, precision)
@@ -333,4 +358,5 @@ def pinned_plan(recipe: Recipe, env: DistEnv) -> Plan:
         optimizer_step,
         optimizer,
         env.mesh,
+        compiled,
     )

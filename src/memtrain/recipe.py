@@ -313,12 +313,37 @@ class MeshConfig(RecipeSection):
         return value
 
 
+# The busiest expert-parallel rank's routed rows over the mean, assumed when the recipe says nothing. Why 1.5:
+# capacity factors are sized to cover routing imbalance with load-balancing losses on (Switch Transformer
+# trains at 1.25, GShard at 2.0, per expert); a rank's load sums E/ep experts, less skewed than one expert's,
+# and DeepSeek-V3-style balancing reports a maximal violation (max / mean - 1) under 0.5 once training settles.
+DEFAULT_MAX_LOAD = 1.5
+
+
+class MoeConfig(RecipeSection):
+    """`strategies.moe:` — how mixture-of-experts layers route, for the planner's per-rank memory under
+    expert parallelism (`strategies.mesh.ep`; planner/expert_parallel.py)."""
+
+    max_load: float = Field(
+        default=DEFAULT_MAX_LOAD,
+        ge=1.0,
+        description="Bound on the busiest expert-parallel rank's routed rows over the mean (1 = balanced).",
+    )
+    capacity_factor: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Experts drop rows over capacity_factor x their fair share (None: dropless, as the "
+        "built-in trainer routes).",
+    )
+
+
 class _StrategiesSection(RecipeSection):
     """`strategies:` — each strategy kind takes `auto`, a name from its registry
     (`memtrain.strategies.catalog`), or a list of allowed names; the other keys are the strategies'
     options. Every key is generated from the registries' declarations into `StrategiesConfig`."""
 
     mesh: MeshConfig = MeshConfig()
+    moe: MoeConfig = MoeConfig()
 
     if TYPE_CHECKING:  # the generated keys
 

@@ -62,3 +62,18 @@ def test_host_counts_real_cpu_storages_beside_the_tracked_device() -> None:
         kept = torch.empty(100, device="meta"), torch.empty(100)
         assert tracker.live_bytes == 2 * 100 * 4
     del kept
+
+
+def test_without_a_timeline_the_step_reports_are_the_same() -> None:
+    """`timeline=False` (the planner's traces) draws no samples and changes no number of a step report."""
+    reports = []
+    for sampled in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        tracker = MemoryTracker(model, timeline=sampled)
+        with tracker:
+            _step(tracker, model, 1)
+        assert bool(tracker.timeline.samples) is sampled
+        reports.append(tracker.reports[0])
+    assert reports[0] == reports[1]
+    assert reports[0].peak_bytes > 0

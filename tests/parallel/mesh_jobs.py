@@ -4,12 +4,13 @@
 tiny recipe of tests/helpers.py with its own sections (a `strategies.mesh`, a resume) and rank 0 writes, per
 job, the losses, the whole fp32 weights (gathered from every shard), each rank's bytes of parameters
 and optimizer states as its shards hold them, the sample ids each rank read per step (a
-`RecordingTrainer` job), and the plan each rank ended with and the re-plans it made. A job's `resume` (a run directory or checkpoint) continues another job's run. `trainer` names a class in tests/parallel/mesh_trainers.py
-instead of the built-in causal-LM one; `ring_standin` runs context parallelism on CPU (ring_standin.py).
+`RecordingTrainer` job), and the plan each rank ended with and the re-plans it made. A job's `resume` (a run directory or checkpoint) continues another job's run. `trainer` names a class in tests/parallel/mesh_trainers.py (or
+the job's `trainer_module` there, e.g. moe_trainers.py) instead of the built-in causal-LM one; `ring_standin` runs context parallelism on CPU (ring_standin.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memtrain.causal_lm.recipe import CausalLMRecipe  # noqa: E402
 from memtrain.causal_lm.trainer import CausalLMTrainer  # noqa: E402
+from memtrain.strategies import expert_parallel  # noqa: E402
 from memtrain.training.trainer import Trainer  # noqa: E402
 
 from helpers import REPO, subprocess_env, tiny_recipe_dict  # noqa: E402
@@ -79,9 +81,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         ring_standin.install()
     raw = tiny_recipe_dict(Path(job["run_dir"]), **job.get("sections", {}))
     if job.get("trainer"):
-        import mesh_trainers
-
-        trainer_class: type[Trainer] = getattr(mesh_trainers, job["trainer"])
+        trainers = importlib.import_module(job.get("trainer_module", "mesh_trainers"))
+        trainer_class: type[Trainer] = getattr(trainers, job["trainer"])
         own = issubclass(trainer_class, CausalLMTrainer)  # a causal-LM subclass keeps the model and data
         recipe = trainer_class.recipe_class.from_dict(
             raw if own else {k: v for k, v in raw.items() if k not in ("model", "data")}
@@ -100,6 +101,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "sample_ids": getattr(trainer, "seen_ids", None),  # RecordingTrainer's, per step
         "plan": trainer.plan.summary(),  # the plan this rank ended with
         "replans": [{"step": r["step"], "to": r["to"]} for r in trainer.monitor.replans],
+        "routing_calls": expert_parallel.LAST_STEP[0].calls if expert_parallel.LAST_STEP else None,
         "ring": sorted(sys.modules["ring_standin"].SEEN) if job.get("ring_standin") else None,
     }
     everyone: list[Any] = [None] * trainer.env.world_size
@@ -107,7 +109,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if trainer.env.is_main and job.get("weights_out"):
         torch.save(weights, job["weights_out"])
     trainer.model, trainer.optimizer = None, None
-    return {"losses": result.losses, "ranks": everyone}
+    metrics = trainer.run.layout.metrics_file
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if trainer.env.is_main else []
+    return {"losses": result.losses, "ranks": everyone, "rows": rows}
 
 
 def launch(tmp: Path, ranks: int, jobs: list[dict[str, Any]], name: str = "") -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.distributed import DistEnv
 from memtrain.plan import mesh_of, pinned_plan
-from memtrain.planner.rank_trace import trace_rank
+from memtrain.planner.rank_trace import RankTraces
 
 from helpers import REPO, run_two_ranks, tiny_recipe_dict
 
@@ -114,16 +114,30 @@ def test_each_rank_holds_half_the_frozen_base_as_predicted(runs: dict[str, Any],
         assert {k: measured[k] for k in MEASURED} == {k: estimated[k] for k in MEASURED}, f"rank {rank}"
 
 
+@pytest.fixture(scope="module")
+def traced(runs: dict[str, Any]) -> dict[str, int]:
+    """Each precision's FSDP2 plan traced as rank 0 of two, both plans in one process of the rank trace."""
+    plans = {}
+    for precision in ("fp32", "bf16-mixed"):
+        recipe = CausalLMRecipe.from_dict(
+            tiny_recipe_dict(runs["root"] / "trace", **_sections(f"fsdp2-{precision}", runs["root"]))
+        )
+        mesh = mesh_of(recipe, 2)
+        plans[precision] = pinned_plan(recipe, DistEnv(0, 2, 0, torch.device("cpu"), mesh=mesh)).replace(
+            mesh=mesh
+        )
+    spec = CausalLMTrainer(recipe).model_spec()  # the job; each plan names its own precision
+    traces = RankTraces(spec, progress=lambda _line: None)
+    traces.trace(list(plans.values()))
+    return {
+        precision: traces.get(plan).prediction(spec.host_bytes()).peak for precision, plan in plans.items()
+    }
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_the_rank_trace_predicts_each_ranks_peak(runs: dict[str, Any], precision: str) -> None:
-    name = f"fsdp2-{precision}"
-    recipe = CausalLMRecipe.from_dict(
-        tiny_recipe_dict(runs["root"] / "trace", **_sections(name, runs["root"]))
-    )
-    mesh = mesh_of(recipe, 2)
-    plan = pinned_plan(recipe, DistEnv(0, 2, 0, torch.device("cpu"), mesh=mesh)).replace(mesh=mesh)
-    spec = CausalLMTrainer(recipe).model_spec()
-    predicted = trace_rank(spec, plan).prediction(spec.host_bytes()).peak
-    measured = max(runs[name]["peak"])
+def test_the_rank_trace_predicts_each_ranks_peak(
+    runs: dict[str, Any], traced: dict[str, int], precision: str
+) -> None:
+    predicted, measured = traced[precision], max(runs[f"fsdp2-{precision}"]["peak"])
     error = (predicted - measured) / measured
     assert UNDER <= error <= OVER, (predicted, measured, error)

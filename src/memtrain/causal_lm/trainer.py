@@ -23,6 +23,8 @@ from torch import nn
 from memtrain.causal_lm import config_values, data_checks, pretrained
 from memtrain.causal_lm import data as data_lib
 from memtrain.causal_lm import tokenizer as tokenizer_lib
+from memtrain.causal_lm.expert_parallel import family_layers, router_loss
+from memtrain.causal_lm.experts import expert_routing
 from memtrain.causal_lm.pipeline import pipeline_problems, split_causal_lm
 from memtrain.causal_lm.recipe import CausalLMRecipe
 from memtrain.causal_lm.tensor_parallel import causal_lm_plan, tensor_parallel_problems
@@ -30,6 +32,7 @@ from memtrain.errors import RecipeError, Unsupported, did_you_mean, shortened
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import ModelSpec
 from memtrain.recipe import Recipe
+from memtrain.strategies.expert_parallel import ExpertLayer
 from memtrain.strategies.loss import bound_loss
 from memtrain.training.trainer import Batch, Trainer
 
@@ -530,6 +533,7 @@ class CausalLMTrainer(Trainer):
             name=str(self.model_config.model_type),
             trace_key=self._trace_key(),
             tensor_parallel_problems=lambda tp: tensor_parallel_problems(self.model_config, tp),
+            experts=expert_routing(self.model_config),
         )
         self._layers_per_block()  # now, on the meta device: clones are built under the trace's fake tensors
         if self.recipe.model.attn_implementation != "sdpa" or data_lib.carries_positions(self.recipe.data):
@@ -597,6 +601,10 @@ class CausalLMTrainer(Trainer):
             raise Unsupported(problems[0])
         return causal_lm_plan(model, self.env.shape.sequence_parallel)
 
+    def expert_parallel_plan(self, model: nn.Module) -> list[ExpertLayer] | None:
+        """The family's experts modules (`memtrain.causal_lm.expert_parallel`: a plan of ours, and why)."""
+        return family_layers(model, self.env.shape.ep) or None
+
     def pipeline_split(self, model: nn.Module, stage: int, stages: int) -> tuple[int, ...] | None:
         """Keep stage `stage`'s part of the model for `strategies.mesh.pp > 1` (`memtrain.causal_lm.pipeline`);
         the hidden states' width, what one stage hands the next."""
@@ -626,10 +634,11 @@ class CausalLMTrainer(Trainer):
         if binding.strategy.applies_bare_head:
             check_bare_head_loss(self.model_config, binding.strategy.name)
         with binding.deferring_head():
-            output = model(input_ids=batch["input_ids"], use_cache=False, **positions).logits
+            output = model(input_ids=batch["input_ids"], use_cache=False, **positions)
         labels = batch["labels"]
-        loss_sum = binding(output, labels, data_lib.IGNORE_INDEX)
-        return loss_sum, (labels != data_lib.IGNORE_INDEX).sum()
+        loss_sum = binding(output.logits, labels, data_lib.IGNORE_INDEX)
+        tokens = (labels != data_lib.IGNORE_INDEX).sum()
+        return loss_sum + router_loss(output, self.model_config, tokens), tokens
 
     def eval_batches(self) -> Iterable[Batch]:
         """This rank's share of the held-out samples, `train.eval_batches` step batches at most."""

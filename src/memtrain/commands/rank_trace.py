@@ -9,13 +9,16 @@ there (`memtrain.training.rank_trace.trace_step`). Everything crosses as JSON: t
 `Plan.from_dict`, the recipe through its class's validation; nothing is unpickled.
 
 Request: `{"trainer": str, "recipe": {...}, "world_size": N, "rank": r, "traces": [{"plan": {...}, "rows":
-int | null}, ...]}` (one rank per process: torch keeps references to a group a process has left). Result: `{"traces": [...]}`, one per request in order, each the tracker's report
+int | null, "routing": {...} | null}, ...]}` (`routing`: under expert parallelism, how many rows this rank's
+experts receive: `{"imbalance": factor}` or a run's `{"calls": ...}`, `strategies.expert_parallel.rule_from`;
+absent on an ep mesh: a balanced router, `{"imbalance": 1.0}`, as the fake group's exchanged counts are garbage) (one rank per process: torch keeps references to a group a process has left). Result: `{"traces": [...]}`, one per request in order, each the tracker's report
 (`peak`, `at_peak`, `maxima`, `where`) or `{"error": "..."}` (a trace that cannot run: the planner predicts
 that plan by formula and says why).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -26,6 +29,7 @@ from memtrain.commands.trainers import for_recipe, trainer_class
 from memtrain.errors import MemtrainError
 from memtrain.memory import join_fake_process_group
 from memtrain.plan import Plan
+from memtrain.strategies.expert_parallel import counts_from, rule_from
 from memtrain.training.rank_trace import trace_step
 from memtrain.training.trainer import Trainer
 
@@ -38,12 +42,17 @@ def run(request: dict[str, Any]) -> list[dict[str, Any]]:
     cls = trainer_class(str(request["trainer"]))
     recipe = cls.recipe_class.from_dict(request["recipe"])
     trainer = for_recipe(cls, recipe)(recipe)
-    return [_one(trainer, Plan.from_dict(item["plan"]), item.get("rows")) for item in request["traces"]]
+    return [
+        _one(trainer, Plan.from_dict(item["plan"]), item.get("rows"), item.get("routing"))
+        for item in request["traces"]
+    ]
 
 
-def _one(trainer: Trainer, plan: Plan, rows: int | None) -> dict[str, Any]:
+def _one(trainer: Trainer, plan: Plan, rows: int | None, routing: dict[str, Any] | None) -> dict[str, Any]:
+    rule = rule_from(routing or ({"imbalance": 1.0} if plan.shape.ep > 1 else None))  # never the fake counts
     try:
-        report = trace_step(trainer, plan, rows)
+        with counts_from(rule) if rule is not None else contextlib.nullcontext():
+            report = trace_step(trainer, plan, rows)
     except MemtrainError as exc:
         return {"error": str(exc)}
     except Exception as exc:  # a model or strategy the fake step cannot run: the planner's formula

@@ -154,6 +154,7 @@ def recipe_problems(recipe: Recipe, trainer: type[Trainer], skip: Set[str] = fro
         trainer.recipe_problems(recipe, skip)
         + _tensor_parallel_problems(recipe, trainer)
         + _pipeline_problems(recipe, trainer)
+        + _expert_parallel_problems(recipe, trainer)
         + preflight.recipe_problems(recipe, skip)
     )
 
@@ -166,6 +167,17 @@ def _tensor_parallel_problems(recipe: Recipe, trainer: type[Trainer]) -> list[st
     return [
         f"strategies.mesh.tp: {trainer.__name__} has no tensor-parallel plan (override "
         "Trainer.tensor_parallel_plan(model)); set strategies.mesh.tp: 1"
+    ]
+
+
+def _expert_parallel_problems(recipe: Recipe, trainer: type[Trainer]) -> list[str]:
+    """A trainer without an expert-parallel plan (`Trainer.expert_parallel_plan` not overridden) and ep > 1."""
+    ep = recipe.strategies.mesh.ep
+    if ep == 1 or ep == "auto" or trainer.expert_parallel_plan is not Trainer.expert_parallel_plan:
+        return []
+    return [
+        f"strategies.mesh.ep: {trainer.__name__} has no expert-parallel plan (override "
+        "Trainer.expert_parallel_plan(model)); set strategies.mesh.ep: 1"
     ]
 
 

@@ -253,15 +253,18 @@ def replay(
     """Run `events` through a fresh allocator; frees of storages it never saw allocated are skipped."""
     allocator = CachingAllocator(expandable_segments, max_split_size, max_non_split_rounding)
     peak = reserved_at_peak = blocks_peak = reserved_peak = 0
+    malloc, free = allocator.malloc, allocator.free
     for sid, nbytes in events:
         if sid == EMPTY_CACHE:
             allocator.empty_cache()
         elif nbytes:
-            allocator.malloc(sid, nbytes)
+            malloc(sid, nbytes)
             if allocator.allocated > peak:
                 peak, reserved_at_peak = allocator.allocated, allocator.reserved
-            blocks_peak = max(blocks_peak, allocator.blocks)
-            reserved_peak = max(reserved_peak, allocator.reserved)
+            if allocator.blocks > blocks_peak:
+                blocks_peak = allocator.blocks
+            if allocator.reserved > reserved_peak:
+                reserved_peak = allocator.reserved
         else:
-            allocator.free(sid)
+            free(sid)
     return Replay(peak, reserved_peak, reserved_at_peak, blocks_peak, allocator.blocks, allocator.reserved)

@@ -24,6 +24,10 @@ what the caller allocates. A gloo run holds more, each measured by the tracker o
   all-gathers are not: held so, the last layer's lives through the loss, which no run measured (HSDP fp32
   without recompute 4.8% over; 2.9% with the backward's held). Other c10d collectives are not held either:
   none was measured alive past its wait;
+- the input of expert parallelism's all-to-all of rows (`all_to_all_single`, waited on before it returns),
+  by the same worker thread: the experts' outputs sent back (the rows this rank's experts received) were alive
+  through the unpermuting and weighting after it in some 4-rank runs and not in others (a tiny MoE's peak
+  +3.4% there: tests/parallel/test_expert_parallel.py), so it is held until the next collective too;
 - the tensor of a point-to-point send (a pipeline stage's output or input gradient), for as long as the
   caller keeps the send's `Work`: gloo's work refers to it, and torch's 1F1B schedule keeps a warm-up send's
   works in a variable through its whole steady phase, so a first stage's output lives on there after its
@@ -54,6 +58,9 @@ SYNC_REDUCE_SCATTERS = ("_reduce_scatter_base_", "reduce_scatter_tensor_coalesce
 ASYNC_REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced")
 COPYING_ALL_REDUCES = ("all_reduce", "all_reduce_coalesced")  # functional: gloo reduces a copy, the output
 SYNC_ALL_GATHERS = ("_allgather_base_", "allgather_into_tensor_coalesced_")  # FSDP2's: (outputs, inputs, ...)
+ALL_TO_ALL = (
+    "alltoall_base_"  # c10d's all_to_all_single (expert parallelism's dispatch): (output, input, ...)
+)
 SEND = "send"  # c10d's point-to-point send: (tensors, group, peer, tag) -> its work
 
 
@@ -100,6 +107,8 @@ class GlooBuffers(TorchDispatchMode):
             self._sends[self._handing] = _tensors(args[0])
         if name in SYNC_ALL_GATHERS and in_backward():
             self._finished += _tensors(args[:2])
+        if name == ALL_TO_ALL and args[0].dim() > 1:  # the rows' exchange (not the counts'): its input
+            self._finished += _tensors(args[1:2])
         if func.namespace != ASYNC_NAMESPACE:
             return out  # waited on before it returned: gloo's copies die here
         if name in ASYNC_REDUCE_SCATTERS:

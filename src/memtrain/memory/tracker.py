@@ -88,8 +88,10 @@ class MemoryTracker:
     ``budget_bytes`` the allocation that would take live bytes past it raises ``torch.OutOfMemoryError``.
     Only storages on ``device`` count (default: the device of the model's first parameter, else CPU), and,
     with ``host``, real host (CPU) storages too: a fake model's trace of a CPU run, whose real batch is in
-    the memory the run's device is (`memtrain.training.rank_trace`). `compiled_regions`: let dynamo run
-    compiled regions under the tracker (see `_InfraWatch`); without it they run eagerly.
+    the memory the run's device is (`memtrain.training.rank_trace`). ``timeline=False`` draws no timeline
+    samples, for a reader of the step reports alone (the planner's traces: about a tenth of their time).
+    `compiled_regions`: let dynamo run compiled regions under the tracker (see `_InfraWatch`); without it
+    they run eagerly.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class MemoryTracker:
         host: bool = False,
         samples_per_step: int = 2000,
         timeline_steps: int = 8,
+        timeline: bool = True,
         compiled_regions: bool = False,
     ) -> None:
         self.model = model
@@ -115,6 +118,7 @@ class MemoryTracker:
         self.budget = Budget(budget_bytes) if budget_bytes is not None else None
         self.reports: list[StepMemory] = []
         self.timeline = Timeline(samples_per_step, timeline_steps)
+        self._sampled = timeline  # False: no samples are drawn (a reader of the step reports alone)
         self._ledger = StorageLedger(self.device, self.budget, host)
         self._modules = ModuleAttribution(model)
         self._mode: _Watch | None = None
@@ -293,7 +297,8 @@ class MemoryTracker:
         for component, n in self._ledger.bytes.items():
             if n > self._component_peaks[component]:
                 self._component_peaks[component] = n
-        self.timeline.add(self._ledger.clock, self._phase, self._ledger.bytes, live, keep_sample)
+        if self._sampled:
+            self.timeline.add(self._ledger.clock, self._phase, self._ledger.bytes, live, keep_sample)
 
     def _switch_phase(self, name: str) -> None:
         self._modules.forget_backward()

@@ -214,7 +214,7 @@ def trace_step(
             )
         model.train()
         with traced_as_compiled(model) as any_compiled:
-            tracker = MemoryTracker(model, compiled_regions=any_compiled)
+            tracker = MemoryTracker(model, timeline=False, compiled_regions=any_compiled)  # reports alone
             recorder = _Recorder(tracker, blocks if block_segments else [])
             with (
                 tracker,

@@ -55,6 +55,7 @@ from memtrain.plan import (
 from memtrain.recipe import Recipe
 from memtrain.strategies.catalog import REGISTRIES
 from memtrain.strategies.checkpointing import Checkpointing, NoCheckpointing
+from memtrain.strategies.compile import Compile
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.micro_batching import MicroBatching
 from memtrain.strategies.optimizer import OptimizerStates, PagedEightBitStates
@@ -94,6 +95,7 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
     modes = allowed("checkpointing", REGISTRIES["checkpointing"].names())
     losses = allowed("loss", REGISTRIES["loss"].names())
     steps = allowed("optimizer_step", REGISTRIES["optimizer_step"].names())
+    compiles = allowed("compile", REGISTRIES["compile"].names())
     name = recipe.optimizer.name
     updates = _allowed(
         "optimizer.name", name, [optimizer_of(recipe, n) for n in _names(name)], facts, excluded
@@ -180,10 +182,12 @@ def build_grid(recipe: Recipe, facts: DeviceFacts, device: torch.device, num_blo
                                         step,
                                         update,
                                         facts.mesh,
+                                        compiled,
                                     )
                                     for update in _updates_with(
                                         recipe, updates, optimizer, sharding, step, precision, excluded
                                     )
+                                    for compiled in _compiles_with(recipe, compiles, mode, sharding, excluded)
                                 ]
     if refused and _pinned(s.optimizer_step) and not candidates:
         raise refused[0]
@@ -213,6 +217,31 @@ def _exact_steps(
         except Unsupported as exc:
             if all(str(exc) != str(r) for r in refused):
                 refused.append(exc)
+    return kept
+
+
+def _compiles_with(
+    recipe: Recipe,
+    compiles: Sequence[Compile],
+    mode: Checkpointing,
+    sharding: Sharding,
+    excluded: list[tuple[str, str]],
+) -> list[Compile]:
+    """The compile choices that can run with this checkpointing and sharding (pinned and not: the user's
+    error)."""
+    s = recipe.strategies
+    pinned = _pinned(s.compile) and _pinned(s.checkpointing) and _pinned(s.sharding)
+    kept = []
+    for compiled in compiles:
+        try:
+            compiled.check_with(mode, sharding)
+            kept.append(compiled)
+        except Unsupported as exc:
+            if pinned:
+                raise
+            reason = (f"strategies.compile={compiled.name} with {mode.name}, {sharding.describe()}", str(exc))
+            if reason not in excluded:
+                excluded.append(reason)
     return kept
 
 

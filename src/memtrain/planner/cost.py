@@ -28,7 +28,12 @@ each a count (FLOPs, bytes) divided by a rate:
   hidden, and the optimizer step on the host's CPU, which streams the offloaded states at the host's
   memory rate (`host_step_bandwidth`) and hides behind nothing. For a model large enough to need it, these
   seconds exceed what recomputation or smaller micro-batches cost, so offload ranks below the plans that
-  fit without it (tests/planner/test_offload_choice.py).
+  fit without it (tests/planner/test_offload_choice.py);
+- compile (`strategies.compile`): a compiled plan's compute, recompute and micro-step terms are divided
+  by `CostModel.compile_speedup`, learned per device from the measured steps of compiled runs
+  (step_time_calibration.py) and 1.0 until one was measured: compile is never assumed faster, so with
+  nothing learned a compiled plan ties with its eager twin and the eager one ranks first (`Scored.order`).
+  Compile time (the first step) is paid once and not in the steady step this model ranks.
 
 Rates are those of a device class (`SPEEDS`): the constants a what-if target (`memtrain plan --gpu`) is
 ranked with. A plan for the device that is here is ranked with per-term multipliers that `calibrate` fits to
@@ -98,6 +103,7 @@ SPEEDS: dict[str, DeviceSpeed] = {
     ),
 }
 TERMS = ("compute", "recompute", "micro_steps", "optimizer", "communication", "offload")
+COMPILED_TERMS = ("compute", "recompute", "micro_steps")  # what a compiled program runs
 UNCALIBRATED = (1.0,) * len(TERMS)
 RIDGE = 0.01  # how strongly `calibrate` holds a term that the samples barely tell apart at the overall ratio
 MULTIPLIER_RANGE = 10.0  # a fitted term stays within this factor of the overall measured/predicted ratio
@@ -136,6 +142,8 @@ class StepCost:
     offload: float
     scale: tuple[float, ...] = field(default=UNCALIBRATED, compare=False)
     model: str = field(default="", compare=False)
+    # the compile speedup the compiled terms were divided by (1.0: eager, or nothing learned)
+    speedup: float = field(default=1.0, compare=False)
 
     @property
     def total(self) -> float:
@@ -160,20 +168,26 @@ class StepCost:
 
     @classmethod
     def from_terms(
-        cls, terms: Sequence[float], scale: tuple[float, ...] = UNCALIBRATED, model: str = ""
+        cls,
+        terms: Sequence[float],
+        scale: tuple[float, ...] = UNCALIBRATED,
+        model: str = "",
+        speedup: float = 1.0,
     ) -> StepCost:
         """A step from its seconds by term, in the order of `TERMS`."""
         compute, recompute, micro_steps, optimizer, communication, offload = terms
-        return cls(compute, recompute, micro_steps, optimizer, communication, offload, scale, model)
+        return cls(compute, recompute, micro_steps, optimizer, communication, offload, scale, model, speedup)
 
     @property
     def calibrated(self) -> bool:
-        return self.scale != UNCALIBRATED
+        return self.scale != UNCALIBRATED or self.speedup != 1.0
 
     def uncalibrated(self) -> StepCost:
-        """The same step at the device class's rates (each term divided by its multiplier)."""
+        """The same step at the device class's rates, eager (each term divided by its multiplier, the
+        compiled terms times the compile speedup)."""
+        again = [self.speedup if term in COMPILED_TERMS else 1.0 for term in TERMS]
         return StepCost.from_terms(
-            [t / k if k else 0.0 for t, k in zip(self.terms(), self.scale, strict=True)]
+            [t * s / k if k else 0.0 for t, s, k in zip(self.terms(), again, self.scale, strict=True)]
         )
 
 
@@ -185,6 +199,7 @@ class CostModel:
     speed: DeviceSpeed
     scale: tuple[float, ...] = UNCALIBRATED
     model: str = ""
+    compile_speedup: float = 1.0  # eager over compiled seconds of the compiled terms, learned per device
 
     @classmethod
     def for_device(cls, device_type: str) -> CostModel:
@@ -244,8 +259,10 @@ class CostModel:
             communication,
             offload,
         )
-        scaled = [t * k for t, k in zip(raw.terms(), self.scale, strict=True)]
-        return StepCost.from_terms(scaled, self.scale, self.model)
+        speedup = self.compile_speedup if plan.compile.compiled else 1.0
+        sped = [speedup if term in COMPILED_TERMS else 1.0 for term in TERMS]
+        scaled = [t * k / s for t, k, s in zip(raw.terms(), self.scale, sped, strict=True)]
+        return StepCost.from_terms(scaled, self.scale, self.model, speedup)
 
     def _communication(self, w: Workload, plan: Plan, micro_steps: int) -> float:
         sharding = plan.sharding

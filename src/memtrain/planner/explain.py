@@ -255,17 +255,19 @@ TABLE_COLUMNS = (  # (header, plan.summary() key) of the strategy columns, in th
 
 
 def table(rows: list[Scored], usable: int) -> list[str]:
-    """One line per plan; each strategy column as wide as its longest entry (`zero3(params, ...)`)."""
-    cells = [[str(s.plan.summary()[key]) for _, key in TABLE_COLUMNS] for s in rows]
-    widths = [
-        max([len(title), *(len(row[i]) for row in cells)]) for i, (title, _) in enumerate(TABLE_COLUMNS)
-    ]
+    """One line per plan; each strategy column as wide as its longest entry (`zero3(params, ...)`); a
+    compile column when a row is compiled (after the loss: where compile is applied)."""
+    columns: tuple[tuple[str, str], ...] = TABLE_COLUMNS
+    if any(s.plan.compile.compiled for s in rows):
+        columns = (*TABLE_COLUMNS[:3], ("compile", "compile"), *TABLE_COLUMNS[3:])
+    cells = [[str(s.plan.summary()[key]) for _, key in columns] for s in rows]
+    widths = [max([len(title), *(len(row[i]) for row in cells)]) for i, (title, _) in enumerate(columns)]
 
     def strategies(values: list[str]) -> str:
         return " ".join(f"{v:<{w}}" for v, w in zip(values, widths, strict=True))
 
     header = (
-        f"  {'#':>2}  {strategies([t for t, _ in TABLE_COLUMNS])} "
+        f"  {'#':>2}  {strategies([t for t, _ in columns])} "
         f"{'micro x acc':<11} {'peak':>11} {'reserved':>11} {'fits':<4} {'step s':>8}"
     )
     body = []
@@ -295,6 +297,7 @@ def _label(plan: Plan) -> str:
     return (
         f"precision={fields['precision']} checkpointing={fields['checkpointing']} loss={fields['loss']} "
         + (f"optimizer={fields['optimizer']} " if plan.optimizer.name != "adamw" else "")
+        + (f"compile={fields['compile']} " if plan.compile.compiled else "")
         + f"optimizer_states={fields['optimizer_states']} optimizer_step={fields['optimizer_step']} "
         f"sharding={fields['sharding']} "
         f"micro_batch={fields['micro_batch_size']} x {fields['accumulation_steps']} accumulation"

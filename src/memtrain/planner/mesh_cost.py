@@ -25,6 +25,9 @@ parallelism split. What comes from where (`SOURCES`, also in `memtrain plan --js
 - communication: bytes per collective (REFERENCE.md: a ring moves (k-1)/k of the whole) over the link the
   group crosses (memtrain.cluster), FSDP's and context parallelism's hidden behind compute as far as compute
   lasts (prefetch, ring attention), tensor parallelism's and the pipeline's exposed.
+- a mixture of experts (`moe`): compute at its active parameters (k of E experts per token); under expert
+  parallelism the busiest ep rank at its routed load, its E / ep gathered experts and its all-to-alls
+  (expert_parallel.py). At ep = 1 without a capacity factor the memory is the traced plan's, unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ from memtrain.memory.footprint import Footprint, ModelShape, ParamInfo
 from memtrain.mesh import MeshShape
 from memtrain.plan import Plan
 from memtrain.planner.cost import COMM_OVERLAP
+from memtrain.planner.expert_parallel import (
+    ExpertCost,
+    MoePlanning,
+    active_numel,
+    all_to_all_seconds,
+    expert_cost,
+    expert_numel,
+    gathered_expert_share,
+    moe_layers,
+)
 from memtrain.planner.result import Scored
 
 SOURCES = {
@@ -46,6 +59,10 @@ SOURCES = {
     "(10 + 24/t) / 34 (formula), pipeline micro-batches in flight per the schedule (formula), plus the "
     "sequence-parallel all-gathered inputs and the vocabulary-parallel loss's fp32 logits (formula)",
     "communication": "bytes per collective over the link each dimension crosses (formula)",
+}
+EXPERT_SOURCE = {  # beside SOURCES for a mixture-of-experts job
+    "expert parallelism": "the busiest ep rank's routed rows at strategies.moe.max_load (or capacity), "
+    "its kept rows, all-to-all buffers, gathered experts and all-to-alls (formula: expert_parallel.py)",
 }
 
 
@@ -70,6 +87,7 @@ class MeshCost:
     compute_seconds: float
     bubble_seconds: float
     exposed: dict[str, float]
+    experts: ExpertCost | None = None  # a mixture-of-experts job's routed load on this mesh
 
     @property
     def peak(self) -> int:
@@ -159,13 +177,14 @@ def mesh_cost(
     cluster: Cluster,
     hidden: int,
     seq_len: int,
+    moe: MoePlanning | None = None,
 ) -> MeshCost:
     """The busiest rank of `mesh` for `flat`, the plan scored on the mesh's data-parallel dimensions at one
     rank's sequence (`seq_len`, already divided by cp); `block_activations`: (kept per block, the rest at
-    the peak) of one micro-step."""
+    the peak) of one micro-step; `moe`: a mixture-of-experts job's routing (expert_parallel.py)."""
     return max(
         (
-            _stage_cost(flat, mesh, shape, stage, block_activations, cluster, hidden, seq_len)
+            _stage_cost(flat, mesh, shape, stage, block_activations, cluster, hidden, seq_len, moe)
             for stage in stages(shape, mesh)
         ),
         key=lambda c: (c.peak, c.step_seconds),
@@ -181,6 +200,7 @@ def _stage_cost(
     cluster: Cluster,
     hidden: int,
     seq_len: int,
+    moe: MoePlanning | None = None,
 ) -> MeshCost:
     plan, levels = flat.plan, flat.states
     weights_share = stage.numel / max(shape.numel, 1)
@@ -196,10 +216,13 @@ def _stage_cost(
     vocab = max((p.dims[0] for p in shape.params if _is_embedding(p) and len(p.dims) == 2), default=0)
     micro_batches = plan.accumulation_steps
     flight = in_flight_blocks(mesh, micro_batches, stage, shape.num_blocks)
+    experts = _experts(moe, mesh, plan, stage, shape, flight, seq_len)
+    # FSDP gathers E / ep experts of a layer (and their unsharded gradients), not E
+    gathered = 1 - gathered_expert_share(shape) * (1 - 1 / mesh.ep) if moe is not None else 1.0
 
     def divided(peak_bytes: int, stored_bytes: int, share: float) -> int:
         """The stored shards divided by c, what the moment holds beyond them (gathered layers) not."""
-        return int((stored_bytes / c + max(0, peak_bytes - stored_bytes)) * share)
+        return int((stored_bytes / c + max(0, peak_bytes - stored_bytes) * gathered) * share)
 
     def on_rank(moment: Footprint, optimizer_step: bool) -> Footprint:
         activations = moment.activations
@@ -220,7 +243,9 @@ def _stage_cost(
             weights=divided(moment.weights, stored_w, weights_share),
             gradients=divided(moment.gradients, stored_g, trained_share) + embedding_gradient,
             optimizer_states=divided(moment.optimizer_states, stored_o, trained_share),
-            activations=int(activations * activation_share(mesh)) + extra,
+            activations=int(activations * activation_share(mesh))
+            + extra
+            + (experts.extra_bytes if experts is not None and activations else 0),
             other=int(levels.other + (beyond * trained_share / c if optimizer_step else beyond / mesh.tp)),
         )
 
@@ -230,10 +255,13 @@ def _stage_cost(
     # the plan was scored at one rank's sequence; its attention still reads every key of the whole one (ring
     # attention), 12 L h s FLOPs per token beside 6 per parameter (cost.py)
     attention = 12 * shape.num_blocks * hidden * seq_len
-    whole_sequence = (6 * shape.numel + attention * mesh.cp) / (6 * shape.numel + attention)
+    # a mixture of experts runs k of E experts per token (cost.py counted every parameter), the busiest ep
+    # rank `load` times the mean's rows
+    active = active_numel(shape, moe, experts.load.load if experts is not None else 1.0)
+    whole_sequence = (6 * active + attention * mesh.cp) / (6 * shape.numel + attention)
     compute = (cost.compute + cost.recompute) * weights_share * whole_sequence
     bubble = compute * (mesh.pp - 1) / (_chunks(mesh) * micro_batches) if mesh.pp > 1 else 0.0
-    exposed = _exposed(flat, mesh, stage, cluster, hidden, seq_len, compute)
+    exposed = _exposed(flat, mesh, stage, cluster, hidden, seq_len, compute, shape, experts)
     step = (
         compute
         + bubble
@@ -242,7 +270,32 @@ def _stage_cost(
         + cost.offload * weights_share
         + sum(exposed.values())
     )
-    return MeshCost(footprint, step, compute, bubble, exposed)
+    return MeshCost(footprint, step, compute, bubble, exposed, experts)
+
+
+def _experts(
+    moe: MoePlanning | None,
+    mesh: MeshShape,
+    plan: Plan,
+    stage: Stage,
+    shape: ModelShape,
+    flight: float,
+    seq_len: int,
+) -> ExpertCost | None:
+    """The busiest ep rank's routed load (None for a dense model): T tokens per rank (the sequence split by
+    the tensor ranks under sequence parallelism, as they route), the MoE layers that keep their routed rows
+    (those not recomputed, `flight` blocks' worth of them, and the one recomputing)."""
+    if moe is None:
+        return None
+    split = mesh.tp if mesh.tp > 1 and mesh.sequence_parallel else 1
+    tokens = plan.micro_batch_size * seq_len // split
+    whole_forward = plan.checkpointing.recompute == "forward"
+    marks = plan.checkpointing.checkpointed(stage.blocks)
+    keeping = sum(1 for m in marks if not (m and whole_forward)) / max(stage.blocks, 1)
+    recomputing = 1 if whole_forward and any(marks) else 0
+    share = moe_layers(shape) / max(shape.num_blocks, 1)
+    itemsize = 4 if plan.precision.compute == "fp32" else 2
+    return expert_cost(moe, tokens, mesh.ep, share * keeping * flight + recomputing, itemsize)
 
 
 def _exposed(
@@ -253,6 +306,8 @@ def _exposed(
     hidden: int,
     seq_len: int,
     compute: float,
+    shape: ModelShape,
+    experts: ExpertCost | None = None,
 ) -> dict[str, float]:
     """Seconds per step each dimension's collectives add to the step (hidden parts left out)."""
     plan = flat.plan
@@ -268,10 +323,19 @@ def _exposed(
     reductions = sharding.reductions_per_step(micro)
     seconds: dict[str, float] = {}
     if sharding.gradient_sync == "reduce-scatter":
-        hidden_behind = data_link.ring_seconds(gather_bytes * gathers, shard_group, gathers * stage.blocks)
-        hidden_behind += data_link.ring_seconds(
-            grad_bytes * reductions, shard_group, reductions * stage.blocks
-        )
+        # the routed experts gather and reduce over the dp_shard / ep ranks that share them, E / ep at a time
+        routed = expert_numel(shape) / max(shape.numel, 1)
+        groups = [(1.0, shard_group)]
+        if experts is not None and mesh.ep > 1:
+            groups = [(1 - routed, shard_group), (routed / mesh.ep, shard_group // mesh.ep)]
+        hidden_behind = 0.0
+        for part, group in groups:
+            hidden_behind += data_link.ring_seconds(
+                gather_bytes * part * gathers, group, gathers * stage.blocks
+            )
+            hidden_behind += data_link.ring_seconds(
+                grad_bytes * part * reductions, group, reductions * stage.blocks
+            )
         replicas = cluster.link(mesh, ("dp_replicate",))
         seconds["dp_replicate"] = (
             2 * replicas.ring_seconds(grad_bytes / shard_group, mesh.dp_replicate) * (1 - COMM_OVERLAP)
@@ -295,6 +359,19 @@ def _exposed(
         passes = 3 if plan.checkpointing.recompute == "forward" else 2
         count = 4 * passes * stage.blocks * micro
         seconds["tp"] = cluster.link(mesh, ("tp",)).ring_seconds(activation * count, mesh.tp, count)
+    if (
+        experts is not None and mesh.ep > 1
+    ):  # dispatch and combine, forward and backward (again if recomputed)
+        passes = 3 if plan.checkpointing.recompute == "forward" else 2
+        count = 2 * passes * moe_layers(shape) * stage.blocks // max(shape.num_blocks, 1) * micro
+        # the ep group: ep consecutive shard ranks, each tp x cp ranks apart
+        span = mesh.ep * mesh.tp * mesh.cp
+        crosses = span > cluster.gpus_per_node or cluster.gpus_per_node % span
+        link = cluster.between if crosses else cluster.within
+        itemsize = 4 if plan.precision.compute == "fp32" else 2
+        seconds["ep"] = all_to_all_seconds(
+            experts.load, hidden, itemsize, count, link.bandwidth, link.latency
+        )
     if mesh.pp > 1:  # each micro-batch's activations forward and their gradients back, per chunk
         link = cluster.link(mesh, ("pp",))
         sends = 2 * micro * _chunks(mesh)

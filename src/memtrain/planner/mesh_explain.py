@@ -11,7 +11,7 @@ from typing import Any
 
 from memtrain.memory.footprint import COMPONENTS
 from memtrain.planner.explain import budget_line
-from memtrain.planner.mesh_cost import SOURCES
+from memtrain.planner.mesh_cost import EXPERT_SOURCE, SOURCES
 from memtrain.planner.mesh_search import MeshResult, MeshScored
 
 RUNNERS_UP = 5
@@ -23,7 +23,7 @@ def best_per_mesh(rows: tuple[MeshScored, ...]) -> list[MeshScored]:
     seen: set[tuple[Any, ...]] = set()
     found = []
     for row in rows:
-        key = (row.mesh.degrees, row.mesh.sequence_parallel, row.mesh.pp_schedule)
+        key = (row.mesh.degrees, row.mesh.ep, row.mesh.sequence_parallel, row.mesh.pp_schedule)
         if key not in seen:
             seen.add(key)
             found.append(row)
@@ -80,7 +80,7 @@ def meshes_to_json(result: MeshResult) -> dict[str, Any]:
             "within_node_bandwidth": result.cluster.within.bandwidth,
             "between_nodes_bandwidth": result.cluster.between.bandwidth,
         },
-        "sources": SOURCES,
+        "sources": SOURCES | (EXPERT_SOURCE if _routed(result) else {}),
         "notes": list(result.notes),
         "chosen": _mesh_json(result.chosen, result, usable) if result.chosen is not None else None,
         "meshes": [_mesh_json(r, result, usable) for r in best_per_mesh(result.ranked)],
@@ -105,6 +105,7 @@ def _mesh_json(row: MeshScored, result: MeshResult, usable: int) -> dict[str, An
         "pipeline_bubble_seconds": cost.bubble_seconds,
         "exposed_communication_seconds": cost.exposed,
         "tokens_per_second_per_gpu": row.tokens_per_second,
+        **({"experts": cost.experts.to_dict()} if cost.experts is not None else {}),
     }
 
 
@@ -120,6 +121,35 @@ def _detail(result: MeshResult, row: MeshScored) -> list[str]:
         f"{cost.step_seconds:.2f} s (compute {cost.compute_seconds:.2f} s, pipeline bubble "
         f"{cost.bubble_seconds:.2f} s), {row.tokens_per_second:,.0f} tokens/s per GPU",
         f"  dimensions crossing nodes: {crossing}; exposed communication per step: {exposed}",
+        *_routed_load(row),
+    ]
+
+
+def _routed(result: MeshResult) -> bool:
+    """Whether the job routes tokens to experts (its rows carry a routed load)."""
+    rows = (*result.ranked, *((result.best_misfit,) if result.best_misfit else ()))
+    return any(row.cost.experts is not None for row in rows)
+
+
+def _routed_load(row: MeshScored) -> list[str]:
+    """The load the busiest ep rank was planned for, and what more imbalance would cost it."""
+    experts = row.cost.experts
+    if experts is None:
+        return []
+    load = experts.load
+    rows = f"{load.rows:,} routed rows per MoE layer and micro-step (mean {load.mean_rows:,} = {load.tokens:,} tokens x top-{load.top_k})"
+    if load.capacity_factor is not None:
+        return [
+            f"  routed load: capacity factor {load.capacity_factor:g} (strategies.moe.capacity_factor): every "
+            f"rank runs {rows}, padded to capacity whatever the routing"
+        ]
+    if load.ep == 1:
+        return [
+            f"  routed load: ep 1, each rank runs its own {rows}; strategies.moe.max_load applies from ep 2"
+        ]
+    return [
+        f"  routed load: the busiest of {load.ep} ep ranks at {load.load:.2f} x the mean (strategies.moe.max_load "
+        f"{load.max_load:g}): {rows}; each 0.5 more of imbalance costs {experts.per_half_load / GiB:.2f} GiB per rank"
     ]
 
 

@@ -14,7 +14,12 @@ picks the same mesh.
 
 A degree the recipe pins is planned even where this version cannot run it yet (context parallelism, a
 pipeline with tensor parallelism, interleaved 1F1B): `MeshResult.notes` says so, the table prints it. An
-open degree never chooses such a mesh.
+open degree never chooses such a mesh, except an open `ep` in a what-if (the question is what expert
+parallelism would give; its runtime is built separately): noted the same way.
+
+`ep` (a mixture of experts' expert parallelism, expert_parallel.py) is not a factor of the world: each mesh
+is scored once on its data-parallel dimensions, then at every ep dividing both its shard group and the
+experts count (`strategies.mesh.ep: auto`), under FSDP2 plans, the busiest rank at its routed load.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from memtrain.memory.headroom import Target
 from memtrain.mesh import DIMS, MeshShape
 from memtrain.plan import mesh_problems, per_rank_batch
 from memtrain.planner.cost import CostModel
+from memtrain.planner.expert_parallel import MoePlanning, ep_degrees
 from memtrain.planner.explain import RUNNERS_UP
 from memtrain.planner.memory_model import required_bytes
 from memtrain.planner.mesh_cost import MeshCost, activation_share, mesh_cost
@@ -73,7 +79,14 @@ class MeshScored:
         return required_bytes(self.peak, self.reserved, self.margin)
 
     def order(self) -> tuple[Any, ...]:
-        return (-round(self.tokens_per_second, 6), self.peak, self.mesh.degrees, self.scored.plan.key())
+        plan = self.scored.plan  # equal speed and memory: eager before compiled (as `Scored.order`)
+        return (
+            -round(self.tokens_per_second, 6),
+            self.peak,
+            (*self.mesh.degrees, self.mesh.ep),
+            plan.compile.compiled,
+            plan.key(),
+        )
 
 
 @dataclass(frozen=True)
@@ -104,9 +117,9 @@ def searches_meshes(recipe: Recipe, what_if: bool) -> bool:
     is not here) the recipe pins a mesh of more than one data-parallel dimension. A pinned mesh planned for
     this machine goes to the search a run makes, which traces each rank on this CPU (rank_trace.py)."""
     config = recipe.strategies.mesh
-    if set(open_dims(recipe)) - {"dp_shard"}:
+    if set(open_dims(recipe)) - {"dp_shard"} or config.ep == "auto":
         return True
-    return what_if and any(getattr(config, dim) != 1 for dim in DIMS if dim != "dp_shard")
+    return what_if and any(getattr(config, dim) != 1 for dim in (*DIMS, "ep") if dim != "dp_shard")
 
 
 def candidate_meshes(recipe: Recipe, world_size: int) -> Iterator[MeshShape]:
@@ -194,6 +207,7 @@ def search_meshes(
     found: list[MeshScored] = []
     owners: dict[int, Evaluation] = {}  # each scored plan's evaluation (its traces, for the reserved replay)
     rows = recipe.batch.global_size
+    moe = moe_planning(recipe, base)
     for mesh in candidate_meshes(recipe, target.world_size):
         problems = mesh_constraints(
             mesh,
@@ -204,6 +218,9 @@ def search_meshes(
             tensor_parallel_problems=tensor_parallel_problems,
             pipeline=pipeline,
         )
+        degrees_or_why = expert_parallel_degrees(recipe, mesh, moe)
+        problems += [degrees_or_why] if isinstance(degrees_or_why, str) else []
+        degrees = [] if isinstance(degrees_or_why, str) else degrees_or_why
         if problems:
             excluded.append((mesh.describe(), "; ".join(problems)))
             continue
@@ -219,9 +236,19 @@ def search_meshes(
             excluded.append((mesh.describe(), scoring))
             continue
         probe = scoring.evaluation.probe
-        for scored in scoring.scored:
-            owners[id(scored)] = scoring.evaluation
-            found.append(_on_mesh(scored, mesh, scoring.evaluation, probe, cluster, rows * full_seq))
+        for ep in degrees:
+            on_ep = replace(mesh, ep=ep)
+            cannot_run = mesh_problems(on_ep, "cuda")
+            if cannot_run and not target.what_if and recipe.strategies.mesh.ep == "auto":
+                continue  # a run's open ep never chooses what this version cannot run
+            notes.update(cannot_run)
+            for scored in scoring.scored:
+                if ep > 1 and not _expert_fsdp(scored):
+                    continue
+                owners[id(scored)] = scoring.evaluation
+                found.append(
+                    _on_mesh(scored, on_ep, scoring.evaluation, probe, cluster, rows * full_seq, moe)
+                )
     if not found:
         reasons = "\n".join(f"  {mesh}: {why}" for mesh, why in excluded) or "  (no candidate)"
         raise PlanError(f"no mesh of {target.world_size} ranks can run this job:\n{reasons}")
@@ -273,7 +300,7 @@ def _with_reserved(
         if len(meshes) <= RUNNERS_UP and row.peak <= target.budget.usable:
             row = replayed(row)
             if row.required <= target.budget.usable:
-                meshes.add(row.mesh.degrees)
+                meshes.add((*row.mesh.degrees, row.mesh.ep))
         elif not misfit and row.peak > target.budget.usable:
             row, misfit = replayed(row), True
         out.append(row)
@@ -308,6 +335,7 @@ def _on_mesh(
     probe: ModelProbe,
     cluster: Cluster,
     tokens_per_step: int,
+    moe: MoePlanning | None = None,
 ) -> MeshScored:
     kept = evaluation.block_activations(scored.plan) if mesh.pp > 1 else (0.0, 0.0)
     cost = mesh_cost(
@@ -318,8 +346,43 @@ def _on_mesh(
         cluster=cluster,
         hidden=probe.hidden_size,
         seq_len=probe.seq_len,
+        moe=moe,
     )
     return MeshScored(mesh, scored, cost, tokens_per_step / cost.step_seconds / mesh.size)
+
+
+def _expert_fsdp(scored: Scored) -> bool:
+    """Whether a plan can split experts within its shard group: FSDP2 (zero2/zero3), as torchtitan's
+    expert-FSDP does; replicated weights and DeepSpeed's flat partitions are not modelled under ep."""
+    sharding = scored.plan.sharding
+    return sharding.gradient_sync == "reduce-scatter" and sharding.backend == "fsdp2"
+
+
+def moe_planning(recipe: Recipe, probe: ModelProbe) -> MoePlanning | None:
+    """The job's routing with the recipe's bound (`strategies.moe`); None for a dense model."""
+    routing = probe.spec.experts
+    if routing is None:
+        return None
+    config = recipe.strategies.moe
+    return MoePlanning(routing, config.max_load, config.capacity_factor)
+
+
+def expert_parallel_degrees(recipe: Recipe, mesh: MeshShape, moe: MoePlanning | None) -> list[int] | str:
+    """The ep degrees to score on `mesh`: `auto`, every divisor of the experts count that divides dp_shard
+    (1 alone for a dense model); a pinned one if it can split the experts, else why not (naming the key)."""
+    chosen = recipe.strategies.mesh.ep
+    if chosen == "auto":
+        return ep_degrees(moe.routing.experts, mesh.dp_shard) if moe is not None else [1]
+    if chosen == 1:
+        return [1]
+    if moe is None:
+        return f"strategies.mesh.ep: {chosen}, but the model has no routed experts; set it to 1"
+    if mesh.dp_shard % chosen or moe.routing.experts % chosen:
+        return (
+            f"strategies.mesh.ep: {chosen} must divide the shard group (dp_shard {mesh.dp_shard}) and the "
+            f"{moe.routing.experts} experts"
+        )
+    return [int(chosen)]
 
 
 def _shape(degrees: dict[str, int], recipe: Recipe) -> MeshShape:

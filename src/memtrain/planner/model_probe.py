@@ -90,6 +90,8 @@ from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 
 TraceKey = tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss, Capability | None]
+TracedSize = tuple[Precision, Checkpointing, torch.dtype | None, Loss, Capability | None, int]
+"""One traced size: precision, checkpointing mode, weights dtype, loss, CUDA capability, rows."""
 
 _shared: dict[Hashable, StepTrace] | None = None  # `shared_traces`: None (off) unless inside it
 
@@ -253,8 +255,7 @@ class ModelProbe:
         if key not in self._fits:
             clone = None if self.whole_model else self.spec.build_clone
             depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
-            weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
-            weights += f", loss {loss.describe()}" if loss.name != "standard" else ""
+            weights = _weights_and_loss(weights_dtype, loss)
             why = f"; whole model: {self.whole_model}" if self.whole_model else ""
             self.progress(
                 f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
@@ -265,50 +266,8 @@ class ModelProbe:
 
             def step(build: Callable[[], nn.Module], count: int) -> StepTrace:
                 """One traced size, cached: the fits of a range share their sizes (`fit_rows`)."""
-                whole = build is not clone_build
-                size = (
-                    precision,
-                    mode,
-                    weights_dtype,
-                    loss,
-                    cuda_capability,
-                    count,
-                    whole,
-                    self.block_segments,
-                )
-                shared = self._shared_key(size, on_disk=True)
-                if shared is not None and _shared is not None and shared in _shared:
-                    self._steps[size] = _shared[shared]
-                on_disk = None if size in self._steps else self._disk_key(size, shared)
-                if on_disk is not None:
-                    stored = trace_cache.load(on_disk)
-                    if stored is not None:
-                        self._steps[size] = stored
-                        self.sizes_read += 1
-                        if shared is not None and _shared is not None:
-                            _shared[shared] = stored
-                if size not in self._steps:
-                    self.sizes_traced += 1
-                    self._steps[size] = trace_step(
-                        build,
-                        self.spec.blocks,
-                        self._batch,
-                        self.spec.loss,
-                        precision,
-                        mode,
-                        count,
-                        weights_dtype,
-                        self.adapters,
-                        self.quantization,
-                        loss,
-                        cuda_capability,
-                        self.block_segments,
-                    )
-                    if shared is not None and _shared is not None:
-                        _shared[shared] = self._steps[size]
-                    if on_disk is not None:
-                        trace_cache.store(on_disk, self._steps[size])
-                return self._steps[size]
+                size = (precision, mode, weights_dtype, loss, cuda_capability, count)
+                return self._size(size, build, whole=build is not clone_build)
 
             def traced(build: Callable[[], nn.Module] = build) -> FittedTrace:
                 small, large = (step(build, count) for count in rows)
@@ -349,14 +308,91 @@ class ModelProbe:
                     self._fits[key] = whole
         return self._fits[key]
 
-    def no_grad(self, precision: Precision, rows: tuple[int, int]) -> frozenset[str]:
+    def _size(self, traced: TracedSize, build: Callable[[], nn.Module], whole: bool) -> StepTrace:
+        """One traced size, cached (in this probe, in `shared_traces()`, on disk): `traced` is the
+        precision, checkpointing mode, weights dtype, loss, CUDA capability and rows; `whole`: `build`
+        builds the whole model, not the clone."""
+        precision, mode, weights_dtype, loss, cuda_capability, count = traced
+        size = (*traced, whole, self.block_segments)
+        shared = self._shared_key(size, on_disk=True)
+        if shared is not None and _shared is not None and shared in _shared:
+            self._steps[size] = _shared[shared]
+        on_disk = None if size in self._steps else self._disk_key(size, shared)
+        if on_disk is not None:
+            stored = trace_cache.load(on_disk)
+            if stored is not None:
+                self._steps[size] = stored
+                self.sizes_read += 1
+                if shared is not None and _shared is not None:
+                    _shared[shared] = stored
+        if size not in self._steps:
+            self.sizes_traced += 1
+            self._steps[size] = trace_step(
+                build,
+                self.spec.blocks,
+                self._batch,
+                self.spec.loss,
+                precision,
+                mode,
+                count,
+                weights_dtype,
+                self.adapters,
+                self.quantization,
+                loss,
+                cuda_capability,
+                self.block_segments,
+            )
+            if shared is not None and _shared is not None:
+                _shared[shared] = self._steps[size]
+            if on_disk is not None:
+                trace_cache.store(on_disk, self._steps[size])
+        return self._steps[size]
+
+    def first_size(
+        self,
+        precision: Precision,
+        mode: Checkpointing,
+        rows: tuple[int, int],
+        weights_dtype: torch.dtype | None = None,
+        loss: Loss | None = None,
+        cuda_capability: Capability | None = None,
+    ) -> None:
+        """The smaller traced size of `trace`'s fit at `rows`, alone, kept for that fit: what a reader of
+        any one trace needs (`no_grad`) costs one size, which the fit reuses. What one size cannot do alone
+        (a trace that fails and falls back) is left to the whole fit (`trace`)."""
+        loss = loss or Loss()
+        clone = None if self.whole_model else self.spec.build_clone
+        depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
+        build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
+        self.progress(
+            f"tracing {precision.describe()}{_weights_and_loss(weights_dtype, loss)} / checkpointing "
+            f"{mode.describe()} ({depth} of {self.num_blocks} blocks, {rows[0]} x {self.seq_len} tokens: "
+            "which parameters get a gradient)"
+        )
+        try:
+            self._size((precision, mode, weights_dtype, loss, cuda_capability, rows[0]), build, clone is None)
+        except MemtrainError:
+            raise
+        except Exception:  # the fit knows the fallbacks (real tensors, the whole model)
+            self.trace(precision, mode, rows, weights_dtype, loss, cuda_capability)
+
+    def no_grad(
+        self,
+        precision: Precision,
+        rows: tuple[int, int],
+        first: Callable[[], object] | None = None,
+    ) -> frozenset[str]:
         """The trainable parameters (real names) the step leaves without a gradient, hence without optimizer
         state: read from any trace (which parameters get one depends on the model, not on the plan); when
-        none is cached, from a trace without checkpointing of `precision` at `rows` (one the search makes
-        anyway). A real block stands for its clone block's names."""
-        if not self._fits:
-            self.trace(precision, NoCheckpointing(), rows)
-        fitted = next(iter(self._fits.values()))
+        none is cached, from what `first()` traces (the search passes one size of a fit the plan it scores
+        is walked with: `first_size`), else from a trace without checkpointing of `precision` at `rows`. A
+        real block stands for its clone block's names."""
+        if not self._fits and not self._steps:
+            if first is not None:
+                first()
+            else:
+                self.trace(precision, NoCheckpointing(), rows)
+        fitted = next(iter(self._fits.values()), None) or next(iter(self._steps.values()))
         count, depth = self.num_blocks, fitted.depth
         return frozenset(
             name
@@ -399,6 +435,12 @@ class ModelProbe:
             (self.adapters, self.quantization, self.compiled),
             (torch.get_num_threads(), torch.get_default_dtype()),
         )
+
+
+def _weights_and_loss(weights_dtype: torch.dtype | None, loss: Loss) -> str:
+    """How a progress line names a trace's weights dtype and loss (nothing for the defaults)."""
+    weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
+    return weights + (f", loss {loss.describe()}" if loss.name != "standard" else "")
 
 
 def _hook_identity(hook: Callable[..., object] | None) -> Hashable | None:

@@ -73,15 +73,36 @@ def traced_ranks(mesh: MeshShape) -> list[int]:
     return [stage * (mesh.size // mesh.pp) for stage in range(mesh.pp)]
 
 
-def trace_rank(spec: ModelSpec, plan: Plan, rank: int | None = None, rows: int | None = None) -> RankTrace:
+def trace_rank(
+    spec: ModelSpec,
+    plan: Plan,
+    rank: int | None = None,
+    rows: int | None = None,
+    routing: dict[str, Any] | None = None,
+) -> RankTrace:
     """`plan`'s step on rank `rank` of its mesh (default: the busiest of `traced_ranks`), `rows` per
-    data-parallel rank per step (default: the recipe's); `Unsupported` naming why it cannot be traced."""
+    data-parallel rank per step (default: the recipe's); `Unsupported` naming why it cannot be traced.
+    `routing` (expert parallelism): how many rows the rank's experts receive, `{"imbalance": factor}` (the
+    rank receives factor x its mean share, T·k·factor rows per MoE layer) or `{"calls": ...}` (a run's
+    measured counts, `RoutingLog.calls`); without it the fake group's garbage counts are read as they come."""
     ranks = [rank] if rank is not None else traced_ranks(plan.shape)
-    found = [_run(spec, plan.shape.size, r, [plan], rows)[0] for r in ranks]
+    found = [_run(spec, plan.shape.size, r, [(plan, routing)], rows)[0] for r in ranks]
     failed = next((f for f in found if isinstance(f, Unsupported)), None)
     if failed is not None:
         raise failed
     return max((f for f in found if isinstance(f, RankTrace)), key=lambda f: f.peak)
+
+
+def trace_routings(
+    spec: ModelSpec, plan: Plan, rank: int, routings: Sequence[dict[str, Any] | None], rows: int | None = None
+) -> list[RankTrace]:
+    """`plan`'s step on rank `rank` once per routing of `routings` (`trace_rank`'s `routing`), all in one
+    process of the rank trace; `Unsupported` naming why one cannot be traced."""
+    found = _run(spec, plan.shape.size, rank, [(plan, routing) for routing in routings], rows)
+    failed = next((f for f in found if isinstance(f, Unsupported)), None)
+    if failed is not None:
+        raise failed
+    return [f for f in found if isinstance(f, RankTrace)]
 
 
 class RankTraces:
@@ -104,7 +125,9 @@ class RankTraces:
             return
         mesh = todo[0].shape
         self.progress(f"tracing {len(todo)} plan(s) as rank(s) {traced_ranks(mesh)} of {mesh.describe()}")
-        per_rank = [_run(self.spec, mesh.size, rank, todo) for rank in traced_ranks(mesh)]
+        per_rank = [
+            _run(self.spec, mesh.size, rank, [(p, None) for p in todo]) for rank in traced_ranks(mesh)
+        ]
         for index, plan in enumerate(todo):
             found = [traces[index] for traces in per_rank]
             failed = next((f for f in found if isinstance(f, Unsupported)), None)
@@ -123,19 +146,23 @@ class RankTraces:
 
 
 def _run(
-    spec: ModelSpec, world_size: int, rank: int, plans: Sequence[Plan], rows: int | None = None
+    spec: ModelSpec,
+    world_size: int,
+    rank: int,
+    asks: Sequence[tuple[Plan, dict[str, Any] | None]],
+    rows: int | None = None,
 ) -> list[RankTrace | Unsupported]:
-    """Each plan's step on `rank` of `world_size`, traced in a process of its own (`WORKER`)."""
+    """Each (plan, routing)'s step on `rank` of `world_size`, traced in a process of its own (`WORKER`)."""
     if spec.rebuild is None:
         failed = Unsupported(f"{spec.name}: its trainer cannot be built again in another process")
-        return [failed for _ in plans]
+        return [failed for _ in asks]
     trainer, recipe = spec.rebuild
     request = {
         "trainer": trainer,
         "recipe": dict(recipe),
         "world_size": world_size,
         "rank": rank,
-        "traces": [{"plan": plan.to_dict(), "rows": rows} for plan in plans],
+        "traces": [{"plan": plan.to_dict(), "rows": rows, "routing": routing} for plan, routing in asks],
     }
     with tempfile.TemporaryDirectory(prefix="memtrain-rank-trace-") as folder:
         asked, answered = Path(folder, "request.json"), Path(folder, "result.json")
@@ -150,7 +177,7 @@ def _run(
         if done.returncode != 0 or not answered.exists():
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             failed = Unsupported(f"the rank trace's process failed (exit {done.returncode}): {tail}")
-            return [failed for _ in plans]
+            return [failed for _ in asks]
         results = json.loads(answered.read_text())["traces"]
     return [_result(rank, r) for r in results]
 

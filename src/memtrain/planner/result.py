@@ -37,7 +37,8 @@ class Scored:
 
     def order(self) -> tuple[Any, ...]:
         """Faster first; then smaller; then the plan's strategies, so that the order is total."""
-        return (round(self.cost.total, 12), self.prediction.peak, self.plan.key())
+        # equal time and memory: eager before compiled (no compile time, no compile to go wrong)
+        return (round(self.cost.total, 12), self.prediction.peak, self.plan.compile.compiled, self.plan.key())
 
     def to_dict(self, usable: int) -> dict[str, Any]:
         return {

@@ -242,6 +242,7 @@ class Evaluation:
         self, recipe: Recipe, probe: ModelProbe, target: Target, cost: CostModel, grid: Grid
     ) -> None:
         self.recipe, self.probe, self.target, self.cost = recipe, probe, target, cost
+        self.candidates = grid.candidates
         seq = probe.seq_len
         sizes = sorted({_rows(c, seq) for c in grid.candidates}) or [1]
         self.rows = (sizes[0], sizes[-1])  # the traced micro-batch sizes: the ends of the range
@@ -431,27 +432,54 @@ class Evaluation:
             plan.optimizer_step,
         )
         if key not in self.states:  # the sharding arithmetic visits every rank: once per key
-            backend = plan.sharding.build(plan.precision, plan.micro_batch_size, micro_steps)
-            self.states[key] = state_levels(
-                self.probe.shape,
-                precision=plan.precision,
-                optimizer_states=plan.update_states,
-                backend=backend,
-                replicated=plan.sharding.replicated,
-                world_size=self._state_ranks(plan),
-                dim0=self.probe.dim0,
-                fixed_bytes=self.fixed,
-                foreach=self.target.device_type == "cuda",
-                quantization=plan.quantization,
-                linear_weights=self.probe.linear_weights,
-                no_grad=self.probe.no_grad(plan.precision, self.rows),
-            )
-            if plan.optimizer_step.in_backward:
-                self.states[key] = in_backward_memory.levels(
-                    self.states[key], self.probe.shape, plan.update_states
-                )
-            self.states[key] = _with_frozen(self.states[key], self.probe.spec.frozen_bytes, plan)
+            no_grad = self.probe.no_grad(plan.precision, self.rows, lambda: self._first_size(plan))
+            self.states[key] = self._levels_with(plan, micro_steps, no_grad)
         return self.states[key]
+
+    def _levels_with(self, plan: Plan, micro_steps: int, no_grad: frozenset[str]) -> StateLevels:
+        backend = plan.sharding.build(plan.precision, plan.micro_batch_size, micro_steps)
+        levels = state_levels(
+            self.probe.shape,
+            precision=plan.precision,
+            optimizer_states=plan.update_states,
+            backend=backend,
+            replicated=plan.sharding.replicated,
+            world_size=self._state_ranks(plan),
+            dim0=self.probe.dim0,
+            fixed_bytes=self.fixed,
+            foreach=self.target.device_type == "cuda",
+            quantization=plan.quantization,
+            linear_weights=self.probe.linear_weights,
+            no_grad=no_grad,
+        )
+        if plan.optimizer_step.in_backward:
+            levels = in_backward_memory.levels(levels, self.probe.shape, plan.update_states)
+        return _with_frozen(levels, self.probe.spec.frozen_bytes, plan)
+
+    def _first_size(self, scored: Plan) -> None:
+        """One traced size of the first fit a plan is walked with (`_traces`), alone: what `ModelProbe.
+        no_grad` reads before any other trace. The plan is the grid's first whose model states fit even with
+        a gradient for every parameter (an upper bound: it is walked, so the size is one its fit reuses),
+        else `scored`."""
+        usable, seq = self.target.budget.usable, self.probe.seq_len
+        plan = next(
+            (
+                c
+                for c in self.candidates
+                if predict(
+                    self._levels_with(c, c.micro_batching.micro_steps(seq), frozenset()), STATES_ONLY
+                ).peak
+                <= usable
+            ),
+            scored,
+        )
+        probe, device_type = self.probe, self.target.device_type
+        mode = plan.checkpointing
+        if not _traced_as_itself(probe, mode, device_type):
+            mode = mode.traced_modes(device_type)[0]
+        capability = self.target.compute_capability if device_type == "cuda" else None
+        precision, weights = _traced_precision(probe, plan), _weights_dtype(plan)
+        probe.first_size(precision, mode, self.rows_of(plan), weights, plan.loss, capability)
 
 
 def _with_frozen(levels: StateLevels, frozen_bytes: Callable[[torch.dtype], int], plan: Plan) -> StateLevels:

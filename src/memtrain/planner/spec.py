@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import MemtrainError
+from memtrain.planner.expert_parallel import ExpertRouting
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
@@ -68,6 +69,9 @@ class ModelSpec:
     rebuild: how a new process builds the same trainer: its class as `module:Class` or `file.py:Class` and
         the recipe as a dict, both JSON (the rank trace of a mesh runs in a process of its own:
         `planner/rank_trace.py`). None: it cannot (a mesh is then predicted by formula).
+    experts: a mixture-of-experts model's routing (experts per layer, per token, the sizes a routed row
+        keeps): the mesh search's expert-parallel degrees and the busiest ep rank's load
+        (planner/expert_parallel.py). None: a dense model (ep stays 1).
     """
 
     build_model: Callable[[], nn.Module]
@@ -83,3 +87,4 @@ class ModelSpec:
     tensor_parallel_problems: Callable[[int], list[str]] | None = None
     pipeline: bool = False
     rebuild: tuple[str, Mapping[str, Any]] | None = None
+    experts: ExpertRouting | None = None

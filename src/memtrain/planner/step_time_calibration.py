@@ -18,6 +18,13 @@ first measured. Without a probe (a model too large to probe here, or a probe tha
 multipliers fitted to every run on this device are the fallback. What-if targets (`memtrain plan --gpu`)
 neither probe nor read the cache: they are ranked with the device class's constants (`cost.SPEEDS`).
 
+Compiled runs (`strategies.compile`) are samples apart (`Sample.compiled`): their eager terms and their
+measured seconds give the device's compile speedup (`compile_speedup`: how much faster the compiled terms,
+compute, recompute and micro-steps, ran than the multipliers fitted to eager steps predict), which the
+cost model divides those terms by for a compiled plan. Without a compiled sample it is 1.0: compile is
+never assumed faster (nor slower) until this machine measured it; the multipliers are fitted to eager
+samples only, so a compiled run does not bend them.
+
 The cache is `$MEMTRAIN_CACHE_DIR/step_time.json` (default `$XDG_CACHE_HOME/memtrain`, else
 `~/.cache/memtrain`); `MEMTRAIN_CACHE_DIR=off` turns calibration off (no cache, no probe). One entry per
 device key (CPU model and thread count, or GPU name, each with the torch version): the multipliers
@@ -47,12 +54,13 @@ from memtrain import json_out
 from memtrain.errors import MemtrainError
 from memtrain.jsonfile import read_json_object
 from memtrain.planner import step_time_probe
-from memtrain.planner.cost import TERMS, CostModel, StepCost, calibrate
+from memtrain.planner.cost import COMPILED_TERMS, TERMS, CostModel, StepCost, calibrate
 from memtrain.planner.model_probe import ModelProbe
 
 TOLERANCE = 0.10  # a measured step time further than this from the prediction re-fits the multipliers
 MAX_SAMPLES = 64  # samples kept per device (the newest)
 MAX_PROBES = 32  # models whose probe timings are kept per device (the newest)
+SPEEDUP_RANGE = 10.0  # a learned compile speedup stays within [1 / this, this]
 CACHE_FILE = "step_time.json"
 CACHE_ENV = "MEMTRAIN_CACHE_DIR"
 VERSION = 1  # of the cache's layout: an entry of another version is ignored
@@ -67,9 +75,17 @@ class Sample:
     terms: tuple[float, ...]
     seconds: float
     model: str = ""  # the probed model it ran ("" when there was no probe)
+    compiled: bool = False  # a step of a compiled plan (`terms`: its eager terms)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan, "terms": list(self.terms), "seconds": self.seconds, "model": self.model}
+        compiled = {"compiled": True} if self.compiled else {}
+        return {
+            "plan": self.plan,
+            "terms": list(self.terms),
+            "seconds": self.seconds,
+            "model": self.model,
+            **compiled,
+        }
 
 
 @dataclass(frozen=True)
@@ -195,35 +211,63 @@ def local_cost_model(
     key = device_key(device)
     cached = load(key) or DeviceCalibration(key, base.scale, ())
     if probe is None:
-        return replace(base, scale=cached.scale)
+        return _device_wide(base, cached)
     name = step_time_probe.fingerprint(probe)
     timings = cached.probes.get(name, ())
     if not timings:
         measured = step_time_probe.time_model(probe, device, usable_bytes)
         timings = tuple(Sample(what, cost.terms(), seconds, name) for what, cost, seconds in measured)
         if not timings:
-            return replace(base, scale=cached.scale)
+            return _device_wide(base, cached)
         store(cached.with_probe(name, timings))
-    return for_model(base, name, timings, [s for s in cached.samples if s.model == name])
+    return for_model(base, name, timings, cached.samples)
+
+
+def _device_wide(base: CostModel, cached: DeviceCalibration) -> CostModel:
+    """`base` at the multipliers fitted to every run on the device, with its compile speedup."""
+    return replace(base, scale=cached.scale, compile_speedup=compile_speedup(cached.scale, cached.samples))
 
 
 def fit(base: CostModel, samples: Sequence[Sample]) -> CostModel:
-    """`base` with multipliers fitted to `samples` (`base` itself without any)."""
-    return calibrate(base, [(StepCost.from_terms(s.terms), s.seconds) for s in samples])
+    """`base` with multipliers fitted to the eager `samples` (`base`'s without any) and the compile
+    speedup of the compiled ones."""
+    eager = [(StepCost.from_terms(s.terms), s.seconds) for s in samples if not s.compiled]
+    fitted = calibrate(base, eager)
+    return replace(fitted, compile_speedup=compile_speedup(fitted.scale, samples))
 
 
-def for_model(base: CostModel, model: str, probe: Sequence[Sample], runs: Sequence[Sample]) -> CostModel:
+def compile_speedup(scale: Sequence[float], samples: Sequence[Sample]) -> float:
+    """How much faster the compiled terms of the compiled `samples` ran than their eager prediction at
+    `scale` (the median over the samples, within `SPEEDUP_RANGE`); 1.0 without a compiled sample."""
+    ratios = []
+    for s in samples:
+        if not s.compiled:
+            continue
+        at = [t * k for t, k in zip(s.terms, scale, strict=True)]
+        compiled = sum(t for t, term in zip(at, TERMS, strict=True) if term in COMPILED_TERMS)
+        rest = sum(at) - compiled
+        ratios.append(compiled / max(s.seconds - rest, compiled / SPEEDUP_RANGE))
+    if not ratios:
+        return 1.0
+    return min(max(statistics.median(ratios), 1 / SPEEDUP_RANGE), SPEEDUP_RANGE)
+
+
+def for_model(base: CostModel, model: str, probe: Sequence[Sample], samples: Sequence[Sample]) -> CostModel:
     """`base` fitted to `model`'s probe timings, every multiplier times the median ratio measured/predicted
-    of `runs` (steps of that model measured by runs here)."""
+    of this model's eager runs among `samples` (the device's), and the compile speedup of its compiled
+    runs (of every model's on the device when it has none)."""
     fitted = replace(fit(base, probe), model=model)
-    if not runs:
-        return fitted
-    ratio = statistics.median(s.seconds / _at(s.terms, fitted.scale) for s in runs)
-    return replace(fitted, scale=tuple(k * ratio for k in fitted.scale))
+    runs = [s for s in samples if s.model == model]
+    eager = [s for s in runs if not s.compiled]
+    if eager:
+        ratio = statistics.median(s.seconds / _at(s.terms, fitted.scale) for s in eager)
+        fitted = replace(fitted, scale=tuple(k * ratio for k in fitted.scale))
+    compiled = [s for s in runs if s.compiled] or [s for s in samples if s.compiled]
+    return replace(fitted, compile_speedup=compile_speedup(fitted.scale, compiled))
 
 
 def check_step_time(
-    predicted: StepCost, measured: list[float], device: torch.device, plan: str
+    predicted: StepCost, measured: list[float], device: torch.device, plan: str, compiled: bool = False
 ) -> dict[str, Any]:
     """Predicted against measured step time of a run's plan (the median of `measured`, seconds); when the
     prediction is more than `TOLERANCE` off, this step joins the device's samples, the multipliers are
@@ -245,13 +289,17 @@ def check_step_time(
         base = CostModel.for_device(device.type)
         raw = predicted.uncalibrated()
         previous = load(record["device"]) or DeviceCalibration(record["device"], base.scale, ())
-        refitted = previous.with_sample(Sample(plan, raw.terms(), seconds, predicted.model), base)
+        sample = Sample(plan, raw.terms(), seconds, predicted.model, compiled)
+        refitted = previous.with_sample(sample, base)
         probe = refitted.probes.get(predicted.model, ())
-        runs = [s for s in refitted.samples if s.model == predicted.model]
         after = (
-            for_model(base, predicted.model, probe, runs) if probe else replace(base, scale=refitted.scale)
+            for_model(base, predicted.model, probe, refitted.samples)
+            if probe
+            else _device_wide(base, refitted)
         )
-        record["refit_predicted_s"] = _at(raw.terms(), after.scale)
+        record["refit_predicted_s"] = _at(
+            raw.terms(), after.scale, after.compile_speedup if compiled else 1.0
+        )
         path = store(refitted)
         record["cache"] = str(path) if path is not None else None
     return record
@@ -272,13 +320,16 @@ def describe(record: dict[str, Any]) -> str:
     )
 
 
-def _at(terms: tuple[float, ...], scale: tuple[float, ...]) -> float:
-    return sum(t * k for t, k in zip(terms, scale, strict=True))
+def _at(terms: tuple[float, ...], scale: tuple[float, ...], speedup: float = 1.0) -> float:
+    """Seconds of eager `terms` at `scale`, the compiled terms divided by `speedup`."""
+    sped = [speedup if term in COMPILED_TERMS else 1.0 for term in TERMS]
+    return sum(t * k / s for t, k, s in zip(terms, scale, sped, strict=True))
 
 
 def _sample(raw: dict[str, Any]) -> Sample:
     terms = tuple(float(t) for t in raw["terms"])
-    return Sample(str(raw["plan"]), terms, float(raw["seconds"]), str(raw.get("model", "")))
+    compiled = raw.get("compiled", False) is True
+    return Sample(str(raw["plan"]), terms, float(raw["seconds"]), str(raw.get("model", "")), compiled)
 
 
 def _read_all() -> dict[str, Any]:

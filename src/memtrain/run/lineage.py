@@ -90,6 +90,7 @@ RUN_FREE_KEYS = (
     "memory",
     "planner",
     "strategies.mesh",
+    "strategies.moe.max_load",
 )
 """The free keys outside the strategies; those of the strategies are declared with them (`all_free_keys`)."""
 

@@ -3,9 +3,10 @@
 The order (as torchtitan's parallelize does it): adapters (LoRA layers added, the base frozen) ->
 precision module swaps (fp8's float8 linears) -> [on a mesh: the `DeviceMesh`, built once -> the pipeline
 split (this rank's stage, the trainer's `pipeline_split`) -> tensor and sequence parallel (the trainer's
-plan, `tensor_parallel`)] ->
+plan, `tensor_parallel`) -> the experts over `ep` (the trainer's `expert_parallel_plan`)] ->
 activation checkpointing (wraps the blocks' forwards) -> the loss (binds to the model; `chunked` defers the
-output head's forward to it) -> the precision's stored dtype, frozen parameters in the compute dtype where
+output head's forward to it) -> compile (each block, or the model, in place, around the checkpointing's
+wrappers: `memtrain.strategies.compile`) -> the precision's stored dtype, frozen parameters in the compute dtype where
 the precision and the sharding keep them so (`Precision.frozen_stored_dtype`, `Sharding.as_stored`) ->
 [device ->
 sharding (wraps the model, may shard or wrap the optimizer) -> materialise pretrained weights where the
@@ -13,8 +14,8 @@ plan keeps them -> the optimizer over the trainable parameters, built by the pre
 around the trainer's `build_optimizer` (one per parameter, stepped in backward, under `optimizer_step:
 in_backward`) -> [pp > 1: the wrapped stage attached to its pipeline, `memtrain.strategies.pipeline`]].
 
-The trainer's setup runs all of it; `switch_in_place` re-applies checkpointing and the loss to a live model
-when a run re-plans (memtrain.training.replan). The planner's trace runs the model part only (`env=None`), on a model
+The trainer's setup runs all of it; `switch_in_place` re-applies checkpointing, the loss and compile to a
+live model when a run re-plans (memtrain.training.replan). The planner's trace runs the model part only (`env=None`), on a model
 of fake tensors: the optimizer's states and the sharding's bytes are arithmetic, and what the forward and
 backward keep is what the trace measures. Both call this function, so they cannot apply strategies in a
 different order.
@@ -33,6 +34,8 @@ from memtrain.distributed import DistEnv, with_device_mesh
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import output_head
 from memtrain.strategies.checkpointing import Checkpointing, unwrap_blocks
+from memtrain.strategies.compile import Compile, uncompile
+from memtrain.strategies.expert_parallel import ExpertPlanHook, apply_expert_parallel
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.optimizer_step import OptimizerStep
 from memtrain.strategies.pipeline import PipelineSplit, attach, split_for_stage
@@ -72,7 +75,9 @@ def apply_strategies(
     optimizer_step: OptimizerStep | None = None,
     tensor_parallel: PlanHook | None = None,
     pipeline: PipelineSplit | None = None,
+    expert_parallel: ExpertPlanHook | None = None,
     materialise_in: contextlib.AbstractContextManager[object] | None = None,
+    compile: Compile | None = None,
 ) -> Applied:
     """Apply the strategies in order. With `env` (training): move to the device, shard, build the
     optimizer. Without (the planner's trace): stop after the model's own strategies. `weights_dtype`
@@ -83,7 +88,8 @@ def apply_strategies(
     the device and filled by `load_weights` where its plan keeps the weights: before a replicating
     backend wraps it, or, for a backend that shards meta models (FSDP2), after sharding, so that each
     rank reads only its shards. On a mesh with tp > 1, `tensor_parallel(model)` is the trainer's plan for
-    splitting it; with pp > 1, `pipeline(model, stage, stages)` keeps this rank's stage of it (and `blocks`
+    splitting it; with ep > 1, `expert_parallel(model)` lists its experts modules
+    (`memtrain.strategies.expert_parallel`); with pp > 1, `pipeline(model, stage, stages)` keeps this rank's stage of it (and `blocks`
     keeps the blocks that stage holds). `materialise_in`: the context a meta model's parameters are
     materialised in (the planner's rank trace: fake tensors, `memtrain.training.rank_trace`)."""
     adapters = adapters or Adapters()
@@ -126,9 +132,15 @@ def apply_strategies(
         if not any(p.is_meta for p in model.parameters()):
             model.to(env.device)
         apply_tensor_parallel(model, tensor_parallel, env)
+    if env is not None and env.shape.ep > 1:  # the experts split over ep (FSDP2 shards them outside it)
+        owner = (
+            type(getattr(expert_parallel, "__self__", None)).__name__ if expert_parallel else "the trainer"
+        )
+        apply_expert_parallel(expert_parallel(model) if expert_parallel else None, env, owner)
     checkpointing.apply(model, blocks)
     head_name = output_head(model)
     (loss or Loss()).apply(model, None if head_name is None else model.get_submodule(head_name))
+    (compile or Compile()).apply(model, blocks)  # lazy: traced at the first call, after the casts below
     dtype = weights_dtype or precision.stored_dtype
     # The plan's stored dtype, whatever the model was built in (a hub config's torch_dtype: bfloat16 builds
     # bf16); under fp32 the parameters alone, buffers (rotary tables) as the model keeps them.
@@ -169,15 +181,23 @@ def apply_strategies(
 
 
 def switch_in_place(
-    model: nn.Module, blocks: list[nn.Module], checkpointing: Checkpointing, loss: Loss
+    model: nn.Module,
+    blocks: list[nn.Module],
+    checkpointing: Checkpointing,
+    loss: Loss,
+    compile: Compile | None = None,
 ) -> None:
     """Re-apply the strategies a running model can change between steps: its blocks' checkpointing (the old
-    wrappers removed first) and the loss binding. `model` is the model `apply_strategies` received (not a
-    sharding wrapper); parameters, optimizer and sharding are untouched, so the training goes on exactly."""
+    wrappers removed first) and the loss binding, then the plan's compile again over the new wrappers (a
+    compiled program has the old checkpointing traced into it: the regions are made eager and compiled
+    anew, traced at their next call). `model` is the model `apply_strategies` received (not a sharding
+    wrapper); parameters, optimizer and sharding are untouched, so the training goes on exactly."""
+    uncompile([model, *blocks])
     unwrap_blocks(blocks)
     checkpointing.apply(model, blocks)
     head_name = output_head(model)
     loss.apply(model, None if head_name is None else model.get_submodule(head_name))
+    (compile or Compile()).apply(model, blocks)
 
 
 def materialise_parameters(model: nn.Module, device: torch.device) -> None:

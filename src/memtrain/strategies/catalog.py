@@ -13,6 +13,7 @@ from typing import Any
 
 from memtrain.strategies.adapters import ADAPTERS
 from memtrain.strategies.checkpointing import CHECKPOINTING
+from memtrain.strategies.compile import COMPILE
 from memtrain.strategies.loss import LOSS
 from memtrain.strategies.micro_batching import MICRO_BATCHING
 from memtrain.strategies.optimizer import OPTIMIZER_STATES
@@ -29,6 +30,7 @@ REGISTRIES: dict[str, Registry[Any]] = {
     "precision": PRECISION,
     "checkpointing": CHECKPOINTING,
     "loss": LOSS,
+    "compile": COMPILE,
     "optimizer": OPTIMIZERS,
     "optimizer_states": OPTIMIZER_STATES,
     "optimizer_step": OPTIMIZER_STEP,
@@ -39,7 +41,15 @@ REGISTRIES: dict[str, Registry[Any]] = {
 # Kinds a recipe chooses by name under `strategies:` (micro-batching comes from `batch:`, adapters from
 # `adapters:`: they change the model, so the planner never chooses them; the optimizer from
 # `optimizer.name`, among the names listed there only).
-RECIPE_KINDS = ("precision", "checkpointing", "loss", "optimizer_states", "optimizer_step", "sharding")
+RECIPE_KINDS = (
+    "precision",
+    "checkpointing",
+    "loss",
+    "compile",
+    "optimizer_states",
+    "optimizer_step",
+    "sharding",
+)
 
 
 def chosen_in(section: str) -> list[Registry[Any]]:

@@ -15,6 +15,7 @@ from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError
 from memtrain.plan import Plan
 from memtrain.strategies.apply import Applied, apply_strategies
+from memtrain.strategies.expert_parallel import ExpertLayer
 from memtrain.strategies.pipeline import PipelineSplit
 from memtrain.strategies.sharding.base import ShardingBackend
 from memtrain.strategies.tensor_parallel import TensorParallelPlan
@@ -35,6 +36,7 @@ class Applying(Protocol):
     def build_optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer: ...
     def load_weights(self, model: nn.Module) -> None: ...
     def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan | None: ...
+    def expert_parallel_plan(self, model: nn.Module) -> list[ExpertLayer] | None: ...
 
 
 def apply_plan(
@@ -61,7 +63,9 @@ def apply_plan(
         optimizer_step=plan.optimizer_step,
         tensor_parallel=trainer.tensor_parallel_plan,
         pipeline=trainer.pipeline_split,
+        expert_parallel=trainer.expert_parallel_plan,
         materialise_in=materialise_in,
+        compile=plan.compile,
     )
     return applied, blocks
 

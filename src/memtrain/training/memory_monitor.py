@@ -216,7 +216,7 @@ class MemoryMonitor:
             self._step_times.append(row["step_time_s"])
         if self._step_times and (len(self._step_times) >= STEP_TIME_STEPS or last):
             self.step_time = step_time_calibration.check_step_time(
-                result.chosen.cost, self._step_times, self.env.device, plan.describe()
+                result.chosen.cost, self._step_times, self.env.device, plan.describe(), plan.compile.compiled
             )
             # stderr, with the planner's progress: `memtrain profile --json` keeps stdout for its report
             print(step_time_calibration.describe(self.step_time), file=sys.stderr, flush=True)

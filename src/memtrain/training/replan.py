@@ -22,6 +22,8 @@ re-applied: `strategies.apply.switch_in_place`) and the loss (re-bound). Everyth
   no sharding at most, and it would change the numerics of the rest of the run. Not switched: a recipe
   that needs smaller states must say so (strategies.optimizer_states) at the start.
 - precision, sharding, adapters and quantisation change the stored weights or their layout;
+- compile (`strategies.compile`): kept as the run started; when the checkpointing switches, the compiled
+  blocks (or model) are compiled again over the new wrappers (`switch_in_place`).
 - the optimizer step (one optimizer, or one per parameter stepped in backward, built at setup). Stepped in
   backward, a step cannot accumulate: its micro-batch stays, and a pinned plan cannot shrink it.
 Only options the recipe allows are considered (a pinned strategies.checkpointing stays pinned); the
@@ -212,6 +214,7 @@ def _switchable_recipes(recipe: Recipe, plan: Plan) -> Iterator[Recipe]:
             "sharding": plan.sharding.name,
             "optimizer_states": plan.optimizer_states.name,
             "optimizer_step": plan.optimizer_step.name,  # its optimizer is built: one per parameter or not
+            "compile": plan.compile.name,  # kept; a switch of checkpointing re-compiles (`switch_in_place`)
         }
     )
     optimizer = recipe.optimizer.model_copy(update={"name": plan.optimizer.name})  # it changes the training

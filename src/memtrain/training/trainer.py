@@ -13,6 +13,7 @@ Hooks (override in a subclass):
     build_optimizer(params)           -> torch.optim.Optimizer   (default: AdamW from `train:`)
     step_batch(step)                  -> dict of tensors: this rank's share of the step's global batch
     tensor_parallel_plan(model)       -> module name -> ParallelStyle (default None: no tensor parallel)
+    expert_parallel_plan(model)       -> its MoE experts modules (default None: no expert parallel)
     pipeline_split(model, s, p)       -> keep stage s of p in place; the trailing shape of what it hands
                                          stage s + 1 (default None: pp > 1 refused)
     loss(model, micro_batch)          -> (loss_sum, num_tokens)
@@ -27,9 +28,8 @@ device and under fake tensors, `loss` on micro-batches shaped like `planning_bat
 of `step_batch(0)`), and counts `host_data_bytes()`. Planning happens in `setup()` (or an explicit
 `choose_plan()`), once the subclass is fully constructed.
 
-The loop's collaborators live beside it: the run directory (`memtrain.run.RunDirectory`: lock, checkpoints,
-lineage, the run's files), the memory monitor (`memory_monitor`: measurement, calibration, re-planning)
-and the checkpoint's contents (`trainer_state`).
+Beside the loop: the run directory (`memtrain.run.RunDirectory`: lock, checkpoints, lineage, the run's
+files), the memory monitor (`memory_monitor`: measurement, calibration, re-planning), `trainer_state`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from memtrain.schedules import due, lr_at
 from memtrain.strategies.apply import switch_in_place
 from memtrain.strategies.blocks import discover_blocks
 from memtrain.strategies.context_parallel import parallel_loss, rank_share
+from memtrain.strategies.expert_parallel import ExpertLayer, routing_row
 from memtrain.strategies.master_weights import MasterWeightOptimizer
 from memtrain.strategies.optimizer_step import InBackwardOptimizer
 from memtrain.strategies.pipeline import PipelineSplit, is_pipeline, run_step, stage_group
@@ -137,6 +138,9 @@ class Trainer:
     def tensor_parallel_plan(self, model: nn.Module) -> TensorParallelPlan | None:
         """Module name -> torch `ParallelStyle` for `strategies.mesh.tp > 1` (None: tp > 1 is refused)."""
         return None
+
+    def expert_parallel_plan(self, model: nn.Module) -> list[ExpertLayer] | None:
+        return None  # each MoE layer's experts for strategies.mesh.ep > 1 (strategies.expert_parallel)
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int | torch.Tensor]:
         raise MemtrainError(
@@ -267,17 +271,15 @@ class Trainer:
         applied, self._blocks = apply_plan(self, self.build_model())
         self.model, self.optimizer, self.scaler = applied.model, applied.optimizer, applied.grad_scaler
         self.monitor.track(sharding.unwrap(self.model), self.optimizer, self.recipe.memory)
-        # What would fail late (an output directory that cannot take a checkpoint, a full disk, a budget
-        # below the weights) fails now: rank 0 checks, every rank raises.
+        # What would fail late (no room for a checkpoint, a budget below the weights): rank 0 checks, all raise.
         found = []
         if self.env.is_main:
             found = preflight.run_problems(self.recipe, plan, self.plan_result, sharding.unwrap(self.model))
         preflight.agree(found, any_rank(bool(found), self.env))
 
     def close(self) -> None:
-        """Free the model and optimizer, then leave the process group: in that order, as under gloo a DDP
-        reducer freed after its group left the registry destroys the group holding the GIL, a deadlock with
-        gloo's thread (pytorch#56297); freed first, `destroy_process_group` destroys it, releasing the GIL."""
+        """Free the model and optimizer, then leave the process group: a DDP reducer freed after its group left
+        the registry destroys the group holding the GIL, deadlocking gloo's thread (pytorch#56297)."""
         self.model = None
         self.optimizer = None
         gc.collect()
@@ -347,9 +349,7 @@ class Trainer:
         when due; the step's metrics row."""
         row = self.train_step(step)
         last = step + 1 == self.recipe.train.steps
-        over = (
-            self.monitor.after_step(step, row, self.plan, last) if row["tokens"] else None
-        )  # empty: no figure
+        over = self.monitor.after_step(step, row, self.plan, last) if row["tokens"] else None  # empty: none
         if over is not None:
             self._recover_from_oom(step, over)
         result.losses.append(row["loss"])
@@ -403,6 +403,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": skipped,
             "micro_batches": totals.micro_batches,
+            **routing_row(self.env),  # expert parallel: rows each rank received, each layer's max/mean load
         }
         self.monitor.end_step(row)
         return row
@@ -538,7 +539,8 @@ class Trainer:
             torch.cuda.empty_cache()
         new = self.monitor.replan(step, self.plan, self.recipe, self.model_spec(), over)
         if (new.checkpointing, new.loss) != (self.plan.checkpointing, self.plan.loss):
-            switch_in_place(self._sharding.unwrap(self.model), self._blocks, new.checkpointing, new.loss)
+            model = self._sharding.unwrap(self.model)
+            switch_in_place(model, self._blocks, new.checkpointing, new.loss, new.compile)
         self.plan = new
 
     def evaluate(self) -> float:

@@ -126,6 +126,12 @@ class Sharding(Strategy):
                 f"(strategies.mesh.cp={env.shape.cp}: each holds other tokens of the same rows); set "
                 "strategies.sharding=zero2 or zero3 with strategies.sharding_backend=fsdp2"
             )
+        if env.shape.ep > 1 and not backend.shards_experts:
+            raise Unsupported(
+                f"strategies.sharding: '{self.name}' cannot shard experts split over expert-parallel ranks "
+                f"(strategies.mesh.ep={env.shape.ep}); set strategies.sharding=zero2 or zero3 with "
+                "strategies.sharding_backend=fsdp2"
+            )
         backend.check(env)
 
     @property

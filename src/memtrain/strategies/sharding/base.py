@@ -78,6 +78,7 @@ class ShardingBackend:
     shards_meta_models: ClassVar[bool] = False  # can wrap a meta-parameter model, then materialise shards
     checkpoint_format: ClassVar[str] = "replicated"  # what its `save` writes (sharded_checkpoint.FORMATS)
     reduces_over_context_ranks: ClassVar[bool] = False  # runs strategies.mesh.cp > 1 (context_parallel.py)
+    shards_experts: ClassVar[bool] = False  # runs strategies.mesh.ep > 1 (expert_parallel.py)
 
     def check(self, env: DistEnv) -> None:
         if env.dp_size > 1:

@@ -62,6 +62,7 @@ import memtrain.strategies.sharding.sharded_checkpoint as sharded_checkpoint
 from memtrain.distributed import DistEnv
 from memtrain.errors import MemtrainError, Unsupported
 from memtrain.memory.footprint import ModelShape
+from memtrain.strategies.expert_parallel import expert_meshes, is_experts
 from memtrain.strategies.sharding.base import (
     Materialise,
     OptimizerFactory,
@@ -90,6 +91,7 @@ class FSDP2Backend(ShardingBackend):
     shards_meta_models: ClassVar[bool] = True
     checkpoint_format: ClassVar[str] = "dcp"
     reduces_over_context_ranks: ClassVar[bool] = True
+    shards_experts: ClassVar[bool] = True
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -138,6 +140,14 @@ class FSDP2Backend(ShardingBackend):
             if self.options.offload == "params"
             else OffloadPolicy(),
         }
+        if (
+            env.shape.ep > 1
+        ):  # experts first (a block's group then leaves them out), over the ranks outside ep
+            _, outside = expert_meshes(env)
+            for experts in (m for m in model.modules() if is_experts(m)):
+                fully_shard(
+                    experts, reshard_after_forward=self.reshard_after_forward, **{**options, "mesh": outside}
+                )
         for block in blocks:
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         # The root: FSDP2's default for zero3 (kept from forward to backward), never resharded for zero2.
