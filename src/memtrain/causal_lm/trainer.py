@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import re
 from collections import Counter
-from collections.abc import Hashable, Iterable, Set
+from collections.abc import Callable, Hashable, Iterable, Set
 from pathlib import Path
 from typing import Any
 
@@ -492,7 +493,8 @@ class CausalLMTrainer(Trainer):
     def _from_config(self, config: Any, attn_implementation: str | None = None) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        attention = attn_implementation or self.recipe.model.attn_implementation
+        override = getattr(self, "_attention_override", None)  # `_traced_build`
+        attention = attn_implementation or override or self.recipe.model.attn_implementation
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention, dtype=torch.float32, trust_remote_code=False
         )
@@ -550,11 +552,31 @@ class CausalLMTrainer(Trainer):
             model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
             return model
 
+        if _own_builds(type(self)):  # a subclass's model (compiled, wrapped) is the one the run trains
+            return dataclasses.replace(
+                spec,
+                build_model=lambda: self._traced_build(self.build_model, name),
+                build_clone=lambda depth: self._traced_build(lambda: self.build_model_clone(depth), name),
+            )
         return dataclasses.replace(
             spec,
             build_model=lambda: build(self.model_config),
             build_clone=lambda depth: build(self._clone_config(depth)),
         )
+
+    def _traced_build(self, make: Callable[[], nn.Module], attention: str) -> nn.Module:
+        """A subclass's own `make` under the planner's fake tensors, its configs built with the traced
+        `attention` (`trace_sdpa`, through `_from_config`) and fed the all-ones mask."""
+        if not _under_fake_tensors():
+            return make()
+        self._attention_override: str | None = attention
+        try:
+            model = make()
+        finally:
+            self._attention_override = None
+        if "attention_mask" in inspect.signature(model.forward).parameters:  # a transformers model
+            model.register_forward_pre_hook(_all_ones_mask, with_kwargs=True)
+        return model
 
     def _trace_key(self) -> Hashable | None:
         """`ModelSpec.trace_key`: what these hooks read (the model config, the recipe's `model` and `data`
@@ -730,3 +752,11 @@ def trace_sdpa() -> str:
         AttentionInterface.register(TRACE_SDPA, sdpa_attention_forward)
         AttentionMaskInterface.register(TRACE_SDPA, mask)
     return TRACE_SDPA
+
+
+def _own_builds(trainer: type[CausalLMTrainer]) -> bool:
+    """Whether a subclass builds its own model or clones (`build_model`, `build_model_clone`)."""
+    return any(
+        getattr(trainer, name) is not getattr(CausalLMTrainer, name)
+        for name in ("build_model", "build_model_clone")
+    )

@@ -21,6 +21,7 @@ __all__ = [
     "TorchDispatchMode",
     "tree_leaves",
     "allocator_settings",
+    "allocation_sizes",
     "dump_memory_snapshot",
     "efficient_attention",
     "HostValues",
@@ -228,3 +229,20 @@ def native_dropout(input: torch.Tensor, p: float) -> torch.Tensor:
     """The output of `aten.native_dropout` in training, the fused dropout `F.dropout` runs on CUDA (its
     backward, `native_dropout_backward`, keeps a bool mask: one byte per element)."""
     return torch.ops.aten.native_dropout(input, p, True)[0]
+
+
+def allocation_sizes(profile: torch.profiler.profile) -> list[int]:
+    """The signed sizes of every allocation (+) and free (-) a memory-profiling `profile` recorded, in the
+    order they happened (the event tree is private: `torch._C._profiler`)."""
+    from torch._C._profiler import _ExtraFields_Allocation
+
+    found: list[tuple[int, int]] = []
+    results = profile.profiler.kineto_results if profile.profiler else None
+    stack = list(results.experimental_event_tree()) if results is not None else []
+    while stack:
+        node = stack.pop()
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation):
+            found.append((node.start_time_ns, int(fields.alloc_size)))
+        stack.extend(node.children)
+    return [size for _, size in sorted(found)]

@@ -61,7 +61,18 @@ class AllocationLog:
 
 
 class _Record:
-    __slots__ = ("key", "ref", "nbytes", "origin", "component", "born", "moved", "retired", "serial")
+    __slots__ = (
+        "key",
+        "ref",
+        "nbytes",
+        "origin",
+        "component",
+        "born",
+        "moved",
+        "retired",
+        "serial",
+        "uncounted",
+    )
 
     def __init__(self, key: int, nbytes: int, origin: str, born: int, serial: int) -> None:
         self.key = key
@@ -73,6 +84,7 @@ class _Record:
         self.born = born
         self.moved = False
         self.retired = False
+        self.uncounted = False  # made where nothing is counted (`uncounted`): 0 bytes until an op makes it
 
 
 class StorageLedger:
@@ -105,6 +117,15 @@ class StorageLedger:
         """
         nbytes = st.nbytes()
         rec = self._lookup(st)
+        if rec is not None and rec.uncounted:
+            if allocation:  # an op counted makes it (a view of it): it exists from here
+                if self.budget is not None:
+                    self.budget.check(self.live, nbytes, self.bytes)
+                rec.uncounted, rec.nbytes, rec.origin, rec.component = False, nbytes, origin, origin
+                self._add(rec.component, nbytes)
+                if self.log is not None:
+                    self.log.events.append((rec.serial, nbytes))
+            return rec
         if rec is not None:
             if allocation and nbytes != rec.nbytes:
                 if self.budget is not None and nbytes > rec.nbytes:
@@ -128,6 +149,17 @@ class StorageLedger:
         self._records[rec.key] = rec
         self._add(origin, nbytes)
         return rec
+
+    def uncounted(self, st: torch.UntypedStorage) -> None:
+        """`st` was made where nothing is counted (`tracker.uncounted`): an op reading it does not count it
+        either; one making it (a view of it, counted) does, from then on."""
+        if self._lookup(st) is not None or not self._on_device(st.device):
+            return
+        rec = _Record(id(st), 0, "other", self.clock, next(self._serials))
+        rec.uncounted = True
+        freed = self._freed
+        rec.ref = weakref.ref(st, lambda _ref: freed.append(rec))
+        self._records[rec.key] = rec
 
     def resized(self, st: torch.UntypedStorage) -> None:
         """`st` was resized in place (FSDP2 frees a gathered layer so, and grows it back: `storage_resize`):
@@ -223,7 +255,7 @@ class StorageLedger:
             return
         rec.retired = True
         self._add(rec.component, -rec.nbytes)
-        if self.log is not None:
+        if self.log is not None and not rec.uncounted:
             self.log.events.append((rec.serial, 0))
         if self._records.get(rec.key) is rec:
             del self._records[rec.key]

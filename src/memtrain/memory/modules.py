@@ -34,8 +34,15 @@ def graph_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from graph_tensors(v)
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `nn.Module.compile()` compiled `module` (it leaves `_compiled_call_impl`): its call, hooks
+    included, is one compiled region."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 class ModuleAttribution:
-    """Tracks the running module; `forward_depth > 0` while a module's forward runs (also recompute)."""
+    """Tracks the running module; `forward_depth > 0` while a module's forward runs (also recompute).
+    Compiled modules (`is_compiled`) and what they hold are not tracked: they run as one region."""
 
     def __init__(self, model: nn.Module | None) -> None:
         self._model = model
@@ -51,7 +58,10 @@ class ModuleAttribution:
         self.forward_depth = 0
         if self._model is None:
             return
+        compiled = [n for n, m in self._model.named_modules() if is_compiled(m)]
         for name, module in self._model.named_modules():
+            if any(name == c or name.startswith(c + ".") or not c for c in compiled):
+                continue  # its hooks would run inside the compiled region: dynamo would break the graph there
             name = name or type(self._model).__name__
             self._handles += [
                 module.register_forward_pre_hook(partial(self._pre_forward, name), with_kwargs=True),

@@ -15,6 +15,7 @@ activation while it lives; the rest is `other`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -44,8 +45,39 @@ class _Watch(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._tracker._after_op(args, kwargs, out)
+        if _uncounted.depth:
+            self._tracker._uncounted_op(out)
+        else:
+            self._tracker._after_op(args, kwargs, out)
         return out
+
+
+class _Uncounted(threading.local):
+    depth = 0
+
+
+_uncounted = _Uncounted()
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """What ops make inside is not counted (a storage first seen later is counted from then): buffers a
+    compiler would not allocate, run here only to carry on the program (planner/compiled_trace.py)."""
+    _uncounted.depth += 1
+    try:
+        yield
+    finally:
+        _uncounted.depth -= 1
+
+
+class _InfraWatch(_Watch):
+    """The same count, declared an infrastructure mode (as fake tensors are): dynamo compiles and runs
+    compiled regions under it instead of running them eagerly. Only the planner's trace wants this: its
+    compiled regions run op by op (planner/compiled_trace.py), so every op is still seen."""
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
 
 
 class MemoryTracker:
@@ -58,6 +90,8 @@ class MemoryTracker:
     with ``host``, real host (CPU) storages too: a fake model's trace of a CPU run, whose real batch is in
     the memory the run's device is (`memtrain.training.rank_trace`). ``timeline=False`` draws no timeline
     samples, for a reader of the step reports alone (the planner's traces: about a tenth of their time).
+    `compiled_regions`: let dynamo run compiled regions under the tracker (see `_InfraWatch`); without it
+    they run eagerly.
     """
 
     def __init__(
@@ -71,6 +105,7 @@ class MemoryTracker:
         samples_per_step: int = 2000,
         timeline_steps: int = 8,
         timeline: bool = True,
+        compiled_regions: bool = False,
     ) -> None:
         self.model = model
         # The parameters the model holds now: FSDP2 swaps gathered (unsharded) tensors in as a module's
@@ -87,6 +122,7 @@ class MemoryTracker:
         self._ledger = StorageLedger(self.device, self.budget, host)
         self._modules = ModuleAttribution(model)
         self._mode: _Watch | None = None
+        self._watch = _InfraWatch if compiled_regions else _Watch
         self._handles: list[RemovableHandle] = []
         self._params: list[torch.Tensor] = []
         self._frozen: list[nn.Module] = []
@@ -125,7 +161,7 @@ class MemoryTracker:
             self._handles += self._optimizer_hooks(self.optimizer)
         self._modules.start()
         self._resync()
-        self._mode = _Watch(self)
+        self._mode = self._watch(self)
         self._mode.__enter__()
         listen(self._ledger.resized)
         return self
@@ -237,6 +273,12 @@ class MemoryTracker:
                 ledger.observe(st, origin, allocation=True)
         ledger.clock += 1
         self._note_live()
+
+    def _uncounted_op(self, out: Any) -> None:
+        self._ledger.drain()
+        for t in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+            for st in storages_of(t):
+                self._ledger.uncounted(st)
 
     def _note_live(self, keep_sample: bool = False) -> None:
         if self._step is None:

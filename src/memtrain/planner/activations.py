@@ -53,9 +53,10 @@ from torch import nn
 from memtrain.memory import MemoryTracker, StepMemory, fake_tensors
 from memtrain.memory.footprint import COMPONENTS
 from memtrain.memory.ledger import AllocationLog
-from memtrain.memory.modules import graph_tensors
+from memtrain.memory.modules import graph_tensors, is_compiled
 from memtrain.planner.allocation_trace import AllocationFit, PieceKey, Pieces, fit_allocations
 from memtrain.planner.attention_kernels import Capability, traced_attention
+from memtrain.planner.compiled_trace import traced_as_compiled
 from memtrain.planner.cuda_dropout import traced_dropout
 from memtrain.planner.grouped_mm_trace import traced_grouped_mm
 from memtrain.planner.spec import loss_output
@@ -212,32 +213,33 @@ def trace_step(
                 loss=loss,
             )
         model.train()
-        tracker = MemoryTracker(model, timeline=False)  # the segments read the step reports alone
-        recorder = _Recorder(tracker, blocks if block_segments else [])
-        with (
-            tracker,
-            recorder.hooks(),
-            traced_attention(cuda_capability) as attention,
-            traced_dropout(cuda_capability),
-            traced_grouped_mm(),
-        ):
-            recorder.log = tracker.record_allocations()  # from here: the model's states are not in it
-            # Cloned under the tracker, so the batch is part of the level every segment starts from (as
-            # the step's data is in the prediction's fixed bytes), not a first use inside a segment.
-            batch: Batch = {k: mode.from_tensor(v).clone() for k, v in real_batch.items()}
-            tokens = max(int(v.numel()) for v in batch.values())
-            for kind in MICRO_STEPS:
-                recorder.micro_step = kind
-                recorder.mark(SegmentKey(kind, "fwd.pre"))
-                with tracker.phase("forward"):
-                    with precision.autocast(torch.device("cpu")):
-                        loss_sum, _ = loss_output(loss_fn(model, batch))
-                        recorder.mark(SegmentKey(kind, "fwd.release"))
-                with tracker.phase("backward"):
-                    recorder.mark(SegmentKey(kind, "bwd.head"))
-                    (loss_sum * (1.0 / tokens)).backward()
-                    recorder.mark(None)
-                del loss_sum
+        with traced_as_compiled(model) as any_compiled:
+            tracker = MemoryTracker(model, timeline=False, compiled_regions=any_compiled)  # reports alone
+            recorder = _Recorder(tracker, blocks if block_segments else [])
+            with (
+                tracker,
+                recorder.hooks(),
+                traced_attention(cuda_capability) as attention,
+                traced_dropout(cuda_capability),
+                traced_grouped_mm(),
+            ):
+                recorder.log = tracker.record_allocations()  # from here: the model's states are not in it
+                # Cloned under the tracker, so the batch is part of the level every segment starts from (as
+                # the step's data is in the prediction's fixed bytes), not a first use inside a segment.
+                batch: Batch = {k: mode.from_tensor(v).clone() for k, v in real_batch.items()}
+                tokens = max(int(v.numel()) for v in batch.values())
+                for kind in MICRO_STEPS:
+                    recorder.micro_step = kind
+                    recorder.mark(SegmentKey(kind, "fwd.pre"))
+                    with tracker.phase("forward"):
+                        with precision.autocast(torch.device("cpu")):
+                            loss_sum, _ = loss_output(loss_fn(model, batch))
+                            recorder.mark(SegmentKey(kind, "fwd.release"))
+                    with tracker.phase("backward"):
+                        recorder.mark(SegmentKey(kind, "bwd.head"))
+                        (loss_sum * (1.0 / tokens)).backward()
+                        recorder.mark(None)
+                    del loss_sum
     return StepTrace(
         tokens=tokens,
         depth=len(blocks),
@@ -337,6 +339,9 @@ class _Hooks:
     def __enter__(self) -> None:
         r = self._recorder
         for index, block in enumerate(r.blocks):
+            if is_compiled(block):  # a hook would run inside the compiled region: run them around it
+                self._handles.append(_AroundCompiled(block, r, index))
+                continue
             self._handles.append(
                 block.register_forward_pre_hook(
                     lambda _m, args, kwargs, i=index: r.entering(i, args, kwargs), with_kwargs=True
@@ -347,6 +352,27 @@ class _Hooks:
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+class _AroundCompiled:
+    """A compiled block's `entering` / `leaving` calls, made around its compiled call (removable)."""
+
+    def __init__(self, block: nn.Module, recorder: _Recorder, index: int) -> None:
+        self._block = block
+        inner = block._compiled_call_impl
+        assert inner is not None
+        self._inner = inner
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            recorder.entering(index, args, kwargs)
+            out = inner(*args, **kwargs)
+            recorder.leaving(index, out)
+            return out
+
+        block._compiled_call_impl = call
+
+    def remove(self) -> None:
+        self._block._compiled_call_impl = self._inner
 
 
 def _on_grad(tensor: torch.Tensor | None, callback: Callable[[], None]) -> None:

@@ -220,7 +220,8 @@ def traced_attention(capability: Capability | None) -> Iterator[KernelLog]:
     original = F.scaled_dot_product_attention
 
     def cpu(*args: Any, **kwargs: Any) -> torch.Tensor:
-        log.calls["cpu"] += 1
+        if not torch.compiler.is_compiling():  # inside a compiled region, counting would break its graph
+            log.calls["cpu"] += 1
         return original(*args, **kwargs)
 
     def cuda(

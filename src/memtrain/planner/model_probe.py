@@ -79,6 +79,7 @@ from memtrain.planner.activations import (
     trace_step,
 )
 from memtrain.planner.attention_kernels import Capability
+from memtrain.planner.compiled_trace import compile_description
 from memtrain.planner.spec import Batch, ModelSpec
 from memtrain.planner.trace_fallback import clone_step_bytes, trace_for_real
 from memtrain.strategies.adapters import Adapters
@@ -124,6 +125,7 @@ class ModelProbe:
     row_bytes: int = field(init=False)
     head_numel: int = field(init=False)  # the output head's weight (what `chunked` recomputes)
     whole_model: str = field(init=False, default="")  # why the clone cannot stand for the model ("": it can)
+    compiled: str = field(init=False, default="")  # which modules `build_model` compiles ("": none)
     block_segments: bool = field(init=False, default=True)  # False: blocks re-entered, one segment per phase
     _fits: dict[TraceKey, FittedTrace] = field(init=False, default_factory=dict)
     # per traced size, keyed by how the model was traced too (clone or whole, cut per block or not)
@@ -167,6 +169,7 @@ class ModelProbe:
         self.seq_len = max((t.numel() for t in one_row.values()), default=1)
         self.row_bytes = _nbytes(one_row)
         self.whole_model = self._clone_mismatch(blocks)
+        self.compiled = compile_description(model)
 
     def _clone_mismatch(self, blocks: list[nn.Module]) -> str:
         """Why the clone's blocks cannot stand for the model's ("" when they can): middle blocks built
@@ -417,7 +420,7 @@ class ModelProbe:
             return None
         hooks += (clone,)
         threads = (torch.get_num_threads(), torch.get_default_dtype())
-        return (spec.trace_key, hooks, size, self.adapters, self.quantization, threads)
+        return (spec.trace_key, hooks, size, self.adapters, self.quantization, self.compiled, threads)
 
     def _disk_key(self, size: tuple[object, ...], shared: Hashable | None) -> str | None:
         """The trace cache's key of the traced `size` (None: not cached; `shared`, its `_shared_key`, is None
@@ -429,7 +432,7 @@ class ModelProbe:
             spec.trace_key,
             (spec.build_model, spec.blocks, spec.micro_batch, spec.loss, spec.build_clone),
             size,
-            (self.adapters, self.quantization),
+            (self.adapters, self.quantization, self.compiled),
             (torch.get_num_threads(), torch.get_default_dtype()),
         )
 
