@@ -63,6 +63,7 @@ from memtrain.planner.spec import loss_output
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.apply import apply_strategies
 from memtrain.strategies.checkpointing import Checkpointing
+from memtrain.strategies.compile import Compile
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
@@ -187,6 +188,7 @@ def trace_step(
     loss: Loss | None = None,
     cuda_capability: Capability | None = None,
     block_segments: bool = True,
+    compile: Compile | None = None,
 ) -> StepTrace:
     """Build the model under fake tensors with the strategies applied as the trainer applies them
     (`apply_strategies`) and trace two micro-steps of `micro_batch_size` rows. `make_batch(rows)` makes a
@@ -195,7 +197,9 @@ def trace_step(
     cast and cache). `cuda_capability`: attention runs as the CUDA kernel a GPU of this compute capability
     would run (attention_kernels.py); None: this process's CPU kernels. `block_segments=False`: no cuts at
     blocks, each micro-step's forward and backward are one segment each (for models whose blocks run more
-    than once per forward, where block hooks would cut the step at the wrong places)."""
+    than once per forward, where block hooks would cut the step at the wrong places). `compile`: the plan's
+    compile, applied as the run applies it; its compiled modules are traced as the compiled program
+    (`compiled_trace.traced_as_compiled`)."""
     real_batch = make_batch(micro_batch_size)
     mode = fake_tensors()
     with mode:
@@ -211,6 +215,7 @@ def trace_step(
                 adapters=adapters,
                 quantization=quantization,
                 loss=loss,
+                compile=compile,
             )
         model.train()
         with traced_as_compiled(model) as any_compiled:

@@ -85,13 +85,16 @@ from memtrain.planner.trace_fallback import clone_step_bytes, trace_for_real
 from memtrain.strategies.adapters import Adapters
 from memtrain.strategies.blocks import model_shape, output_head
 from memtrain.strategies.checkpointing import Checkpointing, NoCheckpointing
+from memtrain.strategies.compile import Compile
 from memtrain.strategies.loss import Loss
 from memtrain.strategies.precision import Precision
 from memtrain.strategies.quantization import Quantization
 
-TraceKey = tuple[Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss, Capability | None]
-TracedSize = tuple[Precision, Checkpointing, torch.dtype | None, Loss, Capability | None, int]
-"""One traced size: precision, checkpointing mode, weights dtype, loss, CUDA capability, rows."""
+TraceKey = tuple[
+    Precision, Checkpointing, tuple[int, int], torch.dtype | None, Loss, Capability | None, Compile
+]
+TracedSize = tuple[Precision, Checkpointing, torch.dtype | None, Loss, Capability | None, int, Compile]
+"""One traced size: precision, checkpointing mode, weights dtype, loss, CUDA capability, rows, compile."""
 
 _shared: dict[Hashable, StepTrace] | None = None  # `shared_traces`: None (off) unless inside it
 
@@ -221,14 +224,15 @@ class ModelProbe:
         weights_dtype: torch.dtype | None = None,
         loss: Loss | None = None,
         cuda_capability: Capability | None = None,
+        compile: Compile | None = None,
     ) -> FittedTrace:
         """`_trace`, with its failures remembered: a search asks for the same fit once per candidate, and a
         trace that cannot run (every fallback included) fails the same way each time."""
-        key = (precision, mode, rows, weights_dtype, loss or Loss(), cuda_capability)
+        key = (precision, mode, rows, weights_dtype, loss or Loss(), cuda_capability, compile or Compile())
         if key in self._failed:
             raise self._failed[key]
         try:
-            return self._trace(precision, mode, rows, weights_dtype, loss, cuda_capability)
+            return self._trace(precision, mode, rows, weights_dtype, loss, cuda_capability, compile)
         except Unsupported as exc:
             self._failed[key] = exc
             raise
@@ -241,21 +245,23 @@ class ModelProbe:
         weights_dtype: torch.dtype | None = None,
         loss: Loss | None = None,
         cuda_capability: Capability | None = None,
+        compile: Compile | None = None,
     ) -> FittedTrace:
         """The activation fit for one precision and one traced checkpointing mode, drawn through traces at
         the two micro-batch sizes `rows` (the search asks for `fit_rows`; fits and traces are cached).
         `weights_dtype`: the sharding backend hands the forward weights of this dtype (FSDP2's and
         DeepSpeed's bf16-mixed).
         `loss`: the plan's loss strategy (standard by default). `cuda_capability`: trace attention as the CUDA
-        kernel of a GPU of this compute capability (attention_kernels.py); None: this CPU's kernels."""
-        loss = loss or Loss()
+        kernel of a GPU of this compute capability (attention_kernels.py); None: this CPU's kernels.
+        `compile`: the plan's compile (none by default), traced as the compiled program."""
+        loss, compile = loss or Loss(), compile or Compile()
         if rows[0] == rows[1]:
             rows = (rows[0], 2 * rows[0])
-        key = (precision, mode, rows, weights_dtype, loss, cuda_capability)
+        key = (precision, mode, rows, weights_dtype, loss, cuda_capability, compile)
         if key not in self._fits:
             clone = None if self.whole_model else self.spec.build_clone
             depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
-            weights = _weights_and_loss(weights_dtype, loss)
+            weights = _weights_and_loss(weights_dtype, loss, compile)
             why = f"; whole model: {self.whole_model}" if self.whole_model else ""
             self.progress(
                 f"tracing {precision.describe()}{weights} / checkpointing {mode.describe()} ({depth} of "
@@ -266,7 +272,7 @@ class ModelProbe:
 
             def step(build: Callable[[], nn.Module], count: int) -> StepTrace:
                 """One traced size, cached: the fits of a range share their sizes (`fit_rows`)."""
-                size = (precision, mode, weights_dtype, loss, cuda_capability, count)
+                size = (precision, mode, weights_dtype, loss, cuda_capability, count, compile)
                 return self._size(size, build, whole=build is not clone_build)
 
             def traced(build: Callable[[], nn.Module] = build) -> FittedTrace:
@@ -310,9 +316,9 @@ class ModelProbe:
 
     def _size(self, traced: TracedSize, build: Callable[[], nn.Module], whole: bool) -> StepTrace:
         """One traced size, cached (in this probe, in `shared_traces()`, on disk): `traced` is the
-        precision, checkpointing mode, weights dtype, loss, CUDA capability and rows; `whole`: `build`
-        builds the whole model, not the clone."""
-        precision, mode, weights_dtype, loss, cuda_capability, count = traced
+        precision, checkpointing mode, weights dtype, loss, CUDA capability, rows and compile; `whole`:
+        `build` builds the whole model, not the clone."""
+        precision, mode, weights_dtype, loss, cuda_capability, count, compile = traced
         size = (*traced, whole, self.block_segments)
         shared = self._shared_key(size, on_disk=True)
         if shared is not None and _shared is not None and shared in _shared:
@@ -341,6 +347,7 @@ class ModelProbe:
                 loss,
                 cuda_capability,
                 self.block_segments,
+                compile,
             )
             if shared is not None and _shared is not None:
                 _shared[shared] = self._steps[size]
@@ -356,25 +363,27 @@ class ModelProbe:
         weights_dtype: torch.dtype | None = None,
         loss: Loss | None = None,
         cuda_capability: Capability | None = None,
+        compile: Compile | None = None,
     ) -> None:
         """The smaller traced size of `trace`'s fit at `rows`, alone, kept for that fit: what a reader of
         any one trace needs (`no_grad`) costs one size, which the fit reuses. What one size cannot do alone
         (a trace that fails and falls back) is left to the whole fit (`trace`)."""
-        loss = loss or Loss()
+        loss, compile = loss or Loss(), compile or Compile()
         clone = None if self.whole_model else self.spec.build_clone
         depth = clone_depth(self.num_blocks) if clone is not None else self.num_blocks
         build = (lambda: clone(depth)) if clone is not None else self.spec.build_model
         self.progress(
-            f"tracing {precision.describe()}{_weights_and_loss(weights_dtype, loss)} / checkpointing "
+            f"tracing {precision.describe()}{_weights_and_loss(weights_dtype, loss, compile)} / checkpointing "
             f"{mode.describe()} ({depth} of {self.num_blocks} blocks, {rows[0]} x {self.seq_len} tokens: "
             "which parameters get a gradient)"
         )
         try:
-            self._size((precision, mode, weights_dtype, loss, cuda_capability, rows[0]), build, clone is None)
+            traced = (precision, mode, weights_dtype, loss, cuda_capability, rows[0], compile)
+            self._size(traced, build, clone is None)
         except MemtrainError:
             raise
         except Exception:  # the fit knows the fallbacks (real tensors, the whole model)
-            self.trace(precision, mode, rows, weights_dtype, loss, cuda_capability)
+            self.trace(precision, mode, rows, weights_dtype, loss, cuda_capability, compile)
 
     def no_grad(
         self,
@@ -437,10 +446,11 @@ class ModelProbe:
         )
 
 
-def _weights_and_loss(weights_dtype: torch.dtype | None, loss: Loss) -> str:
-    """How a progress line names a trace's weights dtype and loss (nothing for the defaults)."""
+def _weights_and_loss(weights_dtype: torch.dtype | None, loss: Loss, compile: Compile) -> str:
+    """How a progress line names a trace's weights dtype, loss and compile (nothing for the defaults)."""
     weights = f", {str(weights_dtype).removeprefix('torch.')} weights" if weights_dtype else ""
-    return weights + (f", loss {loss.describe()}" if loss.name != "standard" else "")
+    compiled = f", compile {compile.name}" if compile.compiled else ""
+    return weights + (f", loss {loss.describe()}" if loss.name != "standard" else "") + compiled
 
 
 def _hook_identity(hook: Callable[..., object] | None) -> Hashable | None:

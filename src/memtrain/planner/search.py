@@ -479,7 +479,7 @@ class Evaluation:
             mode = mode.traced_modes(device_type)[0]
         capability = self.target.compute_capability if device_type == "cuda" else None
         precision, weights = _traced_precision(probe, plan), _weights_dtype(plan)
-        probe.first_size(precision, mode, self.rows_of(plan), weights, plan.loss, capability)
+        probe.first_size(precision, mode, self.rows_of(plan), weights, plan.loss, capability, plan.compile)
 
 
 def _with_frozen(levels: StateLevels, frozen_bytes: Callable[[torch.dtype], int], plan: Plan) -> StateLevels:
@@ -509,9 +509,9 @@ def _traces(
     capability = target.compute_capability if device_type == "cuda" else None
     precision = _traced_precision(probe, plan)
     if _traced_as_itself(probe, mode, device_type):
-        return {mode: probe.trace(precision, mode, rows, weights_dtype, plan.loss, capability)}
+        return {mode: probe.trace(precision, mode, rows, weights_dtype, plan.loss, capability, plan.compile)}
     traces = {
-        m: probe.trace(precision, m, rows, weights_dtype, plan.loss, capability)
+        m: probe.trace(precision, m, rows, weights_dtype, plan.loss, capability, plan.compile)
         for m in mode.traced_modes(device_type)
     }
     if mode.offloads_activations and device_type == "cuda":
@@ -519,7 +519,9 @@ def _traces(
     depth = min(trace.depth for trace in traces.values())
     edges = edge_pattern(mode.block_modes(probe.num_blocks, device_type), depth)
     if edges is not None:  # blocks of mixed modes: the segments outside them (memory_model.EdgePattern)
-        traces[edges] = probe.trace(precision, edges, rows, weights_dtype, plan.loss, capability)
+        traces[edges] = probe.trace(
+            precision, edges, rows, weights_dtype, plan.loss, capability, plan.compile
+        )
     return traces
 
 
