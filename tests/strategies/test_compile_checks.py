@@ -90,3 +90,18 @@ def test_a_block_that_cannot_compile_runs_eager_and_says_so() -> None:
     ):
         out = model(torch.ones(2, 4))
     assert torch.equal(out, expected) and not any(is_compiled(b) for b in blocks)
+
+
+def test_the_tracker_says_a_compiled_plan_trains_eager_under_it(tmp_path: Path) -> None:
+    """The tracker's dispatch mode makes dynamo run compiled modules eagerly (planner/compiled_trace.py):
+    a compiled plan with `memory.track` says so instead of silently training eager."""
+    from memtrain.causal_lm.trainer import CausalLMTrainer
+
+    recipe = tiny_recipe(
+        tmp_path,
+        strategies={"compile": "blocks", "checkpointing": "none", "optimizer_states": "fp32"},
+        memory={"track": True},
+        train={"steps": 1},
+    )
+    with pytest.warns(UserWarning, match="memory.track / memory.budget: .* trains and is measured eager"):
+        CausalLMTrainer(recipe).fit()

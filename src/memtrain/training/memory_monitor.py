@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from memtrain.plan import Plan
 from memtrain.planner import ModelSpec, PlanResult, calibration, step_time_calibration
 from memtrain.recipe import MemoryConfig, Recipe
 from memtrain.run import RunDirectory
+from memtrain.strategies.compile import compiled_modules
 from memtrain.training import link_timing, replan
 
 CALIBRATION_STEPS = 2  # the first step differs (lazy optimizer state, allocator warm-up): compare two
@@ -69,8 +71,17 @@ class MemoryMonitor:
         return self.env
 
     def track(self, model: nn.Module, optimizer: Any, memory: MemoryConfig) -> None:
-        """Run the full tracker when the recipe asks for it (`memory.track`, or a simulated budget)."""
+        """Run the full tracker when the recipe asks for it (`memory.track`, or a simulated budget). Its
+        dispatch mode makes dynamo run compiled modules eagerly: said once, so a compiled plan measured by
+        the tracker is known to train eager."""
         if memory.track or memory.budget is not None:
+            if compiled_modules(model):
+                warnings.warn(
+                    "memory.track / memory.budget: the tracker's dispatch mode makes torch.compile run the "
+                    "compiled modules eagerly, so this run trains and is measured eager; set memory.track: "
+                    "false and leave memory.budget unset to train compiled",
+                    stacklevel=2,
+                )
             self.tracker = MemoryTracker(
                 model,
                 optimizer,
