@@ -40,7 +40,7 @@ RNG_STATES = 2  # what a compiled checkpointed block keeps besides its inputs (m
 RECOMPILES = 1024  # a trace's blocks are new modules: dynamo's per-code limit (8) would fall back to eager
 
 
-def compiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def outermost_compiled(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The compiled modules of `model`, outermost only (a compiled module's call runs what it holds)."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -52,10 +52,10 @@ def compiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def compile_description(model: nn.Module) -> str:
     """Which modules are compiled, for the trace cache's key ("" when none): their class names, counted."""
-    names = [type(m).__name__ for _, m in compiled_modules(model)]
+    names = [type(m).__name__ for _, m in outermost_compiled(model)]
     if not names:
         return ""
-    outer = [n for n, _ in compiled_modules(model)]
+    outer = [n for n, _ in outermost_compiled(model)]
     return f"compiled {len(names)}: {sorted(set(names))} at {'model' if outer == [''] else 'submodules'}"
 
 
@@ -63,7 +63,7 @@ def compile_description(model: nn.Module) -> str:
 def traced_as_compiled(model: nn.Module) -> Iterator[bool]:
     """Inside, each compiled module of `model` runs its call compiled with `_fused_backend` (restored on exit);
     yields whether there were any. Dynamo fails loudly instead of falling back to eager at its limits."""
-    compiled = [m for _, m in compiled_modules(model)]
+    compiled = [m for _, m in outermost_compiled(model)]
     before = [m._compiled_call_impl for m in compiled]
     for module in compiled:
         traced = torch.compile(_private_call(module), backend=_fused_backend)
