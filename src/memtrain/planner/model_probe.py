@@ -379,10 +379,15 @@ class ModelProbe:
         )
         try:
             traced = (precision, mode, weights_dtype, loss, cuda_capability, rows[0], compile)
-            self._size(traced, build, clone is None)
+            first = self._size(traced, build, clone is None)
         except MemtrainError:
             raise
         except Exception:  # the fit knows the fallbacks (real tensors, the whole model)
+            self.trace(precision, mode, rows, weights_dtype, loss, cuda_capability, compile)
+            return
+        if self.block_segments and _unreliable_blocks(first):
+            # blocks cut wrongly (they run several times a forward): the fit traces whole, before any plan
+            # is walked (which modes a plan is traced in depends on it: search._traced_as_itself)
             self.trace(precision, mode, rows, weights_dtype, loss, cuda_capability, compile)
 
     def no_grad(
