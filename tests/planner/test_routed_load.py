@@ -238,10 +238,13 @@ def test_plan_shows_the_bound_and_what_half_more_costs(tmp_path: Path, probe: Mo
 
 @pytest.mark.slow
 def test_a_runs_open_ep_keeps_to_what_this_version_runs(tmp_path: Path, probe: ModelProbe) -> None:
-    """A what-if scores every ep (noting that this version does not run ep > 1); a run's open ep does not
-    choose a mesh it would then refuse, while a pinned one is planned and noted."""
-    assert {row.mesh.ep for row in _search(_recipe(tmp_path), probe).ranked} == {1, 2, 4, 8}
-    assert {row.mesh.ep for row in _search(_recipe(tmp_path), probe, what_if=False).ranked} == {1}
-    pinned = _search(_recipe(tmp_path, dp_shard="auto", ep=2), probe, what_if=False)
+    """Expert parallelism runs under FSDP2, so a run's open ep scores every ep; beside context parallelism
+    (not run with ep by this version) a what-if scores every ep, noted, a run's open ep does not choose a mesh
+    it would then refuse, and a pinned one is planned and noted."""
+    assert {row.mesh.ep for row in _search(_recipe(tmp_path), probe, what_if=False).ranked} == {1, 2, 4, 8}
+    with_cp = _recipe(tmp_path, dp_shard="auto", cp=2, ep="auto")
+    assert {row.mesh.ep for row in _search(with_cp, probe).ranked} == {1, 2, 4}
+    assert {row.mesh.ep for row in _search(with_cp, probe, what_if=False).ranked} == {1}
+    pinned = _search(_recipe(tmp_path, dp_shard="auto", cp=2, ep=2), probe, what_if=False)
     assert {row.mesh.ep for row in pinned.ranked} == {2}
     assert any(note.startswith("strategies.mesh.ep: 2") for note in pinned.notes)

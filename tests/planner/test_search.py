@@ -166,6 +166,7 @@ def test_plan_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         "optimizer_step",
         "sharding",
         "micro_batching",
+        "compile",
         "world_size",
     }
     assert Plan.from_dict(doc["plan"]).to_dict() == doc["plan"], "plan --json round-trips"
