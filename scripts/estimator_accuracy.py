@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -278,9 +279,11 @@ def activation_profile(recipe: CausalLMRecipe, precision: str, settings: Setting
     ids = torch.randint(0, vocab, (settings.micro_batch, settings.seq_len + 1), device=env.device)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
 
+    job = SimpleNamespace(model_config=model.config)  # what the trainer's loss reads of itself
+
     def run_step() -> torch.Tensor:
         with strategy.autocast(env.device):
-            return CausalLMTrainer.loss(None, model, batch)[0]  # type: ignore[arg-type]  # self is unused
+            return CausalLMTrainer.loss(job, model, batch)[0]  # type: ignore[arg-type]
 
     return profile_activations(model, blocks, run_step)
 
