@@ -29,24 +29,14 @@ from memtrain.causal_lm.trainer import CausalLMTrainer
 from memtrain.commands import export
 from memtrain.commands.trainers import recipe_problems
 
-from helpers import tiny_recipe, tiny_recipe_dict
+from helpers import TINY_LLAMA, tiny_recipe, tiny_recipe_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_trainers  # noqa: E402
 from mesh_jobs import launch, whole_weights  # noqa: E402
 from moe_trainers import DEPTH, MoETrainer, NoExpertPlanTrainer  # noqa: E402
 
-TINY_MOE = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-    "num_experts_per_tok": 2,
-    "tie_word_embeddings": False,
-}
+TINY_MOE = {**TINY_LLAMA, "num_experts_per_tok": 2, "tie_word_embeddings": False}  # each family sets its type
 QWEN3_MOE = {
     **TINY_MOE,
     "model_type": "qwen3_moe",
